@@ -1,0 +1,1 @@
+"""Render and tokenize prompts exactly as vLLM does; the embedded default tokenizer."""
