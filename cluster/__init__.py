@@ -1,0 +1,1 @@
+"""Local process orchestration: simulated and real engines, router replicas, HAProxy, Redis."""
