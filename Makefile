@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint unit clean
+.PHONY: venv sysdeps demo test lint unit clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -12,7 +12,10 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-demo: $(STAMP)
+sysdeps:
+	bash scripts/system_deps.sh
+
+demo: $(STAMP) sysdeps
 	$(VENV)/bin/kvmesh demo
 
 lint: $(STAMP)
@@ -21,9 +24,9 @@ lint: $(STAMP)
 unit: $(STAMP)
 	$(PY) -m pytest -q -m "not integration and not vllm and not mesh"
 
-test: $(STAMP)
+test: $(STAMP) sysdeps
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra -p no:cacheprovider
 
 clean:
 	rm -rf $(VENV) .pytest_cache

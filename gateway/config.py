@@ -1,0 +1,216 @@
+"""Router configuration: one TOML file, overridden by ``KVMESH_*`` variables, overridden by CLI flags.
+
+Every key is validated at start-up; an error names the exact key (``engines[1].url``) so an operator
+can fix a file without reading code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+POLICIES = ("kv_aware", "approximate", "prefix_hash", "session", "least_loaded", "round_robin", "random")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or malformed; the message names the key."""
+
+
+@dataclass
+class EngineConfig:
+    url: str
+    model: str | None = None
+    id: str | None = None
+    events: str | None = None
+    replay: str | None = None
+    topic: str = "kv"
+    island: str | None = None
+    block_size: int | None = None
+
+    def validate(self, where: str) -> None:
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"{where}.url: expected an http(s) URL, got {self.url!r}")
+        for key in ("events", "replay"):
+            value = getattr(self, key)
+            if value is not None and not value.startswith(("tcp://", "ipc://")):
+                raise ConfigError(f"{where}.{key}: expected a tcp:// or ipc:// ZeroMQ endpoint, got {value!r}")
+        if self.block_size is not None and self.block_size <= 0:
+            raise ConfigError(f"{where}.block_size: must be positive")
+
+
+@dataclass
+class MeshConfig:
+    bind: str | None = None
+    seeds: list[str] = field(default_factory=list)
+    secret_file: str | None = None
+    replication_bind: str | None = None
+    redis_url: str | None = None
+    cluster: str = "kvmesh"
+    redundancy: int = 2
+
+
+@dataclass
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: str = "kv_aware"
+    tokenizer: str | None = None
+    tokenizers: dict[str, str] = field(default_factory=dict)
+    tokenizer_workers: int = 1
+    island: str | None = None
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_attempts: int = 3
+    connect_timeout_s: float = 2.0
+    first_byte_timeout_s: float = 120.0
+    idle_timeout_s: float = 120.0
+    metrics_interval_s: float = 1.0
+    log_level: str = "info"
+    engines: list[EngineConfig] = field(default_factory=list)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+
+    def validate(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy: unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"port: {self.port} is not a TCP port")
+        for key in ("max_body_bytes", "max_attempts", "tokenizer_workers"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key}: must be at least 1")
+        for key in ("connect_timeout_s", "first_byte_timeout_s", "idle_timeout_s", "metrics_interval_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"{key}: must be positive")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ConfigError(f"log_level: {self.log_level!r} is not debug|info|warning|error")
+        seen: set[str] = set()
+        for i, engine in enumerate(self.engines):
+            engine.validate(f"engines[{i}]")
+            if engine.url in seen:
+                raise ConfigError(f"engines[{i}].url: {engine.url} is listed twice")
+            seen.add(engine.url)
+        if self.mesh.redundancy < 1:
+            raise ConfigError("mesh.redundancy: must be at least 1")
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    """Convert a TOML or environment value to the annotated type, or say which key is wrong."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            return None
+        inner = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _coerce(value, inner[0], where)
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a table")
+        return _build(hint, value, where)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list")
+        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a table")
+        return {str(k): _coerce(v, typing.get_args(hint)[1], f"{where}.{k}") for k, v in value.items()}
+    if hint is bool:
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if hint in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        try:
+            return hint(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{where}: unsupported setting")
+
+
+def _build(cls: type, table: dict[str, Any], where: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in table.items():
+        path = f"{where}.{key}" if where else key
+        if key not in known:
+            raise ConfigError(f"{path}: unknown key")
+        kwargs[key] = _coerce(value, hints[key], path)
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in kwargs]
+        raise ConfigError(f"{where or 'config'}: missing {', '.join(missing)} ({exc})") from None
+
+
+def _engines_from_urls(urls: list[str]) -> list[dict[str, Any]]:
+    return [{"url": url} for url in urls]
+
+
+def env_overrides(environ: dict[str, str]) -> dict[str, Any]:
+    """``KVMESH_PORT=8001`` sets ``port``; ``KVMESH_MESH__BIND`` sets ``mesh.bind``; ``KVMESH_ENGINES`` a URL list."""
+    out: dict[str, Any] = {}
+    for name, value in environ.items():
+        if not name.startswith("KVMESH_"):
+            continue
+        path = name[len("KVMESH_") :].lower().split("__")
+        if path == ["engines"]:
+            out["engines"] = _engines_from_urls([v.strip() for v in value.split(",") if v.strip()])
+            continue
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return out
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict) and key != "tokenizers":
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_config(
+    path: str | Path | None = None,
+    cli: dict[str, Any] | None = None,
+    environ: dict[str, str] | None = None,
+    extra_engines: list[str] | None = None,
+) -> RouterConfig:
+    """File, then environment, then CLI; engines given as URLs are added to the file's list."""
+    table: dict[str, Any] = {}
+    if path is not None:
+        try:
+            table = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path}: {exc}") from None
+    table = _merge(table, env_overrides(dict(os.environ if environ is None else environ)))
+    table = _merge(table, {k: v for k, v in (cli or {}).items() if v is not None})
+    config = _build(RouterConfig, table)
+    known = {e.url.rstrip("/") for e in config.engines}
+    for url in extra_engines or []:
+        if url.rstrip("/") not in known:
+            config.engines.append(_build(EngineConfig, {"url": url}, f"engines[{len(config.engines)}]"))
+            known.add(url.rstrip("/"))
+    config.validate()
+    return config

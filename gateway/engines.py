@@ -1,0 +1,97 @@
+"""What one router knows about each engine: identity, served models, load, health, and its pool.
+
+Pollers and the proxy write here; the routing core reads an immutable ``EngineView`` built per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from gateway.config import EngineConfig
+from gateway.upstream import EnginePool
+
+
+@dataclass
+class EngineLoad:
+    """The engine's own view of its load, from its /metrics (may be up to one poll interval old)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    num_blocks: int | None = None
+    block_size: int | None = None
+    polled_at: float | None = None
+
+
+@dataclass
+class EngineState:
+    id: str
+    config: EngineConfig
+    pool: EnginePool
+    models: set[str] = field(default_factory=set)
+    load: EngineLoad = field(default_factory=EngineLoad)
+    in_flight: int = 0
+    healthy: bool = False
+    draining: bool = False
+    consecutive_failures: int = 0
+    events_endpoint: str | None = None
+    replay_endpoint: str | None = None
+
+    @property
+    def url(self) -> str:
+        return self.config.url.rstrip("/")
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size or self.load.block_size or 16
+
+    def serves(self, model: str) -> bool:
+        return model in self.models or (not self.models and self.config.model == model)
+
+    def record_success(self) -> None:
+        self.consecutive_failures = 0
+        self.healthy = True
+
+    def record_failure(self, threshold: int = 3) -> None:
+        self.consecutive_failures += 1
+        if self.consecutive_failures >= threshold:
+            self.healthy = False
+
+
+def engine_id_for(config: EngineConfig) -> str:
+    """A readable, stable id: the configured one, else host:port of the URL."""
+    if config.id:
+        return config.id
+    parts = urlsplit(config.url)
+    return f"{parts.hostname}:{parts.port or 80}"
+
+
+class EngineRegistry:
+    def __init__(self) -> None:
+        self._engines: dict[str, EngineState] = {}
+
+    def add(self, config: EngineConfig) -> EngineState:
+        engine_id = engine_id_for(config)
+        if engine_id in self._engines:
+            return self._engines[engine_id]
+        state = EngineState(engine_id, config, EnginePool(config.url))
+        if config.model:
+            state.models.add(config.model)
+        self._engines[engine_id] = state
+        return state
+
+    def remove(self, engine_id: str) -> EngineState | None:
+        return self._engines.pop(engine_id, None)
+
+    def get(self, engine_id: str) -> EngineState | None:
+        return self._engines.get(engine_id)
+
+    def all(self) -> list[EngineState]:
+        return list(self._engines.values())
+
+    def for_model(self, model: str) -> list[EngineState]:
+        return [e for e in self._engines.values() if e.serves(model)]
+
+    def models(self) -> list[str]:
+        return sorted({m for e in self._engines.values() for m in e.models})

@@ -1,0 +1,53 @@
+"""The ASGI surface: a small path table in front of the router; no web framework on the hot path."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from gateway.openai_errors import ApiError
+
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+async def send_json(send: Send, status: int, payload: Any, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    body = json.dumps(payload).encode()
+    await send_bytes(send, status, body, [(b"content-type", b"application/json"), *(headers or [])])
+
+
+async def send_bytes(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def send_error(send: Send, error: ApiError) -> None:
+    await send_bytes(send, error.status, error.body(), error.headers())
+
+
+async def read_body(scope: dict[str, Any], receive: Receive, limit: int) -> bytes:
+    """Read the whole request body, refusing early when it is larger than ``limit``."""
+    for key, value in scope.get("headers", []):
+        if key == b"content-length" and value.isdigit() and int(value) > limit:
+            raise ApiError(413, f"request body is larger than the {limit}-byte limit", code="body_too_large")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ApiError(499, "client disconnected")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body is larger than the {limit}-byte limit", code="body_too_large")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def header(scope: dict[str, Any], name: bytes) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key == name:
+            return value.decode("latin-1")
+    return None

@@ -1,0 +1,146 @@
+"""Forward one request to engines in ranked order, streaming the answer back as it arrives.
+
+The client sees nothing until an engine has produced its first body chunk, so every failure before
+that point (connect error, 5xx, 429, a stall before the first token) is retried on the next candidate.
+After the first byte a broken engine ends the stream with an SSE error event the OpenAI client raises.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from gateway.engines import EngineState
+from gateway.openai_errors import ApiError, sse_error_event
+from gateway.upstream import UpstreamError, UpstreamResponse
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
+_DROPPED_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "host", "server", "date"})
+
+
+@dataclass
+class Timeouts:
+    connect: float = 2.0
+    first_byte: float = 120.0
+    idle: float = 120.0
+
+
+@dataclass
+class Attempt:
+    engine: str
+    outcome: str
+    status: int | None = None
+
+
+@dataclass
+class ProxyResult:
+    engine: EngineState | None = None
+    status: int = 0
+    ttft_s: float | None = None
+    total_s: float = 0.0
+    attempts: list[Attempt] = field(default_factory=list)
+    broken_after_first_byte: bool = False
+
+
+def _response_headers(upstream: UpstreamResponse, extra: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    out = [(k.encode(), v.encode("latin-1")) for k, v in upstream.headers if k not in _DROPPED_HEADERS]
+    return out + extra
+
+
+async def _first_chunk(upstream: UpstreamResponse, timeouts: Timeouts) -> tuple[bytes | None, Any]:
+    """Read until the first body chunk so a stall or drop before it can still fail over."""
+    body = upstream.iter_body(timeouts.idle)
+    with trio.fail_after(timeouts.first_byte):
+        async for chunk in body:
+            if chunk:
+                return chunk, body
+    return None, body
+
+
+async def forward(
+    candidates: list[EngineState],
+    method: str,
+    target: str,
+    body: bytes,
+    headers: list[tuple[str, str]],
+    send: Send,
+    timeouts: Timeouts,
+    max_attempts: int,
+    route_header: Callable[[EngineState, list[Attempt]], list[tuple[bytes, bytes]]],
+    is_stream: bool,
+) -> ProxyResult:
+    result = ProxyResult()
+    start = time.perf_counter()
+    for engine in candidates[:max_attempts]:
+        engine.in_flight += 1
+        try:
+            done = await _try_engine(engine, method, target, body, headers, send, timeouts, route_header,
+                                     is_stream, result, start)
+        finally:
+            engine.in_flight -= 1
+        if done:
+            result.total_s = time.perf_counter() - start
+            return result
+    tried = ", ".join(f"{a.engine}: {a.outcome}" for a in result.attempts) or "no engine available"
+    raise ApiError(503, f"no engine could serve the request ({tried})", code="no_engine_available")
+
+
+async def _try_engine(
+    engine: EngineState,
+    method: str,
+    target: str,
+    body: bytes,
+    headers: list[tuple[str, str]],
+    send: Send,
+    timeouts: Timeouts,
+    route_header: Callable[[EngineState, list[Attempt]], list[tuple[bytes, bytes]]],
+    is_stream: bool,
+    result: ProxyResult,
+    start: float,
+) -> bool:
+    """One attempt; True when the client got a response (success or a final error)."""
+    try:
+        upstream = await engine.pool.request(method, target, body, headers, timeouts.connect, timeouts.first_byte)
+    except UpstreamError as exc:
+        engine.record_failure()
+        result.attempts.append(Attempt(engine.id, f"unreachable ({exc})"))
+        return False
+    try:
+        if upstream.status in RETRYABLE_STATUS:
+            if upstream.status >= 500:
+                engine.record_failure()
+            result.attempts.append(Attempt(engine.id, f"status {upstream.status}", upstream.status))
+            return False
+        try:
+            first, rest = await _first_chunk(upstream, timeouts)
+        except (UpstreamError, trio.TooSlowError) as exc:
+            engine.record_failure()
+            result.attempts.append(Attempt(engine.id, f"failed before first byte ({exc or 'timeout'})"))
+            return False
+        result.ttft_s = time.perf_counter() - start
+        result.engine = engine
+        result.status = upstream.status
+        result.attempts.append(Attempt(engine.id, "ok", upstream.status))
+        await send({"type": "http.response.start", "status": upstream.status,
+                    "headers": _response_headers(upstream, route_header(engine, result.attempts))})
+        if first is not None:
+            await send({"type": "http.response.body", "body": first, "more_body": True})
+        try:
+            async for chunk in rest:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except UpstreamError as exc:
+            engine.record_failure()
+            result.broken_after_first_byte = True
+            tail = sse_error_event(f"engine {engine.id} failed mid-stream: {exc}") if is_stream else b""
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
+            return True
+        engine.record_success()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return True
+    finally:
+        await upstream.aclose()

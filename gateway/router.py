@@ -1,0 +1,185 @@
+"""The router replica as an ASGI application: parse, route, proxy; plus its background tasks."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+import trio
+
+from gateway import http_app
+from gateway.config import RouterConfig
+from gateway.engine_watch import watch_engine
+from gateway.engines import EngineRegistry, EngineState
+from gateway.metrics import RouterMetrics
+from gateway.openai_errors import ApiError
+from gateway.proxy import Attempt, Timeouts, forward
+from gateway.request_body import Kind, parse_request
+from gateway.route_planner import RoutePlanner
+
+log = logging.getLogger("kvmesh.router")
+
+INFERENCE_PATHS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+FORWARDED_HEADERS = ("content-type", "accept", "x-request-id", "traceparent")
+
+
+class Router:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.engines = EngineRegistry()
+        for engine in config.engines:
+            self.engines.add(engine)
+        self.metrics = RouterMetrics()
+        self.metrics.track_engines(self.engines.all)
+        self.planner = RoutePlanner(config, self.engines, self.metrics)
+        self.timeouts = Timeouts(config.connect_timeout_s, config.first_byte_timeout_s, config.idle_timeout_s)
+        self.active_requests = 0
+        self.shutting_down = False
+        self._nursery: trio.Nursery | None = None
+
+    async def run_background(self, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
+        """Engine watchers and the planner's services; owned by the process nursery."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await nursery.start(self.planner.run)
+            for engine in self.engines.all():
+                nursery.start_soon(watch_engine, engine, self.planner, self.config.metrics_interval_s)
+            task_status.started()
+
+    def add_engine_watch(self, engine: EngineState) -> None:
+        assert self._nursery is not None
+        self._nursery.start_soon(watch_engine, engine, self.planner, self.config.metrics_interval_s)
+
+    async def leave(self) -> None:
+        await self.planner.leave()
+
+    async def __call__(self, scope: dict[str, Any], receive: http_app.Receive, send: http_app.Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        started = time.perf_counter()
+        status = 500
+        try:
+            status = await self._dispatch(path, method, scope, receive, send)
+        except ApiError as error:
+            status = error.status
+            if error.status != 499:
+                await http_app.send_error(send, error)
+        finally:
+            endpoint = path if path in INFERENCE_PATHS or path.startswith(("/v1/", "/debug/")) else "other"
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+            self.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+
+    async def _dispatch(self, path: str, method: str, scope: dict, receive, send) -> int:
+        if path in INFERENCE_PATHS:
+            _require(method, "POST")
+            return await self._inference(INFERENCE_PATHS[path], scope, receive, send)
+        if path == "/debug/route":
+            _require(method, "POST")
+            raw = await http_app.read_body(scope, receive, self.config.max_body_bytes)
+            kind: Kind = "completion" if json.loads(raw or b"{}").get("prompt") is not None else "chat"
+            parsed = parse_request(raw, kind)
+            plan = await self.planner.plan(parsed, dict(_headers(scope)))
+            await http_app.send_json(send, 200, plan.explain())
+            return 200
+        _require(method, "GET")
+        if path == "/v1/models":
+            models = [{"id": m, "object": "model", "owned_by": "kvmesh", "created": 0} for m in self.engines.models()]
+            await http_app.send_json(send, 200, {"object": "list", "data": models})
+            return 200
+        if path == "/health":
+            await http_app.send_json(send, 200, {"status": "ok"})
+            return 200
+        if path == "/ready":
+            ready = not self.shutting_down and any(e.healthy and not e.draining for e in self.engines.all())
+            await http_app.send_json(send, 200 if ready else 503, {"ready": ready})
+            return 200 if ready else 503
+        if path == "/metrics":
+            await http_app.send_bytes(send, 200, self.metrics.render(), [(b"content-type", b"text/plain; version=0.0.4")])
+            return 200
+        raise ApiError(404, f"no route for {method} {path}", code="not_found")
+
+    async def _inference(self, kind: Kind, scope: dict, receive, send) -> int:
+        if self.shutting_down:
+            raise ApiError(503, "router is shutting down", code="shutting_down")
+        raw = await http_app.read_body(scope, receive, self.config.max_body_bytes)
+        parsed = parse_request(raw, kind)
+        headers = dict(_headers(scope))
+        request_id = headers.get("x-request-id") or uuid.uuid4().hex[:16]
+        self.active_requests += 1
+        try:
+            plan = await self.planner.plan(parsed, headers)
+            upstream_headers = [(k, v) for k, v in headers.items() if k in FORWARDED_HEADERS]
+            upstream_headers.append(("x-request-id", request_id))
+
+            def route_header(engine: EngineState, attempts: list[Attempt]) -> list[tuple[bytes, bytes]]:
+                value = plan.header(engine.id, len(attempts))
+                return [(b"x-kvmesh-route", value.encode()), (b"x-request-id", request_id.encode())]
+
+            result = await _forward_until_disconnect(
+                receive,
+                forward(plan.engines, "POST", scope["path"], plan.body(), upstream_headers, send, self.timeouts,
+                        self.config.max_attempts, route_header, parsed.stream),
+            )
+            if result is None:
+                log.info("client disconnected", extra={"request_id": request_id})
+                return 499
+            for attempt in result.attempts:
+                if attempt.outcome != "ok":
+                    self.metrics.upstream_errors.labels(attempt.engine, attempt.outcome.split(" ")[0]).inc()
+            self.planner.observe(plan, result)
+            log.info("routed", extra={"request_id": request_id, "model": parsed.model,
+                                      "engine": result.engine.id if result.engine else None,
+                                      "attempts": len(result.attempts), "reason": plan.decision.reason,
+                                      "ttft_ms": round((result.ttft_s or 0) * 1000, 2)})
+            return result.status
+        finally:
+            self.active_requests -= 1
+
+
+async def _forward_until_disconnect(receive: http_app.Receive, proxying):
+    """Run the proxy; if the client goes away first, cancel it so the engine stops work too."""
+    outcome: dict[str, Any] = {}
+
+    async def watch(cancel_scope: trio.CancelScope) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                cancel_scope.cancel()
+                return
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch, nursery.cancel_scope)
+        try:
+            outcome["result"] = await proxying
+        except ApiError as error:
+            outcome["error"] = error
+        nursery.cancel_scope.cancel()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("result")
+
+
+def _headers(scope: dict) -> list[tuple[str, str]]:
+    return [(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in scope.get("headers", [])]
+
+
+def _require(method: str, expected: str) -> None:
+    if method != expected:
+        raise ApiError(405, f"method {method} not allowed; use {expected}", code="method_not_allowed")
+
+
+async def _lifespan(receive: http_app.Receive, send: http_app.Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

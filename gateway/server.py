@@ -1,0 +1,66 @@
+"""One router process: its nursery tree, visible in one place.
+
+serve_router
+ +- router.run_background   (engine watchers, event subscribers, tokenizer workers, mesh)
+ +- hypercorn serve          (the OpenAI API), stopped gracefully on SIGTERM/SIGINT
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve
+
+from gateway.config import RouterConfig
+from gateway.logs import setup_logging
+from gateway.router import Router
+
+log = logging.getLogger("kvmesh.server")
+GRACE_S = 10.0
+
+
+def hypercorn_config(config: RouterConfig) -> HypercornConfig:
+    hc = HypercornConfig()
+    hc.bind = [f"{config.host}:{config.port}"]
+    hc.accesslog = None
+    hc.errorlog = logging.getLogger("hypercorn.error")
+    hc.keep_alive_timeout = 75
+    hc.graceful_timeout = GRACE_S
+    hc.h11_max_incomplete_size = 64 * 1024
+    return hc
+
+
+async def _wait_for_signal(stop: trio.Event) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            stop.set()
+            return
+
+
+async def serve_router(config: RouterConfig, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
+    """Run until SIGTERM/SIGINT: stop accepting, let in-flight requests finish (bounded), leave the mesh."""
+    router = Router(config)
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(router.run_background)
+        nursery.start_soon(_wait_for_signal, stop)
+        binds = await nursery.start(lambda task_status: serve(router, hypercorn_config(config),
+                                                              shutdown_trigger=stop.wait, task_status=task_status))
+        log.info("router listening", extra={"binds": binds, "policy": config.policy})
+        task_status.started(router)
+        await stop.wait()
+        router.shutting_down = True
+        with trio.move_on_after(GRACE_S + 1):
+            while router.active_requests:
+                await trio.sleep(0.05)
+        await router.leave()
+        nursery.cancel_scope.cancel()
+
+
+def main(config: RouterConfig) -> int:
+    setup_logging(config.log_level)
+    trio.run(serve_router, config)
+    return 0
