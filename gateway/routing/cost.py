@@ -1,0 +1,112 @@
+"""The cost model: each candidate's estimated time to first token, in seconds.
+
+ttft = queue delay (requests ahead, learned per engine) + overhead + prefill of the tokens the engine
+does not already hold (overlap times the trust in that knowledge) + penalties for KV memory pressure
+and for leaving the router's island. Everything is in seconds, so cache reuse and load trade against
+each other without a balance threshold: a hot prefix stays on its holder until the holder's queue costs
+more than recomputing the prefix elsewhere, and then it spills.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+from gateway.routing.learning import TTFTLearner, TTFTParams, TTFTPrior
+from gateway.routing.types import CandidateScore, EngineView, RouteRequest
+
+
+class Knowledge(Enum):
+    """Which cache knowledge a policy counts as overlap."""
+
+    EVENTS = "events"
+    ROUTER_ONLY = "router_only"
+
+
+@dataclass(frozen=True, slots=True)
+class CostSettings:
+    """``approx_trust``: credit for speculative blocks beyond the confirmed ones (the request that put them
+    there may still be prefilling, or they may already be evicted). ``cross_island_s``: what leaving the
+    router's island costs beyond the latency the engine's learned overhead already measures (shared
+    inter-island links, a wider failure domain)."""
+
+    approx_trust: float = 0.5
+    cross_island_s: float = 0.010
+
+
+def _clamp(value: float, low: float, high: float) -> float:
+    if not math.isfinite(value):
+        return low
+    return min(high, max(low, value))
+
+
+def queue_depth(engine: EngineView) -> int:
+    """Requests ahead of a new one on this engine.
+
+    ``in_flight`` is this router's fresh count; ``running`` is everyone's, one poll old. Taking the larger
+    of the two and adding the engine's waiting queue makes the estimate rise with every request this
+    router dispatches between polls (so a hot prefix spills) without ignoring other routers' load.
+    """
+    return max(0, engine.in_flight, engine.running) + max(0, engine.waiting)
+
+
+def overlap_tokens(engine: EngineView, request: RouteRequest, blocks: int) -> int:
+    return max(0, min(request.prompt_tokens, blocks * max(1, engine.block_size)))
+
+
+class CostModel:
+    """Estimates candidates with per-engine parameters from ``learner``; holds no I/O and no clock."""
+
+    def __init__(self, settings: CostSettings | None = None, prior: TTFTPrior | None = None) -> None:
+        self.settings = settings or CostSettings()
+        self.learner = TTFTLearner(prior)
+
+    def cached_tokens(self, engine: EngineView, request: RouteRequest, knowledge: Knowledge) -> tuple[float, float]:
+        """(tokens the model credits as cached, the trust applied) for one candidate."""
+        exact = overlap_tokens(engine, request, engine.exact_blocks)
+        approx = overlap_tokens(engine, request, engine.approx_blocks)
+        if knowledge is Knowledge.ROUTER_ONLY:
+            return float(approx), 1.0
+        confidence = _clamp(engine.confidence, 0.0, 1.0)
+        credited = exact + self.settings.approx_trust * max(0, approx - exact)
+        return confidence * credited, confidence
+
+    def pressure_penalty_s(self, engine: EngineView, request: RouteRequest, uncached: int, p: TTFTParams) -> float:
+        """Recompute cost of the tokens that do not fit in the engine's free KV blocks.
+
+        vLLM's kv_cache_usage counts blocks held by running requests; a request needing more than the rest
+        forces preemption (someone's work is recomputed) or evicts what it just brought. Unknown block
+        counts charge nothing rather than guess.
+        """
+        if not engine.num_blocks or engine.num_blocks <= 0:
+            return 0.0
+        capacity = engine.num_blocks * max(1, engine.block_size)
+        free = capacity * (1.0 - _clamp(engine.kv_usage, 0.0, 1.0))
+        needed = uncached + max(0, request.max_tokens or 0)
+        overflow = min(float(capacity), max(0.0, needed - free))
+        return p.prefill_s(overflow)
+
+    def topology_penalty_s(self, engine: EngineView, request: RouteRequest) -> float:
+        crosses = request.router_island is not None and engine.island not in (None, request.router_island)
+        return self.settings.cross_island_s if crosses else 0.0
+
+    def estimate(self, request: RouteRequest, engine: EngineView, knowledge: Knowledge) -> CandidateScore:
+        params = self.learner.params(engine.id, engine.max_num_seqs)
+        cached, trust = self.cached_tokens(engine, request, knowledge)
+        uncached = max(0, math.ceil(max(0, request.prompt_tokens) - cached - 1e-9))
+        depth = queue_depth(engine)
+        return CandidateScore(
+            engine=engine.id,
+            exact_tokens=overlap_tokens(engine, request, engine.exact_blocks),
+            approx_tokens=overlap_tokens(engine, request, engine.approx_blocks),
+            cached_tokens=cached,
+            uncached_tokens=uncached,
+            confidence=trust,
+            queue_depth=depth,
+            queue_s=params.queue_s(depth, engine.max_num_seqs),
+            prefill_s=params.overhead_s + params.prefill_s(uncached),
+            pressure_penalty_s=self.pressure_penalty_s(engine, request, uncached, params),
+            topology_penalty_s=self.topology_penalty_s(engine, request),
+            live=engine.live,
+        )

@@ -1,0 +1,62 @@
+"""Render a Decision for people: the ``x-kvmesh-route`` response header and the ``POST /debug/route`` table."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from gateway.routing.types import CandidateScore, Decision
+
+HEADER_NAME = "x-kvmesh-route"
+_UNSAFE = re.compile(r"[^!#-:<-~]+")
+
+
+def _token(text: str) -> str:
+    """Visible ASCII without ';' or spaces, so the header stays one parseable line of key=value pairs."""
+    return _UNSAFE.sub("-", text.replace("; ", ",")).strip("-") or "-"
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 1)
+
+
+def route_header(decision: Decision) -> str:
+    """e.g. ``engine=e1; overlap=1984/2048; est_ttft_ms=42.1; reason=cache-hit-97%; policy=kv_aware``."""
+    if not decision.table:
+        return f"engine=none; reason={_token(decision.reason)}; policy={_token(decision.policy)}"
+    best = decision.table[0]
+    return (
+        f"engine={_token(best.engine)}; overlap={best.overlap_tokens}/{decision.prompt_tokens}; "
+        f"est_ttft_ms={_ms(best.ttft_s)}; reason={_token(decision.reason)}; policy={_token(decision.policy)}"
+    )
+
+
+def _row(rank: int, score: CandidateScore) -> dict[str, Any]:
+    return {
+        "rank": rank,
+        "engine": score.engine,
+        "live": score.live,
+        "overlap_exact_tokens": score.exact_tokens,
+        "overlap_approx_tokens": score.approx_tokens,
+        "credited_cached_tokens": round(score.cached_tokens, 1),
+        "uncached_tokens": score.uncached_tokens,
+        "confidence": round(score.confidence, 3),
+        "queue_depth": score.queue_depth,
+        "queue_ms": _ms(score.queue_s),
+        "prefill_ms": _ms(score.prefill_s),
+        "pressure_penalty_ms": _ms(score.pressure_penalty_s),
+        "topology_penalty_ms": _ms(score.topology_penalty_s),
+        "est_ttft_ms": _ms(score.ttft_s),
+    }
+
+
+def route_table(decision: Decision) -> dict[str, Any]:
+    """A JSON-able explanation: the verdict and one row per ranked candidate, best first."""
+    return {
+        "policy": decision.policy,
+        "reason": decision.reason,
+        "chosen": decision.chosen,
+        "prompt_tokens": decision.prompt_tokens,
+        "ranked": list(decision.ranked),
+        "candidates": [_row(i + 1, s) for i, s in enumerate(decision.table)],
+    }

@@ -1,0 +1,184 @@
+"""Per-engine TTFT model learned online: ttft = overhead + b*uncached + c*ahead_in_batch + d*ahead_of_slot.
+
+A request waits behind the requests already on the engine: while free slots remain (``max_num_seqs``)
+each one ahead only shares the batch with it (``c``); beyond the slots it must wait for a slot to free,
+about one service time per ``max_num_seqs`` requests (``d``). Its own prefill costs ``b`` per uncached
+token. The coefficients are fitted by exponentially weighted ridge regression pulled toward priors, so
+directions the data never exercise (depth at c=1, say) keep their priors instead of drifting, old data
+fade as engines change, and Huber weights keep a stalled request from dragging the fit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+_TOKEN_UNIT = 1000.0
+
+
+@dataclass(frozen=True, slots=True)
+class TTFTPrior:
+    """Before-data beliefs, sized for an A40-class GPU serving a ~1.5B model, plus the learner's settings."""
+
+    overhead_s: float = 0.015
+    prefill_s_per_token: float = 1 / 20_000
+    batch_s_per_request: float = 0.004
+    service_s: float = 2.0
+    weight: float = 4.0
+    decay: float = 0.98
+    huber_k: float = 3.0
+    scale_rate: float = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class TTFTParams:
+    overhead_s: float
+    prefill_s_per_token: float
+    batch_s_per_request: float
+    slot_wait_s_per_request: float
+
+    def predict(self, uncached_tokens: float, queue_depth: int, max_num_seqs: int | None) -> float:
+        return self.overhead_s + self.prefill_s(uncached_tokens) + self.queue_s(queue_depth, max_num_seqs)
+
+    def prefill_s(self, uncached_tokens: float) -> float:
+        return self.prefill_s_per_token * uncached_tokens
+
+    def queue_s(self, queue_depth: int, max_num_seqs: int | None) -> float:
+        in_batch, over = split_depth(queue_depth, max_num_seqs)
+        return self.batch_s_per_request * in_batch + self.slot_wait_s_per_request * over
+
+
+def split_depth(queue_depth: int, max_num_seqs: int | None) -> tuple[int, int]:
+    """Requests ahead that share the batch, and how many slot releases must happen before ours starts."""
+    depth = max(0, queue_depth)
+    if max_num_seqs is None or max_num_seqs <= 0:
+        return depth, 0
+    return min(depth, max_num_seqs), max(0, depth - max_num_seqs + 1)
+
+
+def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting; the ridge prior keeps the system positive definite."""
+    n = len(rhs)
+    a = [row[:] + [rhs[i]] for i, row in enumerate(matrix)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(col + 1, n):
+            f = a[r][col] / a[col][col]
+            for c in range(col, n + 1):
+                a[r][c] -= f * a[col][c]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (a[r][n] - sum(a[r][c] * x[c] for c in range(r + 1, n))) / a[r][r]
+    return x
+
+
+@dataclass
+class EngineTTFTModel:
+    """Sufficient statistics and the current fit for one engine."""
+
+    prior: TTFTPrior
+    max_num_seqs: int | None = None
+    observations: int = 0
+    _xtx: list[list[float]] = field(default_factory=lambda: [[0.0] * 4 for _ in range(4)])
+    _xty: list[float] = field(default_factory=lambda: [0.0] * 4)
+    _scale_s: float | None = None
+    _params: TTFTParams | None = None
+
+    def _features(self, uncached_tokens: float, queue_depth: int) -> list[float]:
+        in_batch, over = split_depth(queue_depth, self.max_num_seqs)
+        return [1.0, uncached_tokens / _TOKEN_UNIT, float(in_batch), float(over)]
+
+    def _prior_mean(self) -> list[float]:
+        p = self.prior
+        slot_wait = p.service_s / self.max_num_seqs if self.max_num_seqs else 0.0
+        return [p.overhead_s, p.prefill_s_per_token * _TOKEN_UNIT, p.batch_s_per_request, slot_wait]
+
+    def _prior_precision(self) -> list[float]:
+        """Worth ``weight`` observations at a typical size of each feature (1, 1k tokens, 4 and 1 requests)."""
+        return [self.prior.weight * s * s for s in (1.0, 1.0, 4.0, 1.0)]
+
+    @property
+    def params(self) -> TTFTParams:
+        if self._params is None:
+            self._params = self._fit()
+        return self._params
+
+    def _fit(self) -> TTFTParams:
+        mean, precision = self._prior_mean(), self._prior_precision()
+        matrix = [row[:] for row in self._xtx]
+        rhs = self._xty[:]
+        for i in range(4):
+            matrix[i][i] += precision[i]
+            rhs[i] += precision[i] * mean[i]
+        a, b, c, d = _solve(matrix, rhs)
+        return TTFTParams(
+            overhead_s=max(0.0, a),
+            prefill_s_per_token=max(1e-9, b / _TOKEN_UNIT),
+            batch_s_per_request=max(0.0, c),
+            slot_wait_s_per_request=max(0.0, d),
+        )
+
+    def set_slots(self, max_num_seqs: int | None) -> None:
+        if max_num_seqs != self.max_num_seqs:
+            self.max_num_seqs = max_num_seqs
+            self._params = None
+
+    def observe(self, uncached_tokens: float, queue_depth: int, ttft_s: float) -> None:
+        x = self._features(uncached_tokens, queue_depth)
+        predicted = self.params.predict(uncached_tokens, queue_depth, self.max_num_seqs)
+        residual = ttft_s - predicted
+        scale = self._scale_s if self._scale_s is not None else max(0.01, 0.5 * predicted)
+        limit = self.prior.huber_k * scale
+        weight = 1.0 if abs(residual) <= limit else limit / abs(residual)
+        rate = self.prior.scale_rate
+        self._scale_s = (1 - rate) * scale + rate * 1.25 * min(abs(residual), limit)
+        keep = self.prior.decay
+        for i in range(4):
+            self._xty[i] = keep * self._xty[i] + weight * x[i] * ttft_s
+            row = self._xtx[i]
+            for j in range(4):
+                row[j] = keep * row[j] + weight * x[i] * x[j]
+        self.observations += 1
+        self._params = None
+
+
+class TTFTLearner:
+    """All engines' TTFT models; feedback with impossible values is counted in ``rejected`` and dropped."""
+
+    def __init__(self, prior: TTFTPrior | None = None) -> None:
+        self.prior = prior or TTFTPrior()
+        self._models: dict[str, EngineTTFTModel] = {}
+        self.rejected = 0
+
+    def model(self, engine_id: str) -> EngineTTFTModel:
+        found = self._models.get(engine_id)
+        if found is None:
+            found = self._models[engine_id] = EngineTTFTModel(self.prior)
+        return found
+
+    def params(self, engine_id: str, max_num_seqs: int | None) -> TTFTParams:
+        model = self.model(engine_id)
+        model.set_slots(max_num_seqs)
+        return model.params
+
+    def observe(self, engine_id: str, uncached_tokens: float, queue_depth: int, ttft_s: float) -> bool:
+        valid = (
+            isinstance(engine_id, str)
+            and _finite_at_least(uncached_tokens, 0)
+            and _finite_at_least(queue_depth, 0)
+            and _finite_at_least(ttft_s, 0)
+        )
+        if not valid:
+            self.rejected += 1
+            return False
+        self.model(engine_id).observe(float(uncached_tokens), int(queue_depth), float(ttft_s))
+        return True
+
+    def forget(self, engine_id: str) -> None:
+        """Drop what was learned about an engine that left (a replacement may be different hardware)."""
+        self._models.pop(engine_id, None)
+
+
+def _finite_at_least(value: object, low: float) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= low

@@ -1,0 +1,111 @@
+"""The values that cross the boundary between the router's I/O edge and the sans-IO routing core.
+
+The edge builds one immutable ``EngineView`` per engine and one ``RouteRequest`` per request; a policy
+answers with a ``Decision``. Nothing here holds a socket, a clock or a lock, so decisions can be
+replayed and property-tested.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineView:
+    """One engine as the router sees it at decision time.
+
+    ``in_flight`` is this router's own outstanding requests (fresh); ``running``/``waiting``/``kv_usage``
+    come from the engine's /metrics poll (all routers' traffic, possibly one poll old).
+    ``exact_blocks`` are leading prompt blocks confirmed by the engine's KV events; ``approx_blocks`` are
+    leading blocks from speculative entries (where routers recently sent the prefix, not yet confirmed).
+    ``confidence`` (0..1) is how far the index's knowledge of this engine is trusted.
+    """
+
+    id: str
+    url: str
+    island: str | None = None
+    healthy: bool = True
+    draining: bool = False
+    in_flight: int = 0
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    num_blocks: int | None = None
+    block_size: int = 16
+    exact_blocks: int = 0
+    approx_blocks: int = 0
+    confidence: float = 1.0
+    max_num_seqs: int | None = None
+
+    @property
+    def live(self) -> bool:
+        """An engine that may take new work: healthy and not being drained."""
+        return self.healthy and not self.draining
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What routing needs to know about one request (the body itself never reaches the core).
+
+    ``total_blocks`` is the prompt's count of full blocks; overlaps are converted to tokens per engine
+    (``blocks * engine.block_size``) so engines with different block sizes compare fairly.
+    """
+
+    model: str
+    prompt_tokens: int
+    total_blocks: int = 0
+    prefix_key: str = ""
+    session_key: str | None = None
+    router_island: str | None = None
+    max_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CandidateScore:
+    """The cost model's estimate for one candidate; a row of the explanation table.
+
+    ``queue_depth`` and ``uncached_tokens`` are the values to hand back to ``Policy.observe`` with the
+    measured TTFT once the first token of a request sent to this engine arrives.
+    """
+
+    engine: str
+    exact_tokens: int
+    approx_tokens: int
+    cached_tokens: float
+    uncached_tokens: int
+    confidence: float
+    queue_depth: int
+    queue_s: float
+    prefill_s: float
+    pressure_penalty_s: float
+    topology_penalty_s: float
+    live: bool = True
+
+    @property
+    def penalties_s(self) -> float:
+        return self.pressure_penalty_s + self.topology_penalty_s
+
+    @property
+    def ttft_s(self) -> float:
+        """Estimated time to first token: queue + prefill of the uncached suffix + penalties."""
+        return self.queue_s + self.prefill_s + self.penalties_s
+
+    @property
+    def overlap_tokens(self) -> int:
+        """Leading prompt tokens the router believes the engine holds, by either kind of knowledge."""
+        return max(self.exact_tokens, self.approx_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """A ranked answer: the proxy tries ``ranked`` in order, failing over before the first byte."""
+
+    ranked: list[str]
+    table: list[CandidateScore]
+    reason: str
+    policy: str
+    prompt_tokens: int = 0
+
+    @property
+    def chosen(self) -> str | None:
+        return self.ranked[0] if self.ranked else None
