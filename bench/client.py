@@ -1,0 +1,296 @@
+"""A lean HTTP/1.1 client (h11 over trio streams) and the closed- and open-loop load drivers.
+
+httpx costs about 1 ms of CPU per request on this kind of machine, which would make the load
+generator the bottleneck; a keep-alive pool of h11 connections keeps the client's share small.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict, deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import h11
+import trio
+
+from bench.sse import SseSplitter, StreamedAnswer
+from bench.stats import RequestResult
+from bench.workloads import Conversation
+
+ROUTE_HEADER = "x-kvmesh-route"
+TRANSPORT_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, h11.RemoteProtocolError, OSError)
+
+
+class _Connection:
+    """One keep-alive socket and its h11 state machine."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.h11 = h11.Connection(our_role=h11.CLIENT)
+
+    async def send(self, event: h11.Event) -> None:
+        data = self.h11.send(event)
+        if data:
+            await self.stream.send_all(data)
+
+    async def next_event(self) -> h11.Event:
+        while True:
+            event = self.h11.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            self.h11.receive_data(await self.stream.receive_some(65536))
+
+    @property
+    def reusable(self) -> bool:
+        return self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE
+
+
+@dataclass
+class Response:
+    status: int
+    headers: dict[str, str]
+    body: bytes = b""
+
+
+BodySink = Callable[[bytes], None]
+
+
+@dataclass
+class HttpClient:
+    """Keep-alive pool per host:port. One instance per trio run; not shared across threads."""
+
+    max_idle_per_host: int = 256
+    _idle: dict[tuple[str, int], deque[_Connection]] = field(default_factory=lambda: defaultdict(deque))
+
+    async def request(
+        self, url: str, method: str = "GET", body: bytes | None = None, sink: BodySink | None = None
+    ) -> Response:
+        """Send one request; body chunks go to ``sink`` as they arrive (else into ``Response.body``).
+
+        A pooled connection the server already closed is retried once on a fresh one, but only if
+        nothing of the response was received yet.
+        """
+        parts = urlsplit(url)
+        host, port = parts.hostname or "127.0.0.1", parts.port or 80
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        headers = [("host", f"{host}:{port}"), ("accept", "*/*")]
+        if body is not None:
+            headers += [("content-type", "application/json"), ("content-length", str(len(body)))]
+        request = h11.Request(method=method, target=target, headers=headers)
+        for attempt in range(2):
+            conn, reused = await self._checkout(host, port)
+            try:
+                await conn.send(request)
+                if body is not None:
+                    await conn.send(h11.Data(data=body))
+                await conn.send(h11.EndOfMessage())
+                head = await conn.next_event()
+            except TRANSPORT_ERRORS:
+                await conn.stream.aclose()
+                if reused and attempt == 0:
+                    continue
+                raise
+            except BaseException:
+                await trio.aclose_forcefully(conn.stream)
+                raise
+            return await self._read_response(conn, (host, port), head, sink)
+        raise AssertionError("unreachable: the second attempt either returns or raises")
+
+    async def _checkout(self, host: str, port: int) -> tuple[_Connection, bool]:
+        idle = self._idle[(host, port)]
+        if idle:
+            return idle.pop(), True
+        return _Connection(await trio.open_tcp_stream(host, port)), False
+
+    async def _read_response(
+        self, conn: _Connection, key: tuple[str, int], head: h11.Event, sink: BodySink | None
+    ) -> Response:
+        try:
+            if not isinstance(head, h11.Response):
+                raise h11.RemoteProtocolError(f"expected a response head, got {type(head).__name__}")
+            response = Response(head.status_code, {k.decode(): v.decode("latin-1") for k, v in head.headers})
+            chunks: list[bytes] = []
+            while True:
+                event = await conn.next_event()
+                if isinstance(event, h11.Data):
+                    (sink or chunks.append)(bytes(event.data))
+                elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+                    break
+            response.body = b"".join(chunks)
+        except BaseException:
+            await trio.aclose_forcefully(conn.stream)
+            raise
+        if conn.reusable and len(self._idle[key]) < self.max_idle_per_host:
+            conn.h11.start_next_cycle()
+            self._idle[key].append(conn)
+        else:
+            await conn.stream.aclose()
+        return response
+
+    async def get_json(self, url: str, timeout: float = 5.0) -> object:
+        with trio.fail_after(timeout):
+            response = await self.request(url)
+        if response.status != 200:
+            raise OSError(f"GET {url} answered {response.status}")
+        return json.loads(response.body)
+
+    async def aclose(self) -> None:
+        for idle in self._idle.values():
+            while idle:
+                await trio.aclose_forcefully(idle.pop().stream)
+
+
+async def completion(
+    client: HttpClient,
+    url: str,
+    body: dict,
+    timeout: float = 60.0,
+    route_header: str = ROUTE_HEADER,
+    started: float = 0.0,
+) -> RequestResult:
+    """POST one OpenAI request and measure it; failures are recorded in the result, never raised.
+
+    Streaming: TTFT is the time to the first event carrying generated text. Non-streaming: there is
+    no first token to see, so TTFT stays unset and only the total latency counts.
+    """
+    result = RequestResult(started=started)
+    answer = StreamedAnswer()
+    splitter = SseSplitter()
+    t0 = trio.current_time()
+
+    def on_chunk(chunk: bytes) -> None:
+        for payload in splitter.feed(chunk):
+            if answer.apply(payload) and result.ttft is None:
+                result.ttft = trio.current_time() - t0
+
+    stream = bool(body.get("stream"))
+    with trio.move_on_after(timeout) as scope:
+        try:
+            response = await client.request(
+                url, "POST", json.dumps(body).encode(), on_chunk if stream else None
+            )
+        except (*TRANSPORT_ERRORS, trio.TooSlowError) as exc:
+            result.error = f"{type(exc).__name__}"
+            result.total = trio.current_time() - t0
+            return result
+    result.total = trio.current_time() - t0
+    if scope.cancelled_caught:
+        result.error = "timeout"
+        return result
+    result.status = response.status
+    result.route = response.headers.get(route_header, "")
+    if stream:
+        _finish_stream(result, answer)
+    elif response.status == 200:
+        _finish_plain(result, response.body)
+    return result
+
+
+def _finish_stream(result: RequestResult, answer: StreamedAnswer) -> None:
+    result.content = answer.text
+    result.output_tokens = answer.output_tokens
+    if result.status == 200 and answer.error:
+        result.error = "error event"
+    elif result.status == 200 and not answer.done:
+        result.error = "stream ended early"
+
+
+def _finish_plain(result: RequestResult, raw: bytes) -> None:
+    try:
+        data = json.loads(raw)
+        choice = data["choices"][0]
+        result.content = choice["message"]["content"] if "message" in choice else choice["text"]
+        result.output_tokens = int(data.get("usage", {}).get("completion_tokens", 0))
+    except (ValueError, KeyError, IndexError, TypeError):
+        result.error = "malformed body"
+
+
+async def model_name(client: HttpClient, base_url: str) -> str:
+    """The first model an OpenAI server lists; requests must name it."""
+    listing = await client.get_json(base_url.rstrip("/") + "/v1/models")
+    return listing["data"][0]["id"]  # type: ignore[index]
+
+
+async def run_closed_loop(
+    client: HttpClient,
+    base_url: str,
+    conversations: list[Conversation],
+    concurrency: int,
+    model: str,
+    stream: bool = True,
+    timeout: float = 60.0,
+    route_header: str = ROUTE_HEADER,
+) -> tuple[list[RequestResult], float]:
+    """``concurrency`` workers each send their next request as soon as the previous one ends.
+
+    Conversations rotate through one queue so a chat's turns stay in order while others interleave.
+    Returns the results and the wall time.
+    """
+    url = base_url.rstrip("/") + "/v1/chat/completions"
+    pending = deque(conversations)
+    results: list[RequestResult] = []
+    t0 = trio.current_time()
+
+    async def worker() -> None:
+        while pending:
+            conv = pending.popleft()
+            result = await completion(
+                client, url, conv.body(model, stream), timeout, route_header, trio.current_time() - t0
+            )
+            conv.record_answer(result.content)
+            results.append(result)
+            if not conv.done:
+                pending.append(conv)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(max(1, concurrency)):
+            nursery.start_soon(worker)
+    return results, trio.current_time() - t0
+
+
+@dataclass
+class OpenLoopReport:
+    """Requests started at a fixed rate; ``skipped`` counts starts refused at the in-flight cap."""
+
+    results: list[RequestResult]
+    skipped: int
+    wall: float
+
+
+async def run_open_loop(
+    send: Callable[[int, float], Awaitable[RequestResult]],
+    rate: float,
+    duration: float,
+    max_in_flight: int = 256,
+) -> OpenLoopReport:
+    """Start request ``i`` at ``i / rate`` seconds whatever the server does, for ``duration`` seconds.
+
+    ``send(i, started)`` performs one request. Arrival does not wait for service, so overload shows
+    as latency and errors; the in-flight cap bounds memory when the server stops answering.
+    """
+    if rate <= 0 or duration <= 0:
+        raise ValueError("rate and duration must be positive")
+    results: list[RequestResult] = []
+    in_flight = 0
+    skipped = 0
+    t0 = trio.current_time()
+
+    async def one(i: int, started: float) -> None:
+        nonlocal in_flight
+        try:
+            results.append(await send(i, started))
+        finally:
+            in_flight -= 1
+
+    async with trio.open_nursery() as nursery:
+        for i in range(math.floor(rate * duration)):
+            await trio.sleep_until(t0 + i / rate)
+            if in_flight >= max_in_flight:
+                skipped += 1
+                continue
+            in_flight += 1
+            nursery.start_soon(one, i, trio.current_time() - t0)
+    return OpenLoopReport(results, skipped, trio.current_time() - t0)

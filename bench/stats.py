@@ -1,0 +1,90 @@
+"""Pure arithmetic over request results: percentiles, throughput and how load spread over engines."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestResult:
+    """What one request did, in seconds since it was started; ``error`` is empty on success.
+
+    ``started`` is the start time relative to the beginning of the run, for timelines.
+    """
+
+    started: float = 0.0
+    status: int = 0
+    ttft: float | None = None
+    total: float = 0.0
+    output_tokens: int = 0
+    route: str = ""
+    error: str = ""
+    content: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and 200 <= self.status < 300
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in 0..100) of unsorted values; NaN when there are none."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    low = math.floor(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+@dataclass
+class Summary:
+    """One run of one workload: the numbers a table row shows."""
+
+    requests: int
+    errors: int
+    wall: float
+    ttft_p50: float
+    ttft_p95: float
+    latency_p50: float
+    latency_p99: float
+    req_per_s: float
+    out_tok_per_s: float
+    routes: dict[str, int] = field(default_factory=dict)
+    error_kinds: dict[str, int] = field(default_factory=dict)
+
+
+def summarize(results: list[RequestResult], wall: float) -> Summary:
+    """Latencies over successful requests only; throughput counts successes over the wall time."""
+    good = [r for r in results if r.ok]
+    ttfts = [r.ttft for r in good if r.ttft is not None]
+    totals = [r.total for r in good]
+    rate = len(good) / wall if wall > 0 else 0.0
+    return Summary(
+        requests=len(results),
+        errors=len(results) - len(good),
+        wall=wall,
+        ttft_p50=percentile(ttfts, 50),
+        ttft_p95=percentile(ttfts, 95),
+        latency_p50=percentile(totals, 50),
+        latency_p99=percentile(totals, 99),
+        req_per_s=rate,
+        out_tok_per_s=sum(r.output_tokens for r in good) / wall if wall > 0 else 0.0,
+        routes=dict(Counter(r.route for r in good if r.route)),
+        error_kinds=dict(Counter((r.error or f"http {r.status}") for r in results if not r.ok)),
+    )
+
+
+def shares(counts: dict[str, float], keys: list[str]) -> list[float]:
+    """Each key's fraction of the total, in the order given (zeros when nothing was counted)."""
+    total = sum(counts.get(k, 0.0) for k in keys)
+    return [counts.get(k, 0.0) / total if total else 0.0 for k in keys]
+
+
+def ratio(value: float, baseline: float) -> float:
+    """value / baseline, NaN when the baseline is zero or missing."""
+    if not baseline or math.isnan(baseline) or math.isnan(value):
+        return math.nan
+    return value / baseline

@@ -1,0 +1,189 @@
+"""Benchmark workloads as plain data: seeded, deterministic, and free of I/O.
+
+Each workload is a list of conversations. Single-shot workloads use one-turn conversations; the
+multi-turn workload feeds every answer back into the history so prefixes grow as in a real chat. The
+text is drawn from ``bench.words.WORDS`` (one token per word) so prompt lengths are exact in tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from itertools import accumulate
+
+from bench.words import WORDS
+
+Message = dict[str, str]
+WORKLOAD_NAMES = ("a", "b", "c", "d")
+
+
+def text(rng: random.Random, tokens: int) -> str:
+    """``tokens`` words, each a single token with its leading space."""
+    return "".join(" " + rng.choice(WORDS) for _ in range(tokens))
+
+
+def chat_body(messages: list[Message], model: str, max_tokens: int, stream: bool, user: str = "") -> dict:
+    """An OpenAI chat-completions request; streaming asks for usage so output tokens are exact."""
+    body: dict = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if user:
+        body["user"] = user
+    return body
+
+
+@dataclass
+class Conversation:
+    """User turns sent strictly in order; each answer joins the history the next turn carries."""
+
+    key: str
+    user_turns: list[str]
+    max_tokens: int
+    system: str | None = None
+    history: list[Message] = field(default_factory=list)
+    sent: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.sent >= len(self.user_turns)
+
+    def messages(self) -> list[Message]:
+        """The messages of the next turn: system prompt, earlier turns with answers, new user text."""
+        head = [{"role": "system", "content": self.system}] if self.system is not None else []
+        return head + self.history + [{"role": "user", "content": self.user_turns[self.sent]}]
+
+    def body(self, model: str, stream: bool) -> dict:
+        user = self.key if len(self.user_turns) > 1 else ""
+        return chat_body(self.messages(), model, self.max_tokens, stream, user)
+
+    def record_answer(self, answer: str) -> None:
+        """Advance to the next turn; a failed turn records an empty answer so the chat goes on."""
+        self.history.append({"role": "user", "content": self.user_turns[self.sent]})
+        self.history.append({"role": "assistant", "content": answer})
+        self.sent += 1
+
+
+def _span(rng: random.Random, bounds: tuple[int, int]) -> int:
+    return rng.randint(bounds[0], bounds[1])
+
+
+def shared_documents(
+    seed: int,
+    documents: int = 12,
+    doc_tokens: tuple[int, int] = (1000, 2000),
+    questions: int = 4,
+    question_tokens: tuple[int, int] = (20, 60),
+    max_tokens: int = 16,
+) -> list[Conversation]:
+    """(a) Every document asked several different questions, the requests shuffled uniformly."""
+    rng = random.Random(seed)
+    docs = [f"Document {d}:" + text(rng, _span(rng, doc_tokens)) for d in range(documents)]
+    convs = [
+        Conversation(f"doc{d}/q{q}", [text(rng, _span(rng, question_tokens))], max_tokens, docs[d])
+        for d in range(documents)
+        for q in range(questions)
+    ]
+    rng.shuffle(convs)
+    return convs
+
+
+def system_prompts(
+    seed: int,
+    prompts: int = 5,
+    prompt_tokens: int = 200,
+    requests: int = 160,
+    user_tokens: tuple[int, int] = (10, 80),
+    max_tokens: int = 16,
+) -> list[Conversation]:
+    """(b) A few shared system prompts, each request a different user message under one of them."""
+    rng = random.Random(seed)
+    systems = [f"System {s}:" + text(rng, prompt_tokens) for s in range(prompts)]
+    out = []
+    for r in range(requests):
+        s = rng.randrange(prompts)
+        out.append(Conversation(f"sys{s}/r{r}", [text(rng, _span(rng, user_tokens))], max_tokens, systems[s]))
+    return out
+
+
+def multi_turn(
+    seed: int,
+    conversations: int = 16,
+    turns: int = 6,
+    system_tokens: int = 100,
+    user_tokens: tuple[int, int] = (20, 60),
+    max_tokens: int = 32,
+) -> list[Conversation]:
+    """(c) Chats whose history grows by the previous answer and a new user message each turn."""
+    rng = random.Random(seed)
+    return [
+        Conversation(
+            f"chat{c}",
+            [text(rng, _span(rng, user_tokens)) for _ in range(turns)],
+            max_tokens,
+            f"Assistant {c}:" + text(rng, system_tokens),
+        )
+        for c in range(conversations)
+    ]
+
+
+def zipf_weights(count: int, exponent: float) -> list[float]:
+    """Cumulative Zipf weights: a few hot items and a long tail, as real document popularity."""
+    return list(accumulate(1.0 / (rank + 1) ** exponent for rank in range(count)))
+
+
+def oversized_working_set(
+    seed: int,
+    capacity_tokens: int,
+    factor: float = 2.0,
+    doc_tokens: int = 1000,
+    requests: int = 240,
+    exponent: float = 1.1,
+    question_tokens: tuple[int, int] = (20, 60),
+    max_tokens: int = 16,
+) -> list[Conversation]:
+    """(d) Documents totalling ``factor`` times the fleet's KV capacity, drawn with Zipf popularity.
+
+    The cache cannot hold everything, so a router must know what was evicted, not only what it sent.
+    """
+    rng = random.Random(seed)
+    documents = max(2, math.ceil(factor * capacity_tokens / doc_tokens))
+    docs = [f"Document {d}:" + text(rng, doc_tokens) for d in range(documents)]
+    order = list(range(documents))
+    rng.shuffle(order)
+    weights = zipf_weights(documents, exponent)
+    picks = rng.choices(order, cum_weights=weights, k=requests)
+    return [
+        Conversation(f"doc{d}/r{r}", [text(rng, _span(rng, question_tokens))], max_tokens, docs[d])
+        for r, d in enumerate(picks)
+    ]
+
+
+def unique_prompts(seed: int, count: int, tokens: int = 24, max_tokens: int = 4) -> list[Conversation]:
+    """Warm-up and overhead requests that share nothing with each other or with the workloads."""
+    rng = random.Random(f"unique-{seed}")
+    return [
+        Conversation(f"u{i}", [f"Note {seed}-{i}:" + text(rng, tokens)], max_tokens) for i in range(count)
+    ]
+
+
+def build(
+    name: str, seed: int, requests: int | None = None, capacity_tokens: int = 0, max_tokens: int = 16
+) -> list[Conversation]:
+    """The named workload (a, b, c or d) with its defaults; ``requests`` scales it where that applies."""
+    if name == "a":
+        questions = max(1, requests // 12) if requests else 4
+        return shared_documents(seed, questions=questions, max_tokens=max_tokens)
+    if name == "b":
+        return system_prompts(seed, requests=requests or 160, max_tokens=max_tokens)
+    if name == "c":
+        return multi_turn(seed, conversations=max(1, (requests or 96) // 6), max_tokens=2 * max_tokens)
+    if name == "d":
+        if capacity_tokens <= 0:
+            raise ValueError("workload d needs the fleet's KV capacity in tokens")
+        return oversized_working_set(seed, capacity_tokens, requests=requests or 240, max_tokens=max_tokens)
+    raise ValueError(f"unknown workload {name!r}; expected one of {', '.join(WORKLOAD_NAMES)}")
+
+
+def total_requests(conversations: list[Conversation]) -> int:
+    return sum(len(c.user_turns) for c in conversations)

@@ -1,0 +1,212 @@
+"""The h11 client and the load drivers against a real trio/h11 server on loopback."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import partial
+
+import h11
+import pytest
+import trio
+
+from bench import engine_stats
+from bench.client import HttpClient, completion, model_name, run_closed_loop, run_open_loop
+from bench.stats import RequestResult
+from bench.workloads import multi_turn, unique_prompts
+
+
+@dataclass
+class FakeOpenAI:
+    """A tiny OpenAI-shaped server: streams words back, names a route, counts connections."""
+
+    connections: int = 0
+    requests: list[dict] = field(default_factory=list)
+    hold_first_token: trio.Event | None = None
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        self.connections += 1
+        conn = h11.Connection(our_role=h11.SERVER)
+        try:
+            while True:
+                request, body = await self._read_request(conn, stream)
+                if request is None:
+                    return
+                await self._answer(conn, stream, request, body)
+                if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                    return
+                conn.start_next_cycle()
+        except (trio.BrokenResourceError, h11.RemoteProtocolError):
+            return
+        finally:
+            await stream.aclose()
+
+    async def _read_request(self, conn, stream):
+        request, body = None, b""
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                data = await stream.receive_some(65536)
+                conn.receive_data(data)
+                if not data and request is None:
+                    return None, b""
+            elif isinstance(event, h11.Request):
+                request = event
+            elif isinstance(event, h11.Data):
+                body += event.data
+            elif isinstance(event, h11.EndOfMessage):
+                return request, body
+            else:
+                return None, b""
+
+    async def _send(self, conn, stream, status, headers, chunks):
+        await stream.send_all(conn.send(h11.Response(status_code=status, headers=headers)))
+        for chunk in chunks:
+            if isinstance(chunk, trio.Event):
+                await chunk.wait()
+                continue
+            await stream.send_all(conn.send(h11.Data(data=chunk)))
+        await stream.send_all(conn.send(h11.EndOfMessage()))
+
+    async def _answer(self, conn, stream, request, raw):
+        path = request.target.decode()
+        if path == "/v1/models":
+            body = json.dumps({"object": "list", "data": [{"id": "tiny", "object": "model"}]}).encode()
+            return await self._send(conn, stream, 200, [("content-length", str(len(body)))], [body])
+        if path == "/metrics":
+            body = f"vllm:prefix_cache_queries_total 100.0\nvllm:prefix_cache_hits_total {len(self.requests)}.0\n"
+            return await self._send(conn, stream, 200, [("content-length", str(len(body)))], [body.encode()])
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return await self._send(conn, stream, 400, [("content-length", "0")], [])
+        self.requests.append(body)
+        route = [("x-kvmesh-route", f"engine-{len(self.requests) % 2}")]
+        if body.get("model") == "broken":
+            chunks = [b"data: {oops\n\n", b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n']
+            return await self._send(conn, stream, 200, [*route, ("transfer-encoding", "chunked")], chunks)
+        if not body.get("stream"):
+            out = {"choices": [{"message": {"content": "a b"}}], "usage": {"completion_tokens": 2}}
+            data = json.dumps(out).encode()
+            return await self._send(conn, stream, 200, [*route, ("content-length", str(len(data)))], [data])
+        chunks: list = [b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n']
+        if self.hold_first_token is not None:
+            chunks.append(self.hold_first_token)
+        words = [f"w{len(self.requests)}", " two", " three"]
+        chunks += [f"data: {json.dumps({'choices': [{'delta': {'content': w}}]})}\r\n\r\n".encode() for w in words]
+        chunks.append(b'data: {"choices":[],"usage":{"completion_tokens":3}}\n\ndata: [DONE]\n\n')
+        await self._send(conn, stream, 200, [*route, ("transfer-encoding", "chunked")], chunks)
+
+
+@pytest.fixture
+async def server(nursery):
+    fake = FakeOpenAI()
+    listeners = await nursery.start(partial(trio.serve_tcp, fake.handle, 0, host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+    return fake, f"http://127.0.0.1:{port}"
+
+
+async def test_streaming_completion_measures_ttft_tokens_and_route(server):
+    fake, url = server
+    client = HttpClient()
+    release = trio.Event()
+    fake.hold_first_token = release
+    body = unique_prompts(seed=1, count=1)[0].body("tiny", stream=True)
+    result: list[RequestResult] = []
+
+    async def run():
+        result.append(await completion(client, url + "/v1/chat/completions", body))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run)
+        await trio.sleep(0.2)
+        release.set()
+    (r,) = result
+    assert r.ok, r
+    assert (r.status, r.route, r.output_tokens, r.content) == (200, "engine-1", 3, "w1 two three")
+    # The first content chunk was held back at least 0.2 s after the role-only chunk arrived.
+    assert r.ttft is not None and 0.2 <= r.ttft <= r.total
+    await client.aclose()
+
+
+async def test_keep_alive_reuses_one_connection(server):
+    fake, url = server
+    client = HttpClient()
+    for conv in unique_prompts(seed=2, count=5):
+        r = await completion(client, url + "/v1/chat/completions", conv.body("tiny", stream=False))
+        assert r.ok and r.output_tokens == 2 and r.content == "a b" and r.ttft is None
+    assert fake.connections == 1
+    assert await model_name(client, url) == "tiny"
+    assert fake.connections == 1
+    await client.aclose()
+
+
+async def test_malformed_stream_is_survived(server):
+    _, url = server
+    client = HttpClient()
+    body = unique_prompts(seed=3, count=1)[0].body("broken", stream=True)
+    r = await completion(client, url + "/v1/chat/completions", body)
+    assert r.status == 200 and r.content == "x"
+    assert r.error == "stream ended early"
+    await client.aclose()
+
+
+async def test_unreachable_server_is_an_error_not_an_exception():
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, lambda s: s.aclose(), 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        nursery.cancel_scope.cancel()
+    client = HttpClient()
+    r = await completion(client, f"http://127.0.0.1:{port}/v1/chat/completions", {"stream": True}, timeout=5)
+    assert not r.ok and r.error
+
+
+async def test_closed_loop_keeps_turn_order_and_feeds_answers(server):
+    fake, url = server
+    client = HttpClient()
+    convs = multi_turn(seed=4, conversations=3, turns=3, system_tokens=5)
+    results, wall = await run_closed_loop(client, url, convs, concurrency=2, model="tiny")
+    assert len(results) == 9 and all(r.ok for r in results) and wall > 0
+    assert fake.connections <= 2
+    for conv in convs:
+        sent = [b for b in fake.requests if b["user"] == conv.key]
+        assert [len(b["messages"]) for b in sent] == [2, 4, 6]
+        answers = [m["content"] for m in sent[-1]["messages"] if m["role"] == "assistant"]
+        assert answers == [r.content for r in results if r.content in answers]
+        assert all(a.endswith(" two three") for a in answers)
+
+
+async def test_open_loop_starts_at_the_rate_and_caps_in_flight(autojump_clock):
+    gate = trio.Event()
+
+    async def send(i: int, started: float) -> RequestResult:
+        if i >= 2:
+            await gate.wait()
+        return RequestResult(started=started, status=200)
+
+    async with trio.open_nursery() as nursery:
+        report_box = []
+
+        async def drive():
+            report_box.append(await run_open_loop(send, rate=200.0, duration=0.1, max_in_flight=3))
+
+        nursery.start_soon(drive)
+        await trio.sleep(0.3)
+        gate.set()
+    (report,) = report_box
+    # 20 starts scheduled; 2 finish at once, 3 stay blocked at the cap, the other 15 are refused.
+    assert (len(report.results), report.skipped) == (5, 15)
+    starts = sorted(r.started for r in report.results)
+    assert starts == pytest.approx([0.0, 0.005, 0.010, 0.015, 0.020])
+
+
+async def test_scrape_reads_counters_and_marks_dead_engines(server):
+    fake, url = server
+    client = HttpClient()
+    before = await engine_stats.scrape(client, [url, "http://127.0.0.1:1"])
+    fake.requests.extend([{}] * 30)
+    after = await engine_stats.scrape(client, [url, "http://127.0.0.1:1"])
+    assert (before.failures, after.failures) == (1, 1)
+    deltas = engine_stats.deltas(before, after)
+    assert deltas[0][engine_stats.HITS] == 30.0 and deltas[1] == {}
+    await client.aclose()
