@@ -1,0 +1,294 @@
+"""The replicated index document (sans-IO): layout, local-op log and compaction epochs.
+
+Layout: four flat root maps of string keys to string values.
+
+- ``blocks``:   ``"<engine>\\x1f<engine_hash>"`` -> own key (decimal)
+- ``seq``:      ``"<engine>"`` -> last applied event seq (decimal)
+- ``registry``: ``"<engine>"`` -> JSON admin state (drain, maintenance, island)
+- ``approx``:   ``"<replica>\\x1f<engine>"`` -> JSON payload of approximate/speculative entries
+
+Flat root maps (not nested maps) because two replicas creating the same nested map concurrently is a
+last-writer-wins conflict that silently drops one side. Values are strings because pycrdt encodes
+numbers as float64 (u64 hashes would lose bits). Each key has one writer (the engine's owner, or the
+replica named in the key), so concurrent writes to one key are rare.
+
+Compaction: tombstones grow without bound under churn, so a replica rebuilds a fresh document from the
+live keys under a new ``Epoch``. Peers replace their document when they see a higher epoch; local ops
+that the snapshot did not include (judged by the snapshot's base state vector) are written again
+onto the new document, so no update is lost across the switch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import partial
+
+from pycrdt import Doc, Map, MapEvent, TransactionEvent, merge_updates
+
+MAPS = ("blocks", "seq", "registry", "approx")
+SEP = "\x1f"
+
+Change = tuple[str, str, str | None, str | None]
+"""(map name, key, old value, new value); None means absent."""
+
+Op = tuple[str, str, str | None]
+"""(map name, key, new value or None to delete)."""
+
+
+@dataclass(frozen=True, order=True)
+class Epoch:
+    """Identity of one document history; the owner breaks ties between concurrent compactions."""
+
+    number: int
+    owner: str
+
+
+GENESIS = Epoch(0, "")
+
+
+@dataclass(frozen=True)
+class _Logged:
+    value: str | None
+    client: int
+    clock: int
+
+
+def encode_state(state: dict[int, int]) -> bytes:
+    """Encode a state vector in the lib0 format pycrdt uses (varuint count, then client/clock pairs)."""
+    out = bytearray()
+    _put_varuint(out, len(state))
+    for client, clock in state.items():
+        _put_varuint(out, client)
+        _put_varuint(out, clock)
+    return bytes(out)
+
+
+def decode_state(data: bytes) -> dict[int, int]:
+    """Decode a lib0 state vector; raises ValueError on malformed input."""
+    pos = 0
+
+    def take() -> int:
+        nonlocal pos
+        value, shift = 0, 0
+        while True:
+            if pos >= len(data) or shift > 63:
+                raise ValueError("truncated or oversized varuint in state vector")
+            byte = data[pos]
+            pos += 1
+            value |= (byte & 0x7F) << shift
+            shift += 7
+            if byte < 0x80:
+                return value
+
+    count = take()
+    state = {}
+    for _ in range(count):
+        client = take()
+        state[client] = take()
+    if pos != len(data):
+        raise ValueError("trailing bytes after state vector")
+    return state
+
+
+def _put_varuint(out: bytearray, value: int) -> None:
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+
+
+class IndexDoc:
+    """One replica's copy of the index document plus a plain-dict view of it.
+
+    ``content`` mirrors every map as a dict (reads never touch pycrdt: ``Map.get`` costs 2-3 us).
+    Subscribers get each batch of changes exactly once, whether it came from a local write, a remote
+    update or an epoch switch.
+    """
+
+    def __init__(self, replica_id: str) -> None:
+        if SEP in replica_id:
+            raise ValueError("replica id must not contain the key separator")
+        self.replica_id = replica_id
+        self.epoch = GENESIS
+        self.base_state: dict[int, int] = {}
+        self.content: dict[str, dict[str, str]] = {name: {} for name in MAPS}
+        self.churn = 0
+        self.malformed_values = 0
+        self._log: dict[tuple[str, str], _Logged] = {}
+        self._pending: list[bytes] = []
+        self._writing = False
+        self._remote_changes: list[Change] = []
+        self._subscribers: list[Callable[[list[Change]], None]] = []
+        self._attach(Doc())
+
+    def subscribe(self, callback: Callable[[list[Change]], None]) -> None:
+        """Call ``callback`` with every batch of changes to ``content``."""
+        self._subscribers.append(callback)
+
+    def _attach(self, doc: Doc) -> None:
+        self._doc = doc
+        self._maps: dict[str, Map] = {}
+        for name in MAPS:
+            root = doc.get(name, type=Map)
+            # partial, not a lambda with a default: pycrdt passes as many arguments as the callable takes.
+            root.observe(partial(self._on_map_event, name))
+            self._maps[name] = root
+        doc.observe(self._on_transaction)
+
+    def _on_transaction(self, event: TransactionEvent) -> None:
+        if self._writing:
+            self._pending.append(event.update)
+
+    def _on_map_event(self, name: str, event: MapEvent) -> None:
+        if self._writing:
+            return
+        view = self.content[name]
+        for key, change in event.keys.items():
+            new = change.get("newValue") if change["action"] != "delete" else None
+            if new is not None and not isinstance(new, str):
+                self.malformed_values += 1
+                new = None
+            old = view.get(key)
+            if new is None:
+                view.pop(key, None)
+            else:
+                view[key] = new
+            if old != new:
+                self._remote_changes.append((name, key, old, new))
+
+    def _emit(self, changes: list[Change]) -> None:
+        if changes:
+            for callback in self._subscribers:
+                callback(changes)
+
+    @property
+    def client_id(self) -> int:
+        return self._doc.client_id
+
+    def live_keys(self) -> int:
+        return sum(len(view) for view in self.content.values())
+
+    def write(self, ops: Iterable[Op]) -> list[Change]:
+        """Apply local ops in one transaction; ops that change nothing are skipped (no tombstone)."""
+        changes: list[Change] = []
+        for name, key, value in ops:
+            view = self.content[name]
+            old = view.get(key)
+            if old == value:
+                continue
+            if value is None:
+                del view[key]
+            else:
+                view[key] = value
+            changes.append((name, key, old, value))
+        if not changes:
+            return changes
+        # A flag, not the transaction origin: pycrdt hands doc observers a raw transaction whose
+        # origin is not the value given here.
+        self._writing = True
+        try:
+            with self._doc.transaction():
+                for name, key, _old, value in changes:
+                    if value is None:
+                        del self._maps[name][key]
+                    else:
+                        self._maps[name][key] = value
+        finally:
+            self._writing = False
+        client = self.client_id
+        clock = decode_state(self._doc.get_state()).get(client, 0)
+        for name, key, old, value in changes:
+            self.churn += old is not None
+            self._log[(name, key)] = _Logged(value, client, clock)
+        self._emit(changes)
+        return changes
+
+    def apply_update(self, update: bytes) -> list[Change]:
+        """Merge a remote update; raises ValueError (and changes nothing) if it cannot be decoded."""
+        self._remote_changes = []
+        try:
+            self._doc.apply_update(update)
+        finally:
+            changes, self._remote_changes = self._remote_changes, []
+        self.churn += sum(old is not None for _n, _k, old, _v in changes)
+        self._emit(changes)
+        return changes
+
+    def take_update(self) -> bytes | None:
+        """The merged local updates since the last call (for the batched broadcast), or None."""
+        if not self._pending:
+            return None
+        pending, self._pending = self._pending, []
+        return pending[0] if len(pending) == 1 else merge_updates(*pending)
+
+    def state(self) -> bytes:
+        return self._doc.get_state()
+
+    def diff(self, state: bytes) -> bytes:
+        """Everything a peer with ``state`` lacks (always includes the delete set, which no state
+        vector covers); raises ValueError on a malformed state."""
+        decode_state(state)
+        return self._doc.get_update(state)
+
+    def full_update(self) -> bytes:
+        return self._doc.get_update()
+
+    def encoded_size(self) -> int:
+        return len(self._doc.get_update())
+
+    def needs_compaction(self, min_churn: int = 50_000, ratio: float = 1.0) -> bool:
+        """True once overwrites and deletes (an estimate of tombstones) outweigh the live keys."""
+        return self.churn >= max(min_churn, ratio * self.live_keys())
+
+    def compact(self) -> None:
+        """Rebuild the document from live keys under the next epoch owned by this replica."""
+        base = decode_state(self._doc.get_state())
+        fresh = Doc()
+        with fresh.transaction():
+            for name in MAPS:
+                root = fresh.get(name, type=Map)
+                for key, value in self.content[name].items():
+                    root[key] = value
+        self._switch(Epoch(self.epoch.number + 1, self.replica_id), base, fresh)
+
+    def adopt(self, epoch: Epoch, base_state: dict[int, int], full: bytes) -> list[Change]:
+        """Replace the document with a higher epoch's full state, then re-write local ops it lacks.
+
+        Raises ValueError (changing nothing) if ``full`` cannot be decoded.
+        """
+        if epoch <= self.epoch:
+            raise ValueError(f"epoch {epoch} is not newer than {self.epoch}")
+        fresh = Doc()
+        fresh.apply_update(full)
+        incoming: dict[str, dict[str, str]] = {}
+        for name in MAPS:
+            values = fresh.get(name, type=Map).to_py() or {}
+            incoming[name] = {k: v for k, v in values.items() if isinstance(v, str)}
+            self.malformed_values += len(values) - len(incoming[name])
+        changes: list[Change] = []
+        for name in MAPS:
+            old_view, new_view = self.content[name], incoming[name]
+            changes.extend((name, k, v, None) for k, v in old_view.items() if k not in new_view)
+            changes.extend((name, k, old_view.get(k), v) for k, v in new_view.items() if old_view.get(k) != v)
+        self.content = incoming
+        self._switch(epoch, base_state, fresh)
+        self._emit(changes)
+        # A set is missing if the snapshot's base state does not cover its clock. Deletes advance no
+        # clock (they live only in the delete set), so every logged delete is re-applied; write()
+        # skips keys that are already absent.
+        missing = [
+            (name, key, entry.value)
+            for (name, key), entry in self._log.items()
+            if entry.value is None or base_state.get(entry.client, 0) < entry.clock
+        ]
+        self._log = {key: entry for key, entry in self._log.items() if entry.value is not None}
+        self.write(missing)
+        return changes
+
+    def _switch(self, epoch: Epoch, base_state: dict[int, int], doc: Doc) -> None:
+        self.epoch = epoch
+        self.base_state = base_state
+        self.churn = 0
+        self._pending = []
+        self._attach(doc)
