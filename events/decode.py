@@ -1,0 +1,213 @@
+"""Sans-IO decoding of vLLM KV-event frames (live PUB and replay ROUTER) into typed batches.
+
+Both event encodings are accepted (FACTS.md): the map form (vLLM >= ~0.26) and the legacy tagged
+array. Unknown fields are ignored, unknown event types are counted and skipped. Anything malformed
+raises DecodeError with a short reason that becomes a metrics label; nothing else escapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from index.block_hash import engine_hash_to_int
+
+SEQ_BYTES = 8
+END_SEQ = b"\xff" * SEQ_BYTES
+MAX_TOKEN_ID = (1 << 32) - 1
+MAX_BLOCK_SIZE = 1 << 16
+_MAX_EXTRA_DEPTH = 4
+
+
+class DecodeError(Exception):
+    """A frame or payload that cannot be understood; `reason` is a bounded metrics label."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    block_hashes: tuple[int, ...]
+    parent_block_hash: int | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_name: str | None = None
+    medium: str | None = None
+    extra_keys: tuple[Any, ...] | None = None
+    group_idx: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    block_hashes: tuple[int, ...]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    pass
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    seq: int
+    ts: float
+    events: tuple[Event, ...]
+    data_parallel_rank: int | None = None
+    unknown_events: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayEnd:
+    """The replay server's end-of-stream marker."""
+
+
+def decode_live(frames: Sequence[bytes]) -> EventBatch:
+    """Live PUB message: [topic, seq (u64 BE), payload]."""
+    if len(frames) != 3:
+        raise DecodeError("frame_count")
+    return decode_payload(_seq(frames[1]), frames[2])
+
+
+def decode_replay(frames: Sequence[bytes]) -> EventBatch | ReplayEnd:
+    """Replay reply on a DEALER: [b"", topic, seq, payload] or the pre-0.26 [b"", seq, payload]."""
+    if len(frames) == 4 and frames[0] == b"":
+        seq_frame, payload = frames[2], frames[3]
+    elif len(frames) == 3 and frames[0] == b"":
+        seq_frame, payload = frames[1], frames[2]
+    else:
+        raise DecodeError("frame_count")
+    if seq_frame == END_SEQ:
+        return ReplayEnd()
+    return decode_payload(_seq(seq_frame), payload)
+
+
+def _seq(frame: bytes) -> int:
+    if len(frame) != SEQ_BYTES:
+        raise DecodeError("seq_length")
+    return int.from_bytes(frame, "big")
+
+
+def decode_payload(seq: int, payload: bytes) -> EventBatch:
+    """msgpack [ts, events, data_parallel_rank] -> EventBatch."""
+    try:
+        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises many unrelated types on hostile input
+        raise DecodeError("msgpack") from exc
+    if not isinstance(raw, list) or len(raw) < 2:
+        raise DecodeError("batch_shape")
+    ts, raw_events = raw[0], raw[1]
+    rank = raw[2] if len(raw) > 2 else None
+    if isinstance(ts, bool) or not isinstance(ts, int | float) or not isinstance(raw_events, list):
+        raise DecodeError("batch_shape")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+        raise DecodeError("batch_shape")
+    events: list[Event] = []
+    unknown = 0
+    for raw_event in raw_events:
+        event = _event(raw_event)
+        if event is None:
+            unknown += 1
+        else:
+            events.append(event)
+    return EventBatch(seq=seq, ts=float(ts), events=tuple(events), data_parallel_rank=rank,
+                      unknown_events=unknown)
+
+
+_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                  "lora_name", "extra_keys", "group_idx")
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+
+
+def _event(raw: Any) -> Event | None:
+    if isinstance(raw, dict):
+        kind = raw.get("type")
+        fields = raw
+    elif isinstance(raw, list) and raw:
+        kind = raw[0]
+        names = _STORED_FIELDS if kind == "BlockStored" else _REMOVED_FIELDS
+        fields = dict(zip(names, raw[1:], strict=False))
+    else:
+        raise DecodeError("event_shape")
+    if kind == "BlockStored":
+        return _stored(fields)
+    if kind == "BlockRemoved":
+        return BlockRemoved(_hashes(fields.get("block_hashes")), _opt_str(fields.get("medium")),
+                            _opt_int(fields.get("group_idx")))
+    if kind == "AllBlocksCleared":
+        return AllBlocksCleared()
+    if isinstance(kind, str):
+        return None
+    raise DecodeError("event_type")
+
+
+def _stored(fields: dict[Any, Any]) -> BlockStored:
+    hashes = _hashes(fields.get("block_hashes"))
+    block_size = fields.get("block_size")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 0 < block_size <= MAX_BLOCK_SIZE:
+        raise DecodeError("block_size")
+    tokens = fields.get("token_ids")
+    if not isinstance(tokens, list) or len(tokens) != len(hashes) * block_size:
+        raise DecodeError("token_ids")
+    for token in tokens:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= MAX_TOKEN_ID:
+            raise DecodeError("token_ids")
+    parent = fields.get("parent_block_hash")
+    extra = fields.get("extra_keys")
+    if extra is not None and (not isinstance(extra, list) or len(extra) != len(hashes)):
+        raise DecodeError("extra_keys")
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=None if parent is None else _hash(parent),
+        token_ids=tuple(tokens),
+        block_size=block_size,
+        lora_name=_opt_str(fields.get("lora_name")),
+        medium=_opt_str(fields.get("medium")),
+        extra_keys=None if extra is None else tuple(_freeze(item) for item in extra),
+        group_idx=_opt_int(fields.get("group_idx")),
+    )
+
+
+def _hash(value: Any) -> int:
+    try:
+        return engine_hash_to_int(value)
+    except ValueError as exc:
+        raise DecodeError("block_hash") from exc
+
+
+def _hashes(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list) or not value:
+        raise DecodeError("block_hashes")
+    return tuple(_hash(item) for item in value)
+
+
+def _opt_str(value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise DecodeError("field_type")
+
+
+def _opt_int(value: Any) -> int | None:
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    raise DecodeError("field_type")
+
+
+def _freeze(value: Any, depth: int = 0) -> Any:
+    """msgpack gives lists for tuples; make extra keys hashable, refusing hostile nesting."""
+    if isinstance(value, list):
+        if depth >= _MAX_EXTRA_DEPTH:
+            raise DecodeError("extra_keys")
+        return tuple(_freeze(item, depth + 1) for item in value)
+    if isinstance(value, dict):
+        raise DecodeError("extra_keys")
+    return value

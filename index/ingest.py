@@ -1,0 +1,128 @@
+"""Sans-IO application of decoded KV-event batches of one engine to a BlockStore.
+
+Own keys are derived from the token ids in BlockStored (index/block_hash.py), chained onto the
+parent's own key found through the engine's alias map. How vLLM fills `extra_keys` (per block,
+kv_cache_utils.generate_block_hash_extra_keys): LoRA name, multimodal (identifier, offset) pairs,
+the request's cache_salt (first block only), prompt-embedding digests. Recent vLLM writes the salt
+and LoRA name as plain strings, the form in FACTS.md is ("cache_salt", salt) / ("lora", name, path);
+both are read. The salt and LoRA name go into the root seed exactly as the router does it; any other
+extra key is mixed into that block's key, so such blocks never match a text-only request chain.
+Events from engines that do not send `extra_keys` (older vLLM) give salted blocks unsalted keys: the
+router's salted chains then never match them (no false sharing across tenants, only missed reuse).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from events.decode import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from index.block_hash import next_key, root_seed
+from index.store import BlockStore
+
+# Only the engine's own KV cache is indexed; offloaded tiers and non-primary groups are skipped.
+INDEXED_MEDIA = frozenset({None, "GPU"})
+INDEXED_GROUPS = frozenset({None, 0})
+
+
+@dataclass(slots=True)
+class IngestStats:
+    stored: int = 0
+    removed: int = 0
+    cleared: int = 0
+    orphaned: int = 0
+    skipped: int = 0
+    stored_keys: list[int] = field(default_factory=list)
+
+    def merge(self, other: IngestStats) -> None:
+        self.stored += other.stored
+        self.removed += other.removed
+        self.cleared += other.cleared
+        self.orphaned += other.orphaned
+        self.skipped += other.skipped
+        self.stored_keys.extend(other.stored_keys)
+
+
+@dataclass(frozen=True, slots=True)
+class SplitExtra:
+    lora_name: str | None
+    cache_salt: str | None
+    other: bytes | None
+
+
+def split_extra_keys(extra: Any, lora_name: str | None, first_block: bool) -> SplitExtra:
+    """Separate the request-wide keys (LoRA name, salt) from block content keys (multimodal, embeds)."""
+    salt: str | None = None
+    lora = lora_name
+    lora_seen = False
+    others: list[Any] = []
+    for item in extra or ():
+        if isinstance(item, tuple) and len(item) == 2 and item[0] == "cache_salt" and isinstance(item[1], str):
+            salt = item[1]
+        elif isinstance(item, tuple) and len(item) >= 2 and item[0] == "lora" and isinstance(item[1], str):
+            lora = lora or item[1]
+        elif isinstance(item, str) and not lora_seen and lora is not None and item == lora:
+            lora_seen = True
+        elif isinstance(item, str) and first_block and salt is None:
+            salt = item
+        else:
+            others.append(item)
+    packed = msgpack.packb(others, use_bin_type=True) if others else None
+    return SplitExtra(lora_name=lora, cache_salt=salt, other=packed)
+
+
+class EngineIngest:
+    """Applies one engine's batches in order; the caller guarantees order (events/sequence.py)."""
+
+    def __init__(self, engine: str, model: str, store: BlockStore) -> None:
+        self.engine = engine
+        self.model = model
+        self.store = store
+        self.last_seq: int | None = None
+        self.block_size: int | None = None
+
+    def apply(self, batch: EventBatch) -> IngestStats:
+        stats = IngestStats()
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                self._stored(event, stats)
+            elif isinstance(event, BlockRemoved):
+                if event.medium in INDEXED_MEDIA and event.group_idx in INDEXED_GROUPS:
+                    stats.removed += self.store.remove(self.engine, event.block_hashes)
+                else:
+                    stats.skipped += 1
+            elif isinstance(event, AllBlocksCleared):
+                stats.cleared += self.store.clear(self.engine)
+        self.last_seq = batch.seq
+        return stats
+
+    def _stored(self, event: BlockStored, stats: IngestStats) -> None:
+        if event.medium not in INDEXED_MEDIA or event.group_idx not in INDEXED_GROUPS:
+            stats.skipped += 1
+            return
+        extras = event.extra_keys or (None,) * len(event.block_hashes)
+        first = event.parent_block_hash is None
+        if first:
+            head = split_extra_keys(extras[0], event.lora_name, first_block=True)
+            parent: int | None = root_seed(self.model, head.lora_name, head.cache_salt)
+        else:
+            parent = self.store.own_key(self.engine, event.parent_block_hash)
+            if parent is None:
+                stats.orphaned += 1
+                return
+        size = event.block_size
+        tokens = event.token_ids
+        pairs = []
+        for i, engine_hash in enumerate(event.block_hashes):
+            other = split_extra_keys(extras[i], event.lora_name, first_block=first and i == 0).other
+            parent = next_key(parent, tokens[i * size : (i + 1) * size], other)
+            pairs.append((engine_hash, parent))
+            stats.stored_keys.append(parent)
+        self.block_size = size
+        stats.stored += self.store.store(self.engine, pairs)
+
+    def reset(self) -> int:
+        """The engine restarted: its cache is empty; returns the number of blocks dropped."""
+        return self.store.clear(self.engine)
