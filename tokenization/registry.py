@@ -1,0 +1,100 @@
+"""Which tokenizer serves which model, loaded once per process and checked for segment independence.
+
+A tokenizer is named by a spec: a local HF folder or a hub name, loaded with ``AutoTokenizer`` the way
+vLLM loads it (truncation on the left). ``HF_HUB_OFFLINE`` is honoured, so a router never reaches out
+to the hub when told not to.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from tokenization.messages import RenderError
+from tokenization.render import render_chat
+from tokenization.segments import SegmentPlan, plan
+
+DEFAULT_TOKENIZER_DIR = Path(__file__).resolve().parent / "default"
+"""The embedded byte-level BPE with a ChatML template that the simulated engines use."""
+
+PROBE_CONVERSATIONS = (
+    [{"role": "system", "content": "You are terse. "}, {"role": "user", "content": " hi\n"}],
+    [{"role": "user", "content": "é😀\n\n  x"}, {"role": "assistant", "content": "ok  "},
+     {"role": "user", "content": ""}],
+    [{"role": "user", "content": [{"type": "text", "text": "def f():\n    return 1\n"},
+                                  {"type": "text", "text": "\t"}]}],
+)
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@lru_cache(maxsize=16)
+def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
+    """Load (once per process) the HF tokenizer named by ``spec``."""
+    return AutoTokenizer.from_pretrained(spec, truncation_side="left", local_files_only=hub_offline())
+
+
+def encode_plain(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> list[list[int]]:
+    """Ids of each text without added special tokens: how every segment is tokenized."""
+    if not texts:
+        return []
+    out = tokenizer(list(texts), add_special_tokens=False, return_attention_mask=False,
+                    return_token_type_ids=False)["input_ids"]
+    return [list(ids) for ids in out]
+
+
+def _rendered_probes(tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    texts = []
+    for messages in PROBE_CONVERSATIONS:
+        try:
+            texts.append(render_chat(tokenizer, {"messages": messages}))
+        except RenderError:
+            break
+    return texts
+
+
+@dataclass(frozen=True)
+class LoadedTokenizer:
+    """A tokenizer ready for the router: the HF object and its checked segment plan."""
+
+    spec: str
+    hf: PreTrainedTokenizerBase
+    plan: SegmentPlan
+
+    @classmethod
+    def load(cls, spec: str) -> LoadedTokenizer:
+        hf = load_tokenizer(spec)
+        added = [token.content for token in hf.added_tokens_decoder.values()]
+        checked = plan(added, lambda texts: encode_plain(hf, texts),
+                       lambda text: hf.encode(text, add_special_tokens=True), _rendered_probes(hf))
+        return cls(spec, hf, checked)
+
+
+class TokenizerRegistry:
+    """Maps served model names to tokenizer specs; unknown models use the default spec if one is set."""
+
+    def __init__(self, models: Mapping[str, str] | None = None, default: str | None = None) -> None:
+        self.models = dict(models or {})
+        self.default = default
+
+    def spec_for(self, model: object) -> str:
+        spec = self.models.get(model) if isinstance(model, str) else None
+        if spec is None:
+            spec = self.default
+        if spec is None:
+            raise RenderError(f"The model `{model}` does not exist.", "model")
+        return spec
+
+    def specs(self) -> list[str]:
+        """Every distinct spec, so that workers can load them before traffic arrives."""
+        found = dict.fromkeys(self.models.values())
+        if self.default is not None:
+            found[self.default] = None
+        return list(found)
