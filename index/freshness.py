@@ -1,0 +1,96 @@
+"""Sans-IO freshness of one engine's cache knowledge and the confidence derived from it.
+
+An idle engine publishes nothing, so silence only counts against an engine that its last /metrics
+poll showed busy; silence is measured from when it became busy, not from its last event. Lost
+batches (unfillable gaps) make the state partly unknown for a while; losing the replica that owns
+the engine's event stream (mesh) decays knowledge like silence does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class FreshnessPolicy:
+    silence_grace_s: float = 2.0
+    silence_half_life_s: float = 10.0
+    poll_stale_s: float = 5.0
+    loss_penalty: float = 0.5
+    loss_recovery_s: float = 30.0
+
+
+class EngineFreshness:
+    """Counters and timestamps for one engine; `confidence(now)` is in [0, 1]."""
+
+    def __init__(self, has_events: bool = True, policy: FreshnessPolicy | None = None) -> None:
+        self.has_events = has_events
+        self.policy = policy or FreshnessPolicy()
+        self.last_event_at: float | None = None
+        self.last_seq: int | None = None
+        self.gaps = 0
+        self.lost_batches = 0
+        self.replay_failures = 0
+        self.resets = 0
+        self.last_loss_at: float | None = None
+        self.last_poll_at: float | None = None
+        self.running: int | None = None
+        self.busy_since: float | None = None
+        self.owner_present = True
+        self.owner_lost_at: float | None = None
+
+    def on_events(self, now: float, seq: int) -> None:
+        self.last_event_at = now
+        self.last_seq = seq
+
+    def on_gap(self) -> None:
+        self.gaps += 1
+
+    def on_lost(self, now: float, batches: int) -> None:
+        self.lost_batches += batches
+        self.last_loss_at = now
+
+    def on_replay_failed(self) -> None:
+        self.replay_failures += 1
+
+    def on_reset(self) -> None:
+        self.resets += 1
+
+    def on_poll(self, now: float, running: int) -> None:
+        if running > 0 and (self.running is None or self.running == 0):
+            self.busy_since = now
+        self.running = running
+        self.last_poll_at = now
+
+    def on_owner(self, now: float, present: bool) -> None:
+        if self.owner_present and not present:
+            self.owner_lost_at = now
+        self.owner_present = present
+
+    def confidence(self, now: float) -> float:
+        if self.has_events and self.last_event_at is None and self.last_poll_at is None:
+            return 0.0
+        p = self.policy
+        value = 1.0
+        if self.has_events:
+            silence = self._suspicious_silence(now)
+            if silence > p.silence_grace_s:
+                value *= 0.5 ** ((silence - p.silence_grace_s) / p.silence_half_life_s)
+        if self.last_loss_at is not None:
+            remaining = max(0.0, 1.0 - (now - self.last_loss_at) / p.loss_recovery_s)
+            value *= 1.0 - p.loss_penalty * remaining
+        if not self.owner_present and self.owner_lost_at is not None:
+            value *= 0.5 ** (max(0.0, now - self.owner_lost_at) / p.silence_half_life_s)
+        return min(1.0, max(0.0, value))
+
+    def _suspicious_silence(self, now: float) -> float:
+        """Seconds of silence that cannot be explained by the engine being idle."""
+        poll_fresh = self.last_poll_at is not None and now - self.last_poll_at <= self.policy.poll_stale_s
+        if poll_fresh and self.running == 0:
+            return 0.0
+        since = self.last_event_at
+        if poll_fresh and self.busy_since is not None:
+            since = self.busy_since if since is None else max(since, self.busy_since)
+        if since is None:
+            since = self.last_poll_at if self.last_poll_at is not None else now
+        return max(0.0, now - since)

@@ -1,0 +1,107 @@
+"""CacheView: the one object the gateway asks, once per request, what each engine has cached.
+
+It combines the exact index (fed by KV events), approximate and speculative entries (what the
+router dispatched) and per-engine freshness. The caller hashes the prompt once per distinct block
+size among the candidates (`index.block_hash.chain`) and passes the chains keyed by block size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from index.approximate import ApproximateIndex
+from index.freshness import EngineFreshness, FreshnessPolicy
+from index.ingest import IngestStats
+from index.store import BlockStore
+
+
+@dataclass(frozen=True, slots=True)
+class CacheOverlap:
+    """`exact_blocks` from events (scale by `confidence`); `approx_blocks` >= exact adds guesses."""
+
+    exact_blocks: int
+    approx_blocks: int
+    confidence: float
+    block_size: int
+
+
+@dataclass(slots=True)
+class EngineCacheInfo:
+    block_size: int
+    has_events: bool
+    freshness: EngineFreshness
+
+
+class CacheView:
+    def __init__(self, store: BlockStore, *, speculative_ttl_s: float = 5.0,
+                 approximate_ttl_s: float = 600.0, policy: FreshnessPolicy | None = None) -> None:
+        self.store = store
+        self.approximate = ApproximateIndex()
+        self.speculative_ttl_s = speculative_ttl_s
+        self.approximate_ttl_s = approximate_ttl_s
+        self._policy = policy
+        self._engines: dict[str, EngineCacheInfo] = {}
+
+    def register(self, engine: str, *, block_size: int, has_events: bool,
+                 capacity_blocks: int | None = None) -> EngineCacheInfo:
+        """Add or update an engine; block size and capacity come from config or its /metrics."""
+        info = self._engines.get(engine)
+        if info is None or info.has_events != has_events:
+            info = EngineCacheInfo(block_size, has_events, EngineFreshness(has_events, self._policy))
+            self._engines[engine] = info
+        info.block_size = block_size
+        if capacity_blocks is not None:
+            self.approximate.set_capacity(engine, capacity_blocks)
+        return info
+
+    def unregister(self, engine: str) -> None:
+        self._engines.pop(engine, None)
+        self.approximate.clear(engine)
+        self.store.clear(engine)
+
+    def info(self, engine: str) -> EngineCacheInfo | None:
+        return self._engines.get(engine)
+
+    def block_sizes(self, engines: Iterable[str]) -> set[int]:
+        """Which chains the caller must compute for these candidates."""
+        return {info.block_size for e in engines if (info := self._engines.get(e)) is not None}
+
+    def overlaps(self, chains_by_block_size: Mapping[int, Sequence[int]], engines: Iterable[str],
+                 now: float) -> dict[str, CacheOverlap]:
+        known = [e for e in engines if e in self._engines]
+        by_size: dict[int, list[str]] = {}
+        for engine in known:
+            by_size.setdefault(self._engines[engine].block_size, []).append(engine)
+        result: dict[str, CacheOverlap] = {}
+        for size, group in by_size.items():
+            chain = chains_by_block_size.get(size, ())
+            exact = self.store.overlap(chain, group) if chain else {}
+            for engine in group:
+                info = self._engines[engine]
+                held = exact.get(engine, 0)
+                approx = self.approximate.leading(engine, chain, now, start=held)
+                result[engine] = CacheOverlap(held, approx, info.freshness.confidence(now), size)
+        return result
+
+    def record_dispatch(self, engine: str, chains_by_block_size: Mapping[int, Sequence[int]],
+                        now: float) -> None:
+        """The router sent a prompt to `engine`: remember its blocks until events (or TTL) say more."""
+        info = self._engines.get(engine)
+        if info is None:
+            return
+        chain = chains_by_block_size.get(info.block_size)
+        if chain:
+            ttl = self.speculative_ttl_s if info.has_events else self.approximate_ttl_s
+            self.approximate.record(engine, chain, now, ttl)
+
+    def on_ingest(self, engine: str, stats: IngestStats) -> None:
+        """Real events arrived: speculative entries for those blocks are no longer needed."""
+        if stats.stored_keys:
+            self.approximate.discard(engine, stats.stored_keys)
+        if stats.cleared:
+            self.approximate.clear(engine)
+
+    def on_reset(self, engine: str) -> None:
+        """The engine restarted or cleared its cache: nothing it held is still there."""
+        self.approximate.clear(engine)
