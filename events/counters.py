@@ -1,0 +1,13 @@
+"""Prometheus counters of the event path (default registry, exported by the gateway's /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter
+
+EVENTS_DROPPED = Counter(
+    "kvmesh_events_dropped_total", "KV-event messages dropped before reaching the index", ["engine", "reason"]
+)
+EVENT_BATCHES = Counter("kvmesh_event_batches_total", "KV-event batches applied to the index", ["engine"])
+BLOCK_OPS = Counter("kvmesh_event_block_ops_total", "Block operations applied from KV events", ["engine", "op"])
+REPLAYS = Counter("kvmesh_event_replays_total", "Replay requests by outcome", ["engine", "outcome"])
+METRICS_POLLS = Counter("kvmesh_metrics_polls_total", "Engine /metrics polls by outcome", ["engine", "outcome"])

@@ -1,0 +1,112 @@
+"""Sans-IO glue for one engine's event stream: frames in, index and freshness updated.
+
+The trio subscriber (events/subscriber.py) only moves bytes and time into an EngineFeed and starts
+a replay when told to; every decision lives here so it can be tested without sockets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from events.counters import BLOCK_OPS, EVENT_BATCHES, EVENTS_DROPPED, REPLAYS
+from events.decode import DecodeError, EventBatch, ReplayEnd, decode_live, decode_replay
+from events.sequence import Decision, SequenceTracker
+from index.ingest import EngineIngest, IngestStats
+from index.view import CacheView
+
+DEFAULT_MAX_PAYLOAD = 16 * 1024 * 1024
+
+
+class EngineFeed:
+    def __init__(self, engine: str, model: str, view: CacheView,
+                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD) -> None:
+        info = view.info(engine)
+        if info is None:
+            raise ValueError(f"engine {engine!r} is not registered in the cache view")
+        self.engine = engine
+        self.view = view
+        self.freshness = info.freshness
+        self.ingest = EngineIngest(engine, model, view.store)
+        self.tracker: SequenceTracker[EventBatch] = SequenceTracker()
+        self.max_payload_bytes = max_payload_bytes
+        self.totals = IngestStats()
+
+    def _drop(self, reason: str, count: int = 1) -> None:
+        EVENTS_DROPPED.labels(engine=self.engine, reason=reason).inc(count)
+
+    def _oversized(self, frames: Sequence[bytes]) -> bool:
+        if sum(len(f) for f in frames) > self.max_payload_bytes:
+            self._drop("oversized")
+            return True
+        return False
+
+    def on_live(self, frames: Sequence[bytes], now: float) -> int | None:
+        """One live message; returns the seq to replay from when a gap opened, else None."""
+        if self._oversized(frames):
+            return None
+        try:
+            batch = decode_live(frames)
+        except DecodeError as exc:
+            self._drop(exc.reason)
+            return None
+        decision = self.tracker.live(batch.seq, batch)
+        self._act(decision, now)
+        if decision.replay_from is not None:
+            self.freshness.on_gap()
+            REPLAYS.labels(engine=self.engine, outcome="requested").inc()
+        return decision.replay_from
+
+    def on_replay(self, frames: Sequence[bytes], now: float) -> bool:
+        """One replay reply; returns True when the replay is finished (end marker)."""
+        if self._oversized(frames):
+            return False
+        try:
+            item = decode_replay(frames)
+        except DecodeError as exc:
+            self._drop(f"replay_{exc.reason}")
+            return False
+        if isinstance(item, ReplayEnd):
+            REPLAYS.labels(engine=self.engine, outcome="completed").inc()
+            self._act(self.tracker.replay_done(), now)
+            return True
+        self._act(self.tracker.replayed(item.seq, item), now)
+        return False
+
+    def on_replay_failed(self, now: float) -> None:
+        """No replay endpoint, timeout or socket error: the gap stays open and is recorded as lost."""
+        if not self.tracker.replaying:
+            return
+        REPLAYS.labels(engine=self.engine, outcome="failed").inc()
+        self.freshness.on_replay_failed()
+        self._act(self.tracker.replay_failed(), now)
+
+    @property
+    def replaying(self) -> bool:
+        return self.tracker.replaying
+
+    def _act(self, decision: Decision[EventBatch], now: float) -> None:
+        if decision.reset:
+            dropped = self.ingest.reset()
+            BLOCK_OPS.labels(engine=self.engine, op="reset").inc(dropped)
+            self.freshness.on_reset()
+            self.view.on_reset(self.engine)
+        if decision.lost:
+            self.freshness.on_lost(now, decision.lost)
+        if decision.duplicates:
+            self._drop("duplicate", decision.duplicates)
+        for batch in decision.apply:
+            stats = self.ingest.apply(batch)
+            self.view.on_ingest(self.engine, stats)
+            self.freshness.on_events(now, batch.seq)
+            self._count(batch, stats)
+
+    def _count(self, batch: EventBatch, stats: IngestStats) -> None:
+        EVENT_BATCHES.labels(engine=self.engine).inc()
+        for op, value in (("stored", stats.stored), ("removed", stats.removed), ("cleared", stats.cleared),
+                          ("orphaned", stats.orphaned), ("skipped", stats.skipped)):
+            if value:
+                BLOCK_OPS.labels(engine=self.engine, op=op).inc(value)
+        if batch.unknown_events:
+            self._drop("unknown_event", batch.unknown_events)
+        stats.stored_keys = []
+        self.totals.merge(stats)
