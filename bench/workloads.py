@@ -187,3 +187,14 @@ def build(
 
 def total_requests(conversations: list[Conversation]) -> int:
     return sum(len(c.user_turns) for c in conversations)
+
+
+def primers(conversations: list[Conversation], seed: int, tokens: int = 8) -> list[Conversation]:
+    """One request per distinct system prompt, with a question no measured request asks.
+
+    Sent before measuring, they put every shared prefix in some engine's cache, so the measured hit
+    rate shows where requests are routed rather than the unavoidable first miss of each prefix.
+    """
+    rng = random.Random(f"primer-{seed}")
+    systems = list(dict.fromkeys(c.system for c in conversations if c.system is not None))
+    return [Conversation(f"primer{i}", ["Primer:" + text(rng, tokens)], 1, s) for i, s in enumerate(systems)]

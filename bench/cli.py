@@ -1,0 +1,120 @@
+"""``kvmesh bench``: compare routing policies, measure router overhead, check the issue's targets."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import trio
+
+from bench.overhead import format_overhead, measure_overhead
+from bench.report import Row, format_table, verdicts
+from bench.runner import FleetSpec, MeasureOptions, compare_policies, measure_target
+from bench.workloads import WORKLOAD_NAMES
+
+SMALL_CACHE_BLOCKS = 256
+"""Blocks per engine for workload d, so its working set is a few times the fleet's capacity."""
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _fleet_args(p: argparse.ArgumentParser, profile: str) -> None:
+    p.add_argument("--engines", type=int, default=3)
+    p.add_argument("--profile", default=profile)
+    p.add_argument("--time-scale", type=float, default=1.0)
+    p.add_argument("--num-blocks", type=int, help="KV blocks per engine (default 4096; 256 for workload d)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--log-dir", type=Path, help="child process logs (default: a new temporary folder)")
+
+
+def _measure_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--requests", type=int, help="scale the workload (default: the workload's own size)")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
+    p.add_argument("--tokenizer", help="passed to the router")
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="kvmesh bench", description=__doc__)
+    sub = root.add_subparsers(dest="command", required=True)
+    routing = sub.add_parser("routing", help="policies side by side on one workload")
+    routing.add_argument("--workload", choices=WORKLOAD_NAMES, default="a")
+    routing.add_argument("--concurrency", type=_int_list, default=[1, 32], help="comma-separated")
+    routing.add_argument("--policies", default="kv_aware,round_robin,approximate", help="comma-separated")
+    routing.add_argument("--target", help="drive this OpenAI URL instead of starting routers")
+    routing.add_argument("--label", default="target", help="row name for --target")
+    routing.add_argument("--engine-metrics", nargs="*", default=[], help="engine URLs whose /metrics to diff")
+    _fleet_args(routing, "a40-qwen1.5b")
+    _measure_args(routing)
+    targets = sub.add_parser("targets", help="run workloads a, b and d and judge the issue's targets")
+    targets.add_argument("--policies", default="kv_aware,round_robin,approximate")
+    _fleet_args(targets, "a40-qwen1.5b")
+    _measure_args(targets)
+    overhead = sub.add_parser("overhead", help="router vs direct engine: req/s and added latency")
+    overhead.add_argument("--concurrency", type=int, default=8)
+    overhead.add_argument("--requests", type=int, default=200, help="per block")
+    overhead.add_argument("--rounds", type=int, default=4)
+    overhead.add_argument("--policy", default="kv_aware")
+    _fleet_args(overhead, "fast")
+    return root
+
+
+def _spec(args: argparse.Namespace, workload: str, engines: int | None = None) -> FleetSpec:
+    blocks = args.num_blocks or (SMALL_CACHE_BLOCKS if workload == "d" else 4096)
+    return FleetSpec(
+        engines or args.engines, args.profile, args.time_scale, blocks, args.block_size, args.max_num_seqs
+    )
+
+
+def _options(args: argparse.Namespace, workload: str) -> MeasureOptions:
+    return MeasureOptions(workload, args.seed, args.requests, args.max_tokens, args.timeout)
+
+
+async def _routing(args: argparse.Namespace, log_dir: Path) -> list[Row]:
+    spec = _spec(args, args.workload)
+    options = _options(args, args.workload)
+    if args.target:
+        return await measure_target(
+            args.target, args.label, args.engine_metrics, args.concurrency, options, spec.capacity_tokens
+        )
+    policies = [p for p in args.policies.split(",") if p]
+    return await compare_policies(spec, policies, args.concurrency, options, log_dir, args.tokenizer)
+
+
+async def _targets(args: argparse.Namespace, log_dir: Path) -> list[Row]:
+    policies = [p for p in args.policies.split(",") if p]
+    rows: list[Row] = []
+    for workload, concurrencies in (("a", [1]), ("b", [1, 32]), ("d", [8])):
+        spec = _spec(args, workload)
+        rows += await compare_policies(spec, policies, concurrencies, _options(args, workload), log_dir, args.tokenizer)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``kvmesh bench``; exits 1 when a judged target fails."""
+    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvmesh-bench-"))
+    print(f"process logs: {log_dir}", file=sys.stderr)
+    if args.command == "overhead":
+        rows = trio.run(
+            measure_overhead, _spec(args, "", 1), log_dir, args.concurrency, args.requests, args.rounds, args.policy
+        )
+        print(format_overhead(rows))
+        return 0
+    run = _routing if args.command == "routing" else _targets
+    table_rows = trio.run(run, args, log_dir)
+    print(format_table(table_rows))
+    judged = verdicts(table_rows)
+    for verdict in judged:
+        print(verdict.line())
+    return 1 if any(not v.passed for v in judged) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

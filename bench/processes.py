@@ -1,0 +1,101 @@
+"""Child processes for a benchmark run: start, wait until they answer, always stop them.
+
+Each child gets its own log file so a failed start can be explained, and runs in its own session so
+stopping it never signals the benchmark itself.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import trio
+
+from bench.client import TRANSPORT_ERRORS, HttpClient
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class StartFailed(RuntimeError):
+    """A child exited or never became ready; the message carries the end of its log."""
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_range(count: int, rng: random.Random | None = None, attempts: int = 200) -> int:
+    """A base port with ``count`` consecutive free ports after it (a simulated fleet needs a run)."""
+    rng = rng or random.Random()
+    for _ in range(attempts):
+        base = rng.randrange(20000, 60000 - count)
+        if all(_bindable(base + i) for i in range(count)):
+            return base
+    raise StartFailed(f"no run of {count} free ports found")
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    """argv that runs a project module with the current interpreter."""
+    return [sys.executable, "-m", module, *args]
+
+
+def _log_tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+@asynccontextmanager
+async def spawned(argv: list[str], log_path: Path) -> AsyncIterator[trio.Process]:
+    """Run ``argv`` from the repository root for the duration of the block, then stop it."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        proc = await trio.lowlevel.open_process(
+            argv, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO_ROOT), start_new_session=True
+        )
+    try:
+        yield proc
+    finally:
+        with trio.CancelScope(shield=True):
+            await stop(proc)
+
+
+async def stop(proc: trio.Process, grace: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace`` seconds."""
+    if proc.returncode is None:
+        proc.send_signal(signal.SIGTERM)
+        with trio.move_on_after(grace):
+            await proc.wait()
+    if proc.returncode is None:
+        proc.kill()
+        await proc.wait()
+
+
+async def wait_ready(
+    client: HttpClient, url: str, proc: trio.Process, log_path: Path, timeout: float = 60.0
+) -> None:
+    """Poll ``url`` until it answers 200; fail early, with the log, if the process died."""
+    with trio.move_on_after(timeout):
+        while True:
+            if proc.returncode is not None:
+                raise StartFailed(f"{proc.args!r} exited with {proc.returncode}:\n{_log_tail(log_path)}")
+            try:
+                with trio.fail_after(2.0):
+                    if (await client.request(url)).status == 200:
+                        return
+            except (*TRANSPORT_ERRORS, trio.TooSlowError):
+                pass
+            await trio.sleep(0.1)
+    raise StartFailed(f"{url} not ready after {timeout:.0f} s:\n{_log_tail(log_path)}")
