@@ -1,0 +1,92 @@
+"""vLLM v1's exact prefix-cache block hash (sha256 over pickle protocol 5).
+
+Shared by the simulated engine (which must publish the same hashes as vLLM) and by verification
+code. The router's own index does not depend on it (see FACTS.md): it exists so that engine hashes
+can be reproduced and checked byte for byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+DEFAULT_SEED = "vllm-none-hash"
+U64_MASK = (1 << 64) - 1
+
+
+def sha256_pickle(obj: Any) -> bytes:
+    """vLLM's `sha256` hash function: sha256 over pickle protocol 5."""
+    return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def resolve_seed(seed: str | None = None) -> str:
+    """The NONE_HASH seed: explicit value, else PYTHONHASHSEED, else vLLM's fixed default."""
+    if seed is not None:
+        return seed
+    return os.environ.get("PYTHONHASHSEED", DEFAULT_SEED)
+
+
+def none_hash(seed: str | None = None) -> bytes:
+    """The parent hash of a chain's first block."""
+    return sha256_pickle(resolve_seed(seed))
+
+
+def hash_block(parent: bytes, token_ids: Sequence[int], extra_keys: tuple[Any, ...] | None) -> bytes:
+    """One block's 32-byte hash, chained on its parent (NONE_HASH for the first block)."""
+    return sha256_pickle((parent, tuple(token_ids), extra_keys))
+
+
+def salt_extra_keys(block_index: int, cache_salt: str | None) -> tuple[Any, ...] | None:
+    """vLLM's `generate_block_hash_extra_keys` for text requests: the salt enters block 0 only.
+
+    vLLM appends the bare salt string (not a ("cache_salt", salt) pair), so block 0's extra keys
+    are the 1-tuple `(salt,)`; an empty salt counts as none.
+    """
+    if block_index == 0 and cache_salt:
+        return (cache_salt,)
+    return None
+
+
+def to_u64(block_hash: bytes) -> int:
+    """The value vLLM publishes in KV events (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1)."""
+    return int.from_bytes(block_hash, "big") & U64_MASK
+
+
+class BlockHasher:
+    """Incremental chained hashing of one token sequence's full blocks.
+
+    Requests grow by generated tokens; hashing only the newly completed blocks keeps the cost
+    proportional to new tokens instead of the whole sequence.
+    """
+
+    __slots__ = ("block_size", "cache_salt", "hashes", "_root")
+
+    def __init__(self, block_size: int, cache_salt: str | None = None, seed: str | None = None) -> None:
+        self.block_size = block_size
+        self.cache_salt = cache_salt
+        self.hashes: list[bytes] = []
+        self._root = none_hash(seed)
+
+    def extend(self, token_ids: Sequence[int]) -> list[bytes]:
+        """Hash every full block of `token_ids` not hashed yet; return the new hashes."""
+        bs = self.block_size
+        new: list[bytes] = []
+        start = len(self.hashes) * bs
+        while start + bs <= len(token_ids):
+            index = len(self.hashes)
+            parent = self.hashes[-1] if self.hashes else self._root
+            h = hash_block(parent, token_ids[start : start + bs], salt_extra_keys(index, self.cache_salt))
+            self.hashes.append(h)
+            new.append(h)
+            start += bs
+        return new
+
+
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, cache_salt: str | None = None, seed: str | None = None
+) -> list[bytes]:
+    """All full-block hashes of a token sequence."""
+    return BlockHasher(block_size, cache_salt, seed).extend(token_ids)

@@ -1,0 +1,90 @@
+"""`kvmesh sim`: run a fleet of simulated vLLM engines in this process until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+
+import trio
+
+from sim.config import EngineConfig, FleetConfig
+from sim.fleet import describe, run_fleet
+from sim.profiles import DEFAULT_PROFILE, PROFILES
+from sim.tokenizer import DEFAULT_TOKENIZER
+
+READY_PREFIX = "KVMESH_SIM_READY "
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvmesh sim", description=__doc__)
+    p.add_argument("--engines", type=int, default=1)
+    p.add_argument("--base-port", type=int, default=8100, help="engine i serves HTTP on base+i; 0 = free ports")
+    p.add_argument("--event-base-port", type=int, default=None, help="default base+1000")
+    p.add_argument("--replay-base-port", type=int, default=None, help="default base+2000")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--model", default="kvmesh-tiny", help="served model name")
+    p.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER), help="Hugging Face tokenizer folder")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=4096, help="KV capacity per engine (incl. null block)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE)
+    p.add_argument("--time-scale", type=float, default=1.0, help="multiply every modelled duration")
+    p.add_argument("--event-encoding", choices=["map", "array"], default="map")
+    p.add_argument("--no-events", action="store_true")
+    p.add_argument("--topic", default="kv")
+    p.add_argument("--seed-hash", default=None, help="NONE_HASH seed like PYTHONHASHSEED (default: env or "
+                   "vLLM's 'vllm-none-hash')")
+    p.add_argument("--buffer-steps", type=int, default=10_000)
+    p.add_argument("--keep-alive", type=float, default=5.0, help="idle keep-alive timeout, seconds")
+    p.add_argument("--log-level", default="WARNING")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> FleetConfig:
+    if args.engines < 1 or args.block_size < 1 or args.num_blocks < 2 or args.max_num_seqs < 1:
+        raise ValueError("engines, block size and max-num-seqs must be >= 1, num-blocks >= 2")
+    if args.time_scale <= 0:
+        raise ValueError("time-scale must be positive")
+    engine = EngineConfig(
+        host=args.host, model=args.model, tokenizer=args.tokenizer, block_size=args.block_size,
+        num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs, profile=args.profile,
+        time_scale=args.time_scale, event_encoding=args.event_encoding, events=not args.no_events,
+        topic=args.topic, hash_seed=args.seed_hash, buffer_steps=args.buffer_steps,
+        keep_alive_s=args.keep_alive,
+    )
+    return FleetConfig(engines=args.engines, base_port=args.base_port, event_base_port=args.event_base_port,
+                       replay_base_port=args.replay_base_port, engine=engine)
+
+
+async def run(config: FleetConfig) -> None:
+    """Run the fleet; print one ready line (JSON list of engines) on stdout; stop on SIGINT/SIGTERM."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            engines = await nursery.start(run_fleet, config)
+            print(READY_PREFIX + json.dumps(describe([e.info for e in engines])), flush=True)
+            async for _ in signals:
+                nursery.cancel_scope.cancel()
+                break
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"kvmesh sim: {exc}", file=sys.stderr)
+        return 2
+    try:
+        trio.run(run, config)
+    except OSError as exc:
+        print(f"kvmesh sim: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Configuration of a simulated fleet and of each engine in it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from sim.event_encoding import Encoding
+from sim.profiles import DEFAULT_PROFILE
+from sim.tokenizer import DEFAULT_TOKENIZER
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """One engine. Port 0 means "any free port" (the bound port is reported once started)."""
+
+    index: int = 0
+    host: str = "127.0.0.1"
+    port: int = 0
+    event_port: int = 0
+    replay_port: int = 0
+    model: str = "kvmesh-tiny"
+    tokenizer: str = str(DEFAULT_TOKENIZER)
+    block_size: int = 16
+    num_blocks: int = 4096
+    max_num_seqs: int = 256
+    profile: str = DEFAULT_PROFILE
+    time_scale: float = 1.0
+    event_encoding: Encoding = "map"
+    events: bool = True
+    topic: str = "kv"
+    hash_seed: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    keep_alive_s: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class FleetConfig:
+    """N engines in one process: engine i listens on base_port+i, events on event_base_port+i and
+    replay on replay_base_port+i (defaults base+1000+i and base+2000+i); base_port 0 = all free ports."""
+
+    engines: int = 1
+    base_port: int = 0
+    event_base_port: int | None = None
+    replay_base_port: int | None = None
+    engine: EngineConfig = EngineConfig()
+
+    def engine_configs(self) -> list[EngineConfig]:
+        if self.base_port == 0:
+            return [replace(self.engine, index=i, port=0, event_port=0, replay_port=0)
+                    for i in range(self.engines)]
+        ev = self.event_base_port if self.event_base_port is not None else self.base_port + 1000
+        rp = self.replay_base_port if self.replay_base_port is not None else self.base_port + 2000
+        return [replace(self.engine, index=i, port=self.base_port + i, event_port=ev + i, replay_port=rp + i)
+                for i in range(self.engines)]
+

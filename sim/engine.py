@@ -1,0 +1,340 @@
+"""One simulated vLLM engine: HTTP API, scheduler loop and KV-event publisher in one nursery.
+
+The scheduler task asks the sans-IO core for a step, sleeps the step's modelled duration (times the
+time scale and the `slow` fault), then publishes the step's KV events as one batch and hands the
+sampled tokens to the waiting HTTP handlers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+import xxhash
+import zmq
+
+from sim.config import EngineConfig
+from sim.engine_core import EngineCore, SimRequest, TokenOutput
+from sim.event_encoding import encode_batch
+from sim.http_server import HttpRequest, HttpResponse, serve_http
+from sim.kv_cache import KVCache
+from sim.metrics import EngineMetrics, Snapshot
+from sim.openai_api import (
+    DONE,
+    ApiError,
+    GenParams,
+    ResponseHead,
+    dumps,
+    models_body,
+    new_id,
+    parse_generation,
+    parse_json,
+    usage,
+)
+from sim.profiles import get_profile
+from sim.publisher import EventPublisher
+from sim.tokenizer import PromptError, SimTokenizer
+
+log = logging.getLogger(__name__)
+
+SSE = "text/event-stream; charset=utf-8"
+METRICS = "text/plain; version=0.0.4; charset=utf-8"
+DEFAULT_GEN_RANGE = (8, 64)
+
+
+@dataclass(slots=True)
+class Faults:
+    """Fault knobs set through POST /sim/fault."""
+
+    slow: float = 1.0
+    fail_rate: float = 0.0
+    stall_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """Where a started engine listens."""
+
+    index: int
+    url: str
+    port: int
+    event_port: int | None
+    replay_port: int | None
+
+
+class SimEngine:
+    def __init__(self, cfg: EngineConfig, tokenizer: SimTokenizer, zmq_ctx: zmq.Context) -> None:
+        self.cfg = cfg
+        self.tok = tokenizer
+        self.profile = get_profile(cfg.profile)
+        self.core = EngineCore(KVCache(cfg.num_blocks, cfg.block_size), self.profile, cfg.max_num_seqs,
+                               tokenizer.gen_vocab, cfg.hash_seed)
+        self.faults = Faults()
+        self.created = int(time.time())
+        self.success: dict[str, int] = {}
+        self.inflight = 0
+        self.malformed = 0
+        self._zmq_ctx = zmq_ctx
+        self._channels: dict[str, trio.MemorySendChannel[TokenOutput]] = {}
+        self._wake = trio.Event()
+        self._rng = random.Random(cfg.index)
+        self._ids = itertools.count()
+        self._cancel: trio.CancelScope | None = None
+        self.publisher: EventPublisher | None = None
+        self.info: EngineInfo | None = None
+        self.metrics = EngineMetrics(cfg.model, {
+            "block_size": str(cfg.block_size), "num_gpu_blocks": str(cfg.num_blocks),
+            "prefix_caching_hash_algo": "sha256", "enable_prefix_caching": "True", "cache_dtype": "auto",
+        }, self._snapshot)
+
+    def _snapshot(self) -> Snapshot:
+        st = self.core.stats
+        return Snapshot(len(self.core.running), len(self.core.waiting), self.core.cache.usage,
+                        st.prefix_queries, st.prefix_hits, st.prompt_tokens, st.generation_tokens,
+                        st.preemptions, dict(self.success))
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[EngineInfo] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled or killed by the `die` fault."""
+        cfg = self.cfg
+        listeners = await trio.open_tcp_listeners(cfg.port, host=cfg.host)
+        if cfg.events:
+            self.publisher = EventPublisher(self._zmq_ctx, cfg.host, cfg.event_port, cfg.replay_port, cfg.topic,
+                                            cfg.buffer_steps, cfg.hwm)
+        port = listeners[0].socket.getsockname()[1]
+        try:
+            with trio.CancelScope() as self._cancel:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._scheduler_loop)
+                    if self.publisher is not None:
+                        nursery.start_soon(self.publisher.serve_replay)
+                    nursery.start_soon(serve_http, listeners, self.handle, cfg.keep_alive_s)
+                    self.info = EngineInfo(
+                        cfg.index, f"http://{cfg.host}:{port}", port,
+                        self.publisher.port if self.publisher else None,
+                        self.publisher.replay_port if self.publisher else None)
+                    task_status.started(self.info)
+        finally:
+            for listener in listeners:
+                await listener.aclose()
+            if self.publisher is not None:
+                self.publisher.close()
+
+    def _wakeup(self) -> None:
+        self._wake.set()
+
+    async def _scheduler_loop(self) -> None:
+        while True:
+            if not self.core.has_work():
+                await self._wake.wait()
+                self._wake = trio.Event()
+                continue
+            if self.faults.stall_s > 0:
+                stall, self.faults.stall_s = self.faults.stall_s, 0.0
+                await trio.sleep(stall)
+            start = trio.current_time()
+            result = self.core.step()
+            scale = self.cfg.time_scale * self.faults.slow
+            await trio.sleep_until(start + result.duration * scale)
+            if result.events and self.publisher is not None:
+                self.publisher.publish(encode_batch(time.time(), result.events, self.cfg.event_encoding))
+            for out in result.outputs:
+                chan = self._channels.get(out.request_id)
+                if chan is not None:
+                    chan.send_nowait(out)
+            if not result.outputs and not result.events and result.duration == 0:
+                await self._wake.wait()
+                self._wake = trio.Event()
+
+    # ---- HTTP --------------------------------------------------------------------------------
+
+    async def handle(self, req: HttpRequest) -> HttpResponse:
+        route = (req.method, req.path)
+        try:
+            if route == ("POST", "/v1/chat/completions"):
+                return await self._generate(req, chat=True)
+            if route == ("POST", "/v1/completions"):
+                return await self._generate(req, chat=False)
+            if route == ("GET", "/health"):
+                return HttpResponse(200)
+            if route == ("GET", "/metrics"):
+                return HttpResponse(200, self.metrics.render(), METRICS)
+            if route == ("GET", "/load"):
+                return HttpResponse(200, dumps({"server_load": self.inflight}))
+            if route == ("GET", "/v1/models"):
+                return HttpResponse(200, models_body(self.cfg.model, self.tok.path, self.core.max_model_len,
+                                                     self.created))
+            if route == ("GET", "/kv_event_sources"):
+                return HttpResponse(200, dumps({"0": self._events_config()}))
+            if route == ("POST", "/tokenize"):
+                return self._tokenize(parse_json(req.body))
+            if route == ("POST", "/reset_prefix_cache"):
+                self.core.request_reset()
+                self._wakeup()
+                return HttpResponse(200)
+            if route == ("POST", "/sim/fault"):
+                return self._fault(parse_json(req.body))
+        except ApiError as exc:
+            self.malformed += 1
+            return HttpResponse(exc.status, exc.body())
+        if req.path in _KNOWN_PATHS:
+            return HttpResponse(405, b'{"detail":"Method Not Allowed"}')
+        return HttpResponse(404, b'{"detail":"Not Found"}')
+
+    def _events_config(self) -> dict[str, Any]:
+        p = self.publisher
+        return {
+            "enable_kv_cache_events": p is not None,
+            "publisher": "zmq" if p is not None else "null",
+            "endpoint": f"tcp://*:{p.port}" if p else f"tcp://*:{self.cfg.event_port}",
+            "replay_endpoint": f"tcp://*:{p.replay_port}" if p else None,
+            "buffer_steps": self.cfg.buffer_steps,
+            "hwm": self.cfg.hwm,
+            "max_queue_size": 100_000,
+            "topic": self.cfg.topic,
+        }
+
+    def _prompt_ids(self, body: dict[str, Any], chat: bool) -> list[int]:
+        try:
+            if chat:
+                kwargs = body.get("chat_template_kwargs") or {}
+                if not isinstance(kwargs, dict):
+                    raise ApiError("chat_template_kwargs must be an object", param="chat_template_kwargs")
+                add_gen = body.get("add_generation_prompt", True)
+                return self.tok.encode_chat(body.get("messages"), bool(add_gen), **kwargs)
+            return self.tok.encode_prompt(body.get("prompt"), bool(body.get("add_special_tokens", True)))
+        except PromptError as exc:
+            raise ApiError(str(exc), param="messages" if chat else "prompt") from None
+
+    def _tokenize(self, body: dict[str, Any]) -> HttpResponse:
+        model = body.get("model")
+        if model is not None and model != self.cfg.model:
+            raise ApiError(f"The model `{model}` does not exist.", status=404, param="model")
+        ids = self._prompt_ids(body, chat="messages" in body)
+        return HttpResponse(200, dumps({"count": len(ids), "max_model_len": self.core.max_model_len,
+                                        "tokens": ids, "token_strs": None}))
+
+    def _fault(self, body: dict[str, Any]) -> HttpResponse:
+        f = self.faults
+        try:
+            if body.get("clear"):
+                self.faults = Faults()
+                if self.publisher is not None:
+                    self.publisher.drop = False
+            if "slow" in body:
+                f.slow = float(body["slow"])
+                if not math.isfinite(f.slow) or f.slow <= 0:
+                    raise ValueError("slow must be a positive factor")
+            if "fail_5xx" in body:
+                v = body["fail_5xx"]
+                f.fail_rate = 1.0 if v is True else 0.0 if v is False else min(max(float(v), 0.0), 1.0)
+            if "stall" in body:
+                f.stall_s = max(float(body["stall"]), 0.0)
+                self._wakeup()
+            if "drop_events" in body and self.publisher is not None:
+                self.publisher.drop = bool(body["drop_events"])
+        except (TypeError, ValueError) as exc:
+            raise ApiError(f"bad fault: {exc}") from None
+        if body.get("reset_cache"):
+            self.core.request_reset()
+            self._wakeup()
+        if body.get("die"):
+            assert self._cancel is not None
+            self._cancel.cancel()
+        return HttpResponse(200, dumps({"slow": self.faults.slow, "fail_5xx": self.faults.fail_rate,
+                                        "drop_events": bool(self.publisher and self.publisher.drop)}))
+
+    def _make_request(self, params: GenParams, ids: list[int]) -> SimRequest:
+        room = self.core.max_model_len - len(ids)
+        prompt_seed = xxhash.xxh64_intdigest(repr(ids).encode())
+        if params.max_tokens is not None:
+            if params.max_tokens > room:
+                raise ApiError(
+                    f"This model's maximum context length is {self.core.max_model_len} tokens. However, you "
+                    f"requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the messages, "
+                    f"{params.max_tokens} in the completion). Please reduce the length of the messages or "
+                    "completion.", param="max_tokens")
+            max_tokens, reason = params.max_tokens, "length"
+        else:
+            if room < 1:
+                raise ApiError(f"The prompt ({len(ids)} tokens) is longer than the maximum model length of "
+                               f"{self.core.max_model_len}.", param="messages")
+            max_tokens, reason = min(random.Random(prompt_seed).randint(*DEFAULT_GEN_RANGE), room), "stop"
+        return SimRequest(
+            request_id=f"req-{next(self._ids)}",
+            prompt_ids=ids, max_tokens=max_tokens, finish_reason=reason,
+            rng=random.Random(params.seed if params.seed is not None else prompt_seed),
+            cache_salt=params.cache_salt, report_full=params.report_full,
+        )
+
+    async def _generate(self, req: HttpRequest, chat: bool) -> HttpResponse:
+        body = parse_json(req.body)
+        params = parse_generation(body, self.cfg.model, chat)
+        if self.faults.fail_rate and self._rng.random() < self.faults.fail_rate:
+            return HttpResponse(500, ApiError("simulated engine failure", status=500).body())
+        ids = self._prompt_ids(body, chat)
+        sreq = self._make_request(params, ids)
+        head = ResponseHead(new_id(chat), int(time.time()), self.cfg.model, chat)
+        if params.stream:
+            return HttpResponse(200, content_type=SSE, stream=self._stream(head, sreq, params))
+        texts: list[str] = []
+        last: TokenOutput | None = None
+        async for out in self._tokens(sreq):
+            texts.append(self.tok.token_text[out.token_id])
+            last = out
+        assert last is not None and last.finish_reason is not None
+        use = usage(len(ids), len(texts), last.cached_tokens)
+        return HttpResponse(200, head.full_response("".join(texts), last.finish_reason, use))
+
+    async def _stream(self, head: ResponseHead, sreq: SimRequest, params: GenParams) -> AsyncIterator[bytes]:
+        n = 0
+        cached = 0
+        async for out in self._tokens(sreq):
+            if n == 0 and head.chat:
+                yield head.role_chunk()
+            n += 1
+            cached = out.cached_tokens
+            yield head.text_chunk(self.tok.token_text[out.token_id], out.finish_reason)
+        if params.include_usage:
+            yield head.usage_chunk(usage(len(sreq.prompt_ids), n, cached))
+        yield DONE
+
+    async def _tokens(self, sreq: SimRequest) -> AsyncIterator[TokenOutput]:
+        """Run one request through the engine, yielding its tokens; aborts it if abandoned."""
+        arrival = trio.current_time()
+        send, recv = trio.open_memory_channel[TokenOutput](math.inf)
+        self.inflight += 1
+        finished = False
+        try:
+            await trio.sleep(self.profile.frontend_s * self.cfg.time_scale * self.faults.slow)
+            self._channels[sreq.request_id] = send
+            self.core.add(sreq)
+            self._wakeup()
+            first = True
+            async for out in recv:
+                if first:
+                    self.metrics.ttft.observe(trio.current_time() - arrival)
+                    first = False
+                yield out
+                if out.finish_reason is not None:
+                    finished = True
+                    self.success[out.finish_reason] = self.success.get(out.finish_reason, 0) + 1
+                    self.metrics.e2e.observe(trio.current_time() - arrival)
+                    return
+        finally:
+            self.inflight -= 1
+            self._channels.pop(sreq.request_id, None)
+            if not finished:
+                self.core.abort(sreq.request_id)
+
+
+_KNOWN_PATHS = {"/v1/chat/completions", "/v1/completions", "/health", "/metrics", "/load", "/v1/models",
+                "/kv_event_sources", "/tokenize", "/reset_prefix_cache", "/sim/fault"}
