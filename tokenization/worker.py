@@ -1,20 +1,22 @@
 """Tokenizer worker processes, so that long encodes never hold the router's GIL.
 
-Each worker is a *spawned* process (never forked from a process running a trio loop) that talks to
-the router over a socketpair with length-prefixed pickle frames: request ``(spec, texts)``, answer
-``("ok", [ids as int32 bytes, ...])`` or ``("error", message)``. The trio side only ever awaits the
-socket, so the event loop keeps running while a worker encodes 32k tokens. One request is in flight
-per worker; a bounded channel in front of the pool gives backpressure. A worker that dies is replaced
-and the job it held fails with ``WorkerError`` (the caller may retry or tokenize another way).
+Each worker is a fresh interpreter (``python -m tokenization.worker``, started with fork+exec, so
+nothing of the parent's trio loop or threads is inherited, and unlike multiprocessing's spawn it never
+re-imports the parent's main module). It talks to the router over an inherited socketpair with
+length-prefixed pickle frames: request ``(spec, texts)``, answer ``("ok", [int32 ids bytes, ...])`` or
+``("error", message)``. The trio side only ever awaits the socket, so the event loop keeps running
+while a worker encodes 32k tokens. One request is in flight per worker; a bounded channel in front of
+the pool gives backpressure. A worker that dies is replaced and the job it held fails with
+``WorkerError`` (the caller may retry or tokenize another way).
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import pickle
 import signal
 import socket
 import struct
+import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -80,12 +82,11 @@ def _answer(spec: str, texts: list[str]) -> tuple[str, Any]:
 
 
 def worker_main(sock: socket.socket, specs: list[str]) -> None:
-    """Entry point of a worker process: load tokenizers, then answer requests until the socket closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from tokenization.registry import load_tokenizer
+    """Body of a worker process: load tokenizers, then answer requests until the socket closes."""
+    from tokenization.registry import encode_plain, load_tokenizer
 
     for spec in specs:
-        load_tokenizer(spec)
+        encode_plain(load_tokenizer(spec), ["warm up the encoder: its first call costs ~10 ms"])
     _send_frame(sock, READY)
     while (frame := _recv_frame(sock)) is not None:
         spec, texts = pickle.loads(frame)
@@ -128,7 +129,6 @@ class WorkerPool:
         self.size = size
         self.restarts = 0
         self._send, self._receive = trio.open_memory_channel[Job](queue_size)
-        self._context = multiprocessing.get_context("spawn")
 
     async def encode(self, spec: str, texts: list[str]) -> list[list[int]]:
         """Ids of each text (no special tokens added), computed in a worker process."""
@@ -150,10 +150,10 @@ class WorkerPool:
         first = True
         while True:
             parent, child = socket.socketpair()
-            process = self._context.Process(target=worker_main, args=(child, self.specs), daemon=True,
-                                            name="kvmesh-tokenizer")
+            command = [sys.executable, "-m", "tokenization.worker", str(child.fileno()), *self.specs]
+            process: trio.Process | None = None
             try:
-                await trio.to_thread.run_sync(process.start)
+                process = await trio.lowlevel.open_process(command, pass_fds=(child.fileno(),))
                 child.close()
                 stream = trio.SocketStream(trio.socket.from_stdlib_socket(parent))
                 with trio.fail_after(START_TIMEOUT_S):
@@ -170,7 +170,8 @@ class WorkerPool:
             finally:
                 parent.close()
                 child.close()
-                await self._stop(process)
+                if process is not None:
+                    await _stop(process)
             await trio.sleep(RESTART_DELAY_S)
 
     async def _serve(self, stream: trio.SocketStream) -> None:
@@ -188,12 +189,24 @@ class WorkerPool:
                 job.error = payload
             job.done.set()
 
-    @staticmethod
-    async def _stop(process: multiprocessing.process.BaseProcess) -> None:
-        if process.pid is None:
+
+async def _stop(process: trio.Process) -> None:
+    """Wait for a worker to exit after its socket closed; kill it if it does not."""
+    with trio.CancelScope(shield=True):
+        with trio.move_on_after(STOP_TIMEOUT_S):
+            await process.wait()
             return
-        with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(process.join, STOP_TIMEOUT_S)
-            if process.is_alive():
-                process.kill()
-                await trio.to_thread.run_sync(process.join, STOP_TIMEOUT_S)
+        process.kill()
+        await process.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tokenization.worker FD SPEC...``: serve the socket inherited as file descriptor FD."""
+    args = sys.argv[1:] if argv is None else argv
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    worker_main(socket.socket(fileno=int(args[0])), args[1:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

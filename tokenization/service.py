@@ -1,0 +1,146 @@
+"""The router's tokenizer: exact vLLM token ids without stalling the event loop.
+
+Per request: render (on the loop, ~15 us), split the text at added tokens, look every segment up in a
+token-bounded LRU cache, and encode only the misses: inline when they are short (cheaper than a round
+trip), otherwise in a spawned worker process. Every ``verify_every``-th segmented prompt is also
+encoded whole and compared; a mismatch turns segmenting off for that tokenizer and the whole-text ids
+are used, so a tokenizer that breaks the independence assumption costs speed, never correctness.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from tokenization.cache import TokenCache
+from tokenization.registry import LoadedTokenizer, TokenizerRegistry, encode_plain
+from tokenization.render import Kind, TextPrompt, TokenPrompt, finish, prompts, truncated
+from tokenization.worker import WorkerError, WorkerPool
+
+DEFAULT_CACHE_TOKENS = 4_000_000
+DEFAULT_INLINE_MAX_CHARS = 1_024
+"""Below about 1k characters (~250 tokens) encoding inline (~0.45 ms) is cheaper than a worker round trip."""
+DEFAULT_VERIFY_EVERY = 64
+
+
+@dataclass
+class ServiceStats:
+    prompts: int = 0
+    inline_encodes: int = 0
+    worker_encodes: int = 0
+    worker_failures: int = 0
+    """Worker jobs that failed and were redone in a thread."""
+    verifications: int = 0
+    segment_mismatches: int = 0
+
+
+class TokenizerService:
+    """Token ids per request for every model in a registry; create it with ``TokenizerService.open``."""
+
+    def __init__(self, registry: TokenizerRegistry, tokenizers: dict[str, LoadedTokenizer], pool: WorkerPool,
+                 *, cache_tokens: int, inline_max_chars: int, verify_every: int) -> None:
+        self.registry = registry
+        self.tokenizers = tokenizers
+        self.pool = pool
+        self.cache = TokenCache(cache_tokens)
+        self.inline_max_chars = inline_max_chars
+        self.verify_every = verify_every
+        self.stats = ServiceStats()
+        self._segmented = {spec: tok.plan.segmentable for spec, tok in tokenizers.items()}
+        self._until_verify = dict.fromkeys(tokenizers, 1)
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, registry: TokenizerRegistry, *, workers: int = 1, queue_size: int = 64,
+                   cache_tokens: int = DEFAULT_CACHE_TOKENS, inline_max_chars: int = DEFAULT_INLINE_MAX_CHARS,
+                   verify_every: int = DEFAULT_VERIFY_EVERY) -> AsyncIterator[TokenizerService]:
+        """Load and check every tokenizer, start the workers, and stop them all on exit."""
+        specs = registry.specs()
+        tokenizers = {spec: await trio.to_thread.run_sync(LoadedTokenizer.load, spec) for spec in specs}
+        pool = WorkerPool(specs, size=workers, queue_size=queue_size)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(pool.run)
+            yield cls(registry, tokenizers, pool, cache_tokens=cache_tokens,
+                      inline_max_chars=inline_max_chars, verify_every=verify_every)
+            nursery.cancel_scope.cancel()
+
+    async def token_ids(self, model: object, body: dict[str, Any], kind: Kind) -> list[int]:
+        """The ids vLLM computes for this request (the first prompt of a completions batch).
+
+        Raises ``RenderError`` for a request the engine would reject with a 400.
+        """
+        return (await self.all_token_ids(model, body, kind))[0]
+
+    async def all_token_ids(self, model: object, body: dict[str, Any], kind: Kind) -> list[list[int]]:
+        """The ids of every prompt in the request."""
+        tok = self.tokenizers[self.registry.spec_for(model)]
+        out = []
+        for prompt in prompts(tok.hf, body, kind):
+            self.stats.prompts += 1
+            if isinstance(prompt, TokenPrompt):
+                ids = prompt.ids
+            else:
+                ids = await self._text_ids(tok, prompt)
+            out.append(finish(truncated(ids, prompt.truncate, prompt.keep_left)))
+        return out
+
+    async def _text_ids(self, tok: LoadedTokenizer, prompt: TextPrompt) -> list[int]:
+        affixes = tok.plan.affixes if prompt.add_special_tokens else ((), ())
+        if affixes is None:
+            return await self._encode_with_specials(tok, prompt.text)
+        prefix, suffix = affixes
+        return [*prefix, *await self._plain_ids(tok, prompt.text), *suffix]
+
+    async def _plain_ids(self, tok: LoadedTokenizer, text: str) -> list[int]:
+        spec = tok.spec
+        pieces = tok.plan.split(text) if self._segmented[spec] else [text]
+        found = {piece: self.cache.get(spec, piece) for piece in pieces}
+        misses = [piece for piece, ids in found.items() if ids is None]
+        for piece, ids in zip(misses, await self._encode(tok, misses), strict=True):
+            found[piece] = tuple(ids)
+            self.cache.put(spec, piece, found[piece])
+        joined = [t for piece in pieces for t in found[piece] or ()]
+        if len(pieces) > 1 and self._due_for_check(spec):
+            return await self._verified(tok, text, joined)
+        return joined
+
+    def _due_for_check(self, spec: str) -> bool:
+        self._until_verify[spec] -= 1
+        if self._until_verify[spec] > 0:
+            return False
+        self._until_verify[spec] = self.verify_every
+        return True
+
+    async def _verified(self, tok: LoadedTokenizer, text: str, joined: list[int]) -> list[int]:
+        """Compare segmented ids with the whole text's; on a mismatch stop segmenting this tokenizer."""
+        self.stats.verifications += 1
+        (whole,) = await self._encode(tok, [text])
+        if whole != joined:
+            self.stats.segment_mismatches += 1
+            self._segmented[tok.spec] = False
+            self.cache.clear(tok.spec)
+        return whole
+
+    async def _encode(self, tok: LoadedTokenizer, texts: Sequence[str]) -> list[list[int]]:
+        """Plain ids of each text: inline if short, else in a worker (a thread if the worker fails)."""
+        if not texts:
+            return []
+        if sum(map(len, texts)) <= self.inline_max_chars:
+            self.stats.inline_encodes += 1
+            return encode_plain(tok.hf, texts)
+        self.stats.worker_encodes += 1
+        try:
+            return await self.pool.encode(tok.spec, list(texts))
+        except WorkerError:
+            self.stats.worker_failures += 1
+            return await trio.to_thread.run_sync(encode_plain, tok.hf, texts)
+
+    async def _encode_with_specials(self, tok: LoadedTokenizer, text: str) -> list[int]:
+        """For tokenizers whose added special tokens are not a fixed prefix and suffix (rare): no cache."""
+        if len(text) <= self.inline_max_chars:
+            return tok.hf.encode(text, add_special_tokens=True)
+        return await trio.to_thread.run_sync(lambda: tok.hf.encode(text, add_special_tokens=True))
