@@ -10,6 +10,7 @@ from pathlib import Path
 import trio
 
 from bench.overhead import format_overhead, measure_overhead
+from bench.processes import StartFailed
 from bench.report import Row, format_table, verdicts
 from bench.runner import FleetSpec, MeasureOptions, compare_policies, measure_target
 from bench.workloads import WORKLOAD_NAMES
@@ -101,14 +102,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvmesh-bench-"))
     print(f"process logs: {log_dir}", file=sys.stderr)
-    if args.command == "overhead":
-        rows = trio.run(
-            measure_overhead, _spec(args, "", 1), log_dir, args.concurrency, args.requests, args.rounds, args.policy
-        )
-        print(format_overhead(rows))
-        return 0
-    run = _routing if args.command == "routing" else _targets
-    table_rows = trio.run(run, args, log_dir)
+    try:
+        if args.command == "overhead":
+            spec = _spec(args, "", engines=1)
+            rows = trio.run(measure_overhead, spec, log_dir, args.concurrency, args.requests, args.rounds, args.policy)
+            print(format_overhead(rows))
+            return 0
+        table_rows = trio.run(_routing if args.command == "routing" else _targets, args, log_dir)
+    except StartFailed as exc:
+        print(f"kvmesh bench: {exc}", file=sys.stderr)
+        return 2
     print(format_table(table_rows))
     judged = verdicts(table_rows)
     for verdict in judged:

@@ -35,12 +35,17 @@ def _bindable(port: int) -> bool:
     return True
 
 
-def free_port_range(count: int, rng: random.Random | None = None, attempts: int = 200) -> int:
-    """A base port with ``count`` consecutive free ports after it (a simulated fleet needs a run)."""
+def free_port_range(
+    count: int, offsets: tuple[int, ...] = (0,), rng: random.Random | None = None, attempts: int = 200
+) -> int:
+    """A base port with ``count`` consecutive free ports after ``base + offset`` for every offset.
+
+    A simulated fleet needs runs of ports: HTTP at base+i, its event sockets at fixed offsets.
+    """
     rng = rng or random.Random()
     for _ in range(attempts):
-        base = rng.randrange(20000, 60000 - count)
-        if all(_bindable(base + i) for i in range(count)):
+        base = rng.randrange(20000, 60000 - count - max(offsets))
+        if all(_bindable(base + o + i) for o in offsets for i in range(count)):
             return base
     raise StartFailed(f"no run of {count} free ports found")
 

@@ -20,6 +20,8 @@ from bench.report import Row
 from bench.stats import shares, summarize
 
 PRIMED_WORKLOADS = ("a",)
+SIM_PORT_OFFSETS = (0, 1000, 2000)
+"""HTTP, KV-event and replay ports of simulated engine i sit at base+i plus these (sim/cli.py)."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ class MeasureOptions:
 @asynccontextmanager
 async def sim_fleet(client: HttpClient, spec: FleetSpec, log_dir: Path) -> AsyncIterator[list[str]]:
     """Start ``spec.engines`` simulated engines; yields their base URLs."""
-    base = free_port_range(spec.engines)
+    base = free_port_range(spec.engines, SIM_PORT_OFFSETS)
     log = log_dir / f"sim-{base}.log"
     async with spawned(python_module("sim.cli", *spec.argv(base)), log) as proc:
         urls = [f"http://127.0.0.1:{base + i}" for i in range(spec.engines)]
