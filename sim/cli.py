@@ -9,6 +9,7 @@ import signal
 import sys
 
 import trio
+import zmq
 
 from sim.config import EngineConfig, FleetConfig
 from sim.fleet import describe, run_fleet
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         trio.run(run, config)
-    except OSError as exc:
+    except (OSError, zmq.ZMQError) as exc:
         print(f"kvmesh sim: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -123,10 +123,11 @@ class SimEngine:
                         self.publisher.replay_port if self.publisher else None)
                     task_status.started(self.info)
         finally:
-            for listener in listeners:
-                await listener.aclose()
             if self.publisher is not None:
                 self.publisher.close()
+            with trio.CancelScope(shield=True):
+                for listener in listeners:
+                    await listener.aclose()
 
     def _wakeup(self) -> None:
         self._wake.set()
