@@ -101,7 +101,8 @@ class Router:
             await http_app.send_json(send, 200 if ready else 503, {"ready": ready})
             return 200 if ready else 503
         if path == "/metrics":
-            await http_app.send_bytes(send, 200, self.metrics.render(), [(b"content-type", b"text/plain; version=0.0.4")])
+            content_type = [(b"content-type", b"text/plain; version=0.0.4")]
+            await http_app.send_bytes(send, 200, self.metrics.render(), content_type)
             return 200
         raise ApiError(404, f"no route for {method} {path}", code="not_found")
 
@@ -123,9 +124,9 @@ class Router:
                 return [(b"x-kvmesh-route", value.encode()), (b"x-request-id", request_id.encode())]
 
             result = await _forward_until_disconnect(
-                receive,
-                forward(plan.engines, "POST", scope["path"], plan.body(), upstream_headers, send, self.timeouts,
-                        self.config.max_attempts, route_header, parsed.stream),
+                receive, send,
+                lambda send_: forward(plan.engines, "POST", scope["path"], plan.body(), upstream_headers, send_,
+                                      self.timeouts, self.config.max_attempts, route_header, parsed.stream),
             )
             if result is None:
                 log.info("client disconnected", extra={"request_id": request_id})
@@ -143,21 +144,30 @@ class Router:
             self.active_requests -= 1
 
 
-async def _forward_until_disconnect(receive: http_app.Receive, proxying):
-    """Run the proxy; if the client goes away first, cancel it so the engine stops work too."""
+async def _forward_until_disconnect(receive: http_app.Receive, send: http_app.Send, proxying):
+    """Run the proxy; if the client goes away before the response is complete, cancel it so the engine
+    stops work too. (ASGI also reports a disconnect after a complete response: that one is ignored.)"""
     outcome: dict[str, Any] = {}
+    finished = False
+
+    async def tracking_send(message: dict[str, Any]) -> None:
+        nonlocal finished
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            finished = True
+        await send(message)
 
     async def watch(cancel_scope: trio.CancelScope) -> None:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                cancel_scope.cancel()
+                if not finished:
+                    cancel_scope.cancel()
                 return
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(watch, nursery.cancel_scope)
         try:
-            outcome["result"] = await proxying
+            outcome["result"] = await proxying(tracking_send)
         except ApiError as error:
             outcome["error"] = error
         nursery.cancel_scope.cancel()

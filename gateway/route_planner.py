@@ -1,0 +1,168 @@
+"""From a parsed request to a ranked list of engines: tokenize, hash blocks, look up the index, score.
+
+This is the I/O edge around the sans-IO pieces (tokenization, index.block_hash, index.view, routing):
+it gathers what they need, calls them once per request, and feeds measured TTFTs back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from gateway.config import RouterConfig
+from gateway.engines import EngineRegistry, EngineState
+from gateway.metrics import RouterMetrics
+from gateway.openai_errors import ApiError
+from gateway.proxy import ProxyResult
+from gateway.request_body import ParsedRequest
+from gateway.routing import Decision, EngineView, RouteRequest, make_policy, prefix_key, route_header, route_table
+from index.block_hash import chain, root_seed
+from index.prefix_index import PrefixIndex
+from index.store import BlockStore
+from index.view import CacheView
+from tokenization.messages import RenderError
+from tokenization.registry import DEFAULT_TOKENIZER_DIR, TokenizerRegistry
+from tokenization.service import TokenizerService
+
+# Policies that look at prompt blocks; the others route without tokenizing at all.
+CACHE_POLICIES = frozenset({"kv_aware", "approximate"})
+SESSION_HEADERS = ("x-session-id", "x-kvmesh-session")
+
+
+@dataclass
+class Plan:
+    parsed: ParsedRequest
+    decision: Decision
+    engines: list[EngineState]
+    chains: dict[int, list[int]] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    body_override: bytes | None = None
+
+    def body(self) -> bytes:
+        return self.body_override if self.body_override is not None else self.parsed.raw
+
+    def header(self, engine_id: str, attempts: int) -> str:
+        value = route_header(self.decision)
+        if self.decision.chosen != engine_id:
+            value += f"; served_by={engine_id}; attempts={attempts}"
+        return value
+
+    def explain(self) -> dict[str, Any]:
+        return route_table(self.decision)
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def request_prefix_key(parsed: ParsedRequest) -> str:
+    if parsed.kind == "completion":
+        prompt = parsed.body.get("prompt")
+        return prefix_key(parsed.model, "", prompt if isinstance(prompt, str) else str(prompt)[:256])
+    messages = parsed.body.get("messages", [])
+    system = next((_text_of(m.get("content")) for m in messages if m.get("role") in ("system", "developer")), "")
+    user = next((_text_of(m.get("content")) for m in messages if m.get("role") == "user"), "")
+    return prefix_key(parsed.model, system, user)
+
+
+class RoutePlanner:
+    def __init__(self, config: RouterConfig, engines: EngineRegistry, metrics: RouterMetrics,
+                 store: BlockStore | None = None) -> None:
+        self.config = config
+        self.engines = engines
+        self.metrics = metrics
+        self.policy = make_policy(config.policy)
+        self.cache = CacheView(store if store is not None else PrefixIndex())
+        self.tokenizer_registry = TokenizerRegistry(config.tokenizers, config.tokenizer or str(DEFAULT_TOKENIZER_DIR))
+        self.tokenizers: TokenizerService | None = None
+
+    async def run(self, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
+        """Load tokenizers and start their workers; they live as long as the router."""
+        if self.config.policy not in CACHE_POLICIES:
+            task_status.started()
+            await trio.sleep_forever()
+        async with TokenizerService.open(self.tokenizer_registry, workers=self.config.tokenizer_workers) as svc:
+            self.tokenizers = svc
+            task_status.started()
+            await trio.sleep_forever()
+
+    async def leave(self) -> None:
+        """Nothing to hand over on a single replica; the mesh replaces this with a graceful leave."""
+
+    def register_engine(self, engine: EngineState, has_events: bool) -> None:
+        self.cache.register(engine.id, block_size=engine.block_size, has_events=has_events,
+                            capacity_blocks=engine.load.num_blocks)
+
+    async def _token_ids(self, parsed: ParsedRequest) -> list[int]:
+        assert self.tokenizers is not None
+        try:
+            return await self.tokenizers.token_ids(parsed.model, parsed.body, parsed.kind)
+        except RenderError as exc:
+            raise ApiError(400, exc.message, param=exc.param) from None
+
+    def _chains(self, parsed: ParsedRequest, token_ids: list[int], engine_ids: list[str]) -> dict[int, list[int]]:
+        seed = root_seed(parsed.model, None, parsed.cache_salt)
+        return {size: chain(token_ids, size, seed) for size in self.cache.block_sizes(engine_ids)}
+
+    async def plan(self, parsed: ParsedRequest, headers: Mapping[str, str]) -> Plan:
+        candidates = self.engines.for_model(parsed.model)
+        if not candidates:
+            raise ApiError(404, f"The model `{parsed.model}` does not exist.", param="model",
+                           code="model_not_found")
+        started = time.perf_counter()
+        ids = [e.id for e in candidates]
+        token_ids: list[int] = []
+        chains: dict[int, list[int]] = {}
+        now = trio.current_time()
+        if self.policy.name in CACHE_POLICIES:
+            token_ids = await self._token_ids(parsed)
+            chains = self._chains(parsed, token_ids, ids)
+        overlaps = self.cache.overlaps(chains, ids, now) if chains else {}
+        views = []
+        for engine in candidates:
+            found = overlaps.get(engine.id)
+            views.append(EngineView(
+                id=engine.id, url=engine.url, island=engine.config.island, healthy=engine.healthy,
+                draining=engine.draining, in_flight=engine.in_flight, running=engine.load.running,
+                waiting=engine.load.waiting, kv_usage=engine.load.kv_usage, num_blocks=engine.load.num_blocks,
+                block_size=engine.block_size, exact_blocks=found.exact_blocks if found else 0,
+                approx_blocks=found.approx_blocks if found else 0, confidence=found.confidence if found else 0.0,
+            ))
+        block_size = min(chains) if chains else 16
+        session = next((headers[h] for h in SESSION_HEADERS if headers.get(h)), None) or parsed.user
+        request = RouteRequest(model=parsed.model, prompt_tokens=len(token_ids),
+                               total_blocks=len(token_ids) // block_size, prefix_key=request_prefix_key(parsed),
+                               session_key=session, router_island=self.config.island, max_tokens=parsed.max_tokens)
+        decision = self.policy.choose(request, views)
+        by_id = {e.id: e for e in candidates}
+        ranked = [by_id[i] for i in decision.ranked]
+        if not ranked:
+            raise ApiError(503, f"no engine is available for model `{parsed.model}`", code="no_engine_available")
+        if chains:
+            self.cache.record_dispatch(ranked[0].id, chains, now)
+        self.metrics.decisions.labels(decision.policy, decision.reason.split(" ")[0]).inc()
+        self.metrics.decision_latency.observe(time.perf_counter() - started)
+        return Plan(parsed, decision, ranked, chains, len(token_ids))
+
+    def observe(self, plan: Plan, result: ProxyResult) -> None:
+        """Feed the measured time to first byte back into the cost model of the engine that served it.
+
+        Only streamed, first-attempt answers teach the model: a non-streamed first byte includes decoding."""
+        if result.engine is None or result.ttft_s is None:
+            return
+        engine_id = result.engine.id
+        self.metrics.ttft.labels(engine_id).observe(result.ttft_s)
+        score = next((s for s in plan.decision.table if s.engine == engine_id), None)
+        if score is None:
+            return
+        self.metrics.predicted_cached.inc(score.cached_tokens)
+        if len(result.attempts) == 1 and plan.parsed.stream:
+            self.policy.observe(engine_id, score.uncached_tokens, score.queue_depth, result.ttft_s)
