@@ -1,0 +1,201 @@
+"""Replication transport (trio): authenticated, length-prefixed frames over TCP between replicas.
+
+Each replica dials every live peer (one outbound connection per peer) and accepts the peers' dials.
+Outbound connections carry the batched update broadcast (every ``flush_interval``) and periodic
+anti-entropy requests to one random peer; any connection carries the replies to what arrived on it.
+A slow peer never blocks the others: each connection has a bounded queue and frames that do not fit
+are dropped (anti-entropy repairs them). Frames are sealed with mesh/auth.py (HMAC with the cluster
+secret); a connection that sends one bad MAC is closed.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+
+import trio
+
+from mesh.auth import AuthError, FrameError, FrameReader, MeshAuth, frame
+from mesh.sync_protocol import SyncProtocol
+
+DOMAIN = "replication"
+FRAME_KIND = 1
+QUEUE_FRAMES = 256
+CONNECT_TIMEOUT_S = 2.0
+MAX_BACKOFF_S = 1.0
+
+PeerAddresses = Callable[[], Mapping[str, tuple[str, int]]]
+"""Live peers (replica id -> replication TCP address), e.g. from gossip membership."""
+
+
+class _Connection:
+    """One TCP stream with a bounded send queue drained by its own writer task."""
+
+    def __init__(self, stream: trio.SocketStream, peer_id: str | None) -> None:
+        self.stream = stream
+        self.peer_id = peer_id
+        self._send, self._queue = trio.open_memory_channel[bytes](QUEUE_FRAMES)
+
+    def send(self, packet: bytes) -> bool:
+        try:
+            self._send.send_nowait(packet)
+        except trio.WouldBlock:
+            return False
+        return True
+
+    async def write_loop(self) -> None:
+        async for packet in self._queue:
+            await self.stream.send_all(frame(packet))
+
+
+class SyncService:
+    """Runs one replica's replication: listener, dialers, batched broadcast, anti-entropy, compaction."""
+
+    def __init__(
+        self,
+        protocol: SyncProtocol,
+        secret: bytes,
+        peers: PeerAddresses,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        flush_interval: float = 0.03,
+        anti_entropy_interval: float = 1.0,
+        is_compactor: Callable[[], bool] | None = None,
+        drop: Callable[[str], bool] | None = None,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.protocol = protocol
+        self.replica_id = protocol.doc.replica_id
+        self.auth = MeshAuth(secret, self.replica_id, domain=DOMAIN)
+        self.counters: Counter[str] = Counter()
+        self.port: int | None = None
+        self._peers = peers
+        self._host, self._port = host, port
+        self._flush_interval = flush_interval
+        self._anti_entropy_interval = anti_entropy_interval
+        self._is_compactor = is_compactor or self._lowest_id_compacts
+        self._drop = drop or (lambda _peer: False)
+        self._wall_clock = wall_clock
+        self._outbound: dict[str, _Connection] = {}
+        self._dialers: dict[tuple[str, tuple[str, int]], trio.CancelScope] = {}
+
+    def _lowest_id_compacts(self) -> bool:
+        return self.replica_id == min([self.replica_id, *self._peers()])
+
+    def connected_peers(self) -> list[str]:
+        return sorted(self._outbound)
+
+    async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled; ``task_status.started`` reports the bound port."""
+        listeners = await trio.open_tcp_listeners(self._port, host=self._host)
+        self.port = listeners[0].socket.getsockname()[1]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.serve_listeners, self._serve_inbound, listeners)
+            nursery.start_soon(self._dial_loop, nursery)
+            nursery.start_soon(self._flush_loop)
+            nursery.start_soon(self._anti_entropy_loop)
+            task_status.started(self.port)
+
+    def _broadcast(self, packet: bytes) -> None:
+        sealed = None
+        for peer_id, conn in self._outbound.items():
+            if self._drop(peer_id):
+                self.counters["dropped_by_filter"] += 1
+                continue
+            sealed = sealed or self.auth.seal(FRAME_KIND, packet, self._wall_clock())
+            if not conn.send(sealed):
+                self.counters["dropped_queue_full"] += 1
+
+    def _reply(self, conn: _Connection, packet: bytes) -> None:
+        if conn.peer_id is not None and self._drop(conn.peer_id):
+            self.counters["dropped_by_filter"] += 1
+        elif not conn.send(self.auth.seal(FRAME_KIND, packet, self._wall_clock())):
+            self.counters["dropped_queue_full"] += 1
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await trio.sleep(self._flush_interval)
+            packet = self.protocol.update_frame()
+            if packet is not None:
+                self._broadcast(packet)
+
+    async def _anti_entropy_loop(self) -> None:
+        while True:
+            await trio.sleep(self._anti_entropy_interval * random.uniform(0.75, 1.25))
+            epoch_packet = self.protocol.maybe_compact(self._is_compactor())
+            if epoch_packet is not None:
+                self._broadcast(epoch_packet)
+            if self._outbound:
+                conn = self._outbound[random.choice(list(self._outbound))]
+                self._reply(conn, self.protocol.state_frame())
+
+    async def _dial_loop(self, nursery: trio.Nursery) -> None:
+        """Keep one dialer per live peer; cancel dialers of peers that left or moved."""
+        while True:
+            wanted = {(pid, tuple(addr)) for pid, addr in self._peers().items() if pid != self.replica_id}
+            for key in set(self._dialers) - wanted:
+                self._dialers.pop(key).cancel()
+            for key in wanted - set(self._dialers):
+                self._dialers[key] = await nursery.start(self._dial, *key)
+            await trio.sleep(self._flush_interval)
+
+    async def _dial(
+        self, peer_id: str, address: tuple[str, int], *, task_status: trio.TaskStatus[trio.CancelScope]
+    ) -> None:
+        with trio.CancelScope() as scope:
+            task_status.started(scope)
+            backoff = 0.05
+            while True:
+                try:
+                    with trio.fail_after(CONNECT_TIMEOUT_S):
+                        stream = await trio.open_tcp_stream(*address)
+                except (OSError, trio.TooSlowError):
+                    self.counters["connect_failed"] += 1
+                    await trio.sleep(backoff)
+                    backoff = min(backoff * 2, MAX_BACKOFF_S)
+                    continue
+                backoff = 0.05
+                conn = _Connection(stream, peer_id)
+                self._outbound[peer_id] = conn
+                self._reply(conn, self.protocol.state_frame())
+                try:
+                    await self._run_connection(conn)
+                finally:
+                    if self._outbound.get(peer_id) is conn:
+                        del self._outbound[peer_id]
+                await trio.sleep(backoff)
+
+    async def _serve_inbound(self, stream: trio.SocketStream) -> None:
+        await self._run_connection(_Connection(stream, None))
+
+    async def _run_connection(self, conn: _Connection) -> None:
+        """Read and answer frames until the peer closes, errs, or fails authentication."""
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(conn.write_loop)
+                await self._read_loop(conn)
+                nursery.cancel_scope.cancel()
+        except* (trio.BrokenResourceError, trio.ClosedResourceError, OSError, FrameError, AuthError) as group:
+            for exc in group.exceptions:
+                self.counters[f"closed_{type(exc).__name__}"] += 1
+        finally:
+            with trio.CancelScope(shield=True):
+                await conn.stream.aclose()
+
+    async def _read_loop(self, conn: _Connection) -> None:
+        reader = FrameReader()
+        while data := await conn.stream.receive_some(65536):
+            for packet in reader.feed(data):
+                envelope = self.auth.open(packet, self._wall_clock())
+                conn.peer_id = conn.peer_id or envelope.sender_id
+                if self._drop(envelope.sender_id):
+                    self.counters["dropped_by_filter"] += 1
+                    continue
+                if not isinstance(envelope.payload, bytes):
+                    self.counters["malformed"] += 1
+                    continue
+                for reply in self.protocol.on_frame(envelope.payload, trio.current_time()):
+                    self._reply(conn, reply)
