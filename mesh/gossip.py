@@ -129,7 +129,7 @@ class Membership:
             me = Member(self.member_id, advertise, cfg.replication_addr, cfg.http_addr, cfg.island)
             self._sock = sock
             self._swim = Swim(me, cfg.swim, random.Random(), now=trio.current_time())
-            self._swim.add_seeds(cfg.seeds)
+            self._swim.set_seeds(cfg.seeds)
             try:
                 async with trio.open_nursery() as nursery:
                     self._cancel_scope = nursery.cancel_scope
@@ -137,7 +137,9 @@ class Membership:
                     nursery.start_soon(self._timer_loop)
                     if cfg.redis_url:
                         registry = RedisSeedRegistry(cfg.redis_url, cfg.cluster, me.id, cfg.redis_seed_ttl)
-                        await nursery.start(run_seed_registry, registry, advertise, self._add_seeds, self.stats)
+                        await nursery.start(
+                            run_seed_registry, registry, advertise, self._use_discovered_seeds, self.stats
+                        )
                     task_status.started(self)
             finally:
                 with trio.move_on_after(1.0) as scope:
@@ -162,8 +164,8 @@ class Membership:
             for out in outgoing:
                 await self._send_one(out.addr, out.kind, out.payload)
 
-    def _add_seeds(self, seeds: list[str]) -> None:
-        self._running_swim().add_seeds(seeds)
+    def _use_discovered_seeds(self, discovered: list[str]) -> None:
+        self._running_swim().set_seeds([*self.config.seeds, *discovered])
         self._wake.set()
 
     # ----- I/O loops -----------------------------------------------------------------------------
@@ -203,7 +205,9 @@ class Membership:
             self._count("blocked")
             return
         try:
-            self._running_swim().receive(envelope.kind, envelope.payload, envelope.sender_id, trio.current_time())
+            self._running_swim().receive(
+                envelope.kind, envelope.payload, envelope.sender_id, trio.current_time()
+            )
         except MalformedMessage as exc:
             self._count("malformed")
             log.debug("malformed gossip from %s: %s", envelope.sender_id, exc)
@@ -295,7 +299,10 @@ async def _serve(config: MeshConfig, duration: float) -> None:
                 _emit(event=ev.kind, member=ev.member.id, incarnation=ev.incarnation, t=time.monotonic())
 
         nursery.start_soon(report, membership.subscribe())
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals, trio.move_on_after(duration):
+        with (
+            trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals,
+            trio.move_on_after(duration),
+        ):
             async for _ in signals:
                 break
         await membership.leave()

@@ -127,7 +127,15 @@ class _Broadcast:
 
 def _encode(record: Record) -> list[Any]:
     m = record.member
-    return [m.id, m.gossip_addr, m.replication_addr, m.http_addr, m.island, record.incarnation, int(record.state)]
+    return [
+        m.id,
+        m.gossip_addr,
+        m.replication_addr,
+        m.http_addr,
+        m.island,
+        record.incarnation,
+        int(record.state),
+    ]
 
 
 def _decode(raw: Any) -> tuple[Member, int, State]:
@@ -209,15 +217,17 @@ class Swim:
         if self._probe and not self._probe.indirect_sent and not self._probe.acked:
             deadlines.append(self._probe.sent_at + self.config.ping_timeout)
         deadlines += [
-            r.since + self.config.suspicion_timeout for r in self._records.values() if r.state == State.SUSPECT
+            r.since + self.config.suspicion_timeout
+            for r in self._records.values()
+            if r.state == State.SUSPECT
         ]
         return min(deadlines)
 
     # ----- inputs --------------------------------------------------------------------------------
 
-    def add_seeds(self, addrs: Iterable[str]) -> None:
-        """Addresses to contact when joining and whenever they are not known live members."""
-        self._seeds |= {a for a in addrs if a and a != self._me.gossip_addr}
+    def set_seeds(self, addrs: Iterable[str]) -> None:
+        """Replace the addresses contacted when joining and whenever they are not known live members."""
+        self._seeds = {a for a in addrs if a and a != self._me.gossip_addr}
 
     def tick(self, now: float) -> None:
         """Advance timers: probes, indirect probes, suspicion expiry, syncs and record retention."""
@@ -447,4 +457,3 @@ class Swim:
         payload = self._message(State.ALIVE, {})
         payload["u"] = [_encode(r) for r in self._records.values()]
         self._outgoing.append(Outgoing(addr, kind, payload))
-

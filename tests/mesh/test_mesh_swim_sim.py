@@ -28,7 +28,7 @@ class SimNet:
         for i in range(n):
             me = Member(f"n{i}", f"10.0.0.{i}:7946", f"10.0.0.{i}:9000", f"10.0.0.{i}:8000", "a")
             swim = Swim(me, CONFIG, random.Random(seed * 1000 + i), now=0.0)
-            swim.add_seeds(["10.0.0.0:7946"])
+            swim.set_seeds(["10.0.0.0:7946"])
             self.nodes[me.id] = swim
         self.killed: set[str] = set()
         self.paused_until: dict[str, float] = {}
@@ -72,7 +72,9 @@ class SimNet:
             dst = self._by_addr.get(out.addr)
             if dst is None or self.rng.random() < self.loss:
                 continue
-            self._push(self.now + self.rng.uniform(0.001, 0.01), dst, out.kind, msgpack.packb(out.payload), name)
+            self._push(
+                self.now + self.rng.uniform(0.001, 0.01), dst, out.kind, msgpack.packb(out.payload), name
+            )
 
     def view(self, name: str) -> dict[str, State]:
         return {k: r.state for k, r in self.nodes[name].records().items()}
@@ -140,7 +142,7 @@ def _deliver_all(src: Swim, dst: Swim, now: float) -> None:
 
 def test_suspicion_about_self_is_refuted_with_higher_incarnation():
     a, b = _pair()
-    a.add_seeds(["h:2"])
+    a.set_seeds(["h:2"])
     a.tick(0.0)
     _deliver_all(a, b, 0.0)
     rumour = {"from": ["a", "h:1", "", "", "", 0, 0], "u": [["b", "h:2", "", "", "", 0, int(State.SUSPECT)]]}
@@ -154,7 +156,7 @@ def test_suspicion_about_self_is_refuted_with_higher_incarnation():
 
 def test_leave_removes_member_at_once():
     a, b = _pair()
-    a.add_seeds(["h:2"])
+    a.set_seeds(["h:2"])
     a.tick(0.0)
     _deliver_all(a, b, 0.0)
     _deliver_all(b, a, 0.0)

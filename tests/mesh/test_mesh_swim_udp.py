@@ -75,14 +75,18 @@ async def test_leave_removes_member_everywhere_at_once():
         leaver = members[2]
         with trio.fail_after(5):
             await leaver.leave()
-        await wait_for(lambda: all(m.members()[leaver.member_id].state == State.LEFT for m in members[:2]), 1.0)
+        await wait_for(
+            lambda: all(m.members()[leaver.member_id].state == State.LEFT for m in members[:2]), 1.0
+        )
 
 
 async def test_wrong_secret_member_is_never_admitted_and_its_packets_are_counted():
     async with mesh(2) as members, trio.open_nursery() as nursery:
         await wait_for(lambda: all(view(m) == ids(members) for m in members))
         seeds = tuple(m.self_member.gossip_addr for m in members)
-        config = MeshConfig(secret=b"a-different-secret-0123456789", name="intruder", bind="127.0.0.1:0", seeds=seeds)
+        config = MeshConfig(
+            secret=b"a-different-secret-0123456789", name="intruder", bind="127.0.0.1:0", seeds=seeds
+        )
         intruder = await nursery.start(Membership(config).run)
         await wait_for(lambda: sum(m.stats["auth_failures"] for m in members) >= 4)
         assert all(view(m) == ids(members) for m in members)
