@@ -51,7 +51,7 @@ class TokenizerService:
         self.verify_every = verify_every
         self.stats = ServiceStats()
         self._segmented = {spec: tok.plan.segmentable for spec, tok in tokenizers.items()}
-        self._until_verify = dict.fromkeys(tokenizers, 1)
+        self._until_verify = dict.fromkeys(tokenizers, max(verify_every, 1))
 
     @classmethod
     @asynccontextmanager

@@ -1,0 +1,150 @@
+"""TokenizerService with real worker processes: exact ids, cache and worker paths, a free event loop."""
+
+from __future__ import annotations
+
+import random
+import sysconfig
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+from tokenizers import AddedToken, Tokenizer
+from transformers import PreTrainedTokenizerFast
+
+from tokenization.build_default import CHATML_TEMPLATE
+from tokenization.messages import RenderError
+from tokenization.registry import DEFAULT_TOKENIZER_DIR, LoadedTokenizer, TokenizerRegistry, load_tokenizer
+from tokenization.render import all_prompt_token_ids_sync, render_chat
+from tokenization.service import TokenizerService
+from tokenization.worker import WorkerPool
+
+pytestmark = pytest.mark.integration
+
+SPEC = str(DEFAULT_TOKENIZER_DIR)
+HF = load_tokenizer(SPEC)
+CORPUS = "".join(p.read_text(encoding="utf-8", errors="replace")
+                 for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:150])
+
+
+def excerpt(rnd: random.Random, chars: int) -> str:
+    start = rnd.randrange(len(CORPUS) - chars)
+    return CORPUS[start:start + chars]
+
+
+def random_body(rnd: random.Random) -> tuple[dict, str]:
+    if rnd.random() < 0.3:
+        prompt = rnd.choice([excerpt(rnd, rnd.choice([20, 3000])), [rnd.randrange(4096) for _ in range(5)]])
+        return {"prompt": [prompt, excerpt(rnd, 50)] if rnd.random() < 0.5 else prompt}, "completion"
+    system = rnd.choice(["You are terse.", "You review code.\n" + CORPUS[:5000]])
+    turns = [{"role": "system", "content": system}]
+    for i in range(rnd.randrange(1, 5)):
+        content = excerpt(rnd, rnd.choice([10, 200, 4000]))
+        if rnd.random() < 0.3:
+            content = [{"type": "text", "text": content}, {"type": "text", "text": "<|im_end|> tail "}]
+        turns.append({"role": "user" if i % 2 == 0 else "assistant", "content": content})
+    return {"messages": turns}, "chat"
+
+
+async def test_ids_equal_direct_tokenization_across_paths() -> None:
+    rnd = random.Random(11)
+    async with TokenizerService.open(TokenizerRegistry(default=SPEC), verify_every=3) as svc:
+        for _ in range(60):
+            body, kind = random_body(rnd)
+            assert await svc.all_token_ids("any-model", body, kind) == all_prompt_token_ids_sync(HF, body, kind)
+        assert svc.stats.inline_encodes > 0
+        assert svc.stats.worker_encodes > 0
+        assert svc.cache.stats.hits > 0
+        assert svc.stats.verifications > 0
+        assert svc.stats.segment_mismatches == 0
+        with pytest.raises(RenderError):
+            await svc.token_ids("any-model", {"messages": [{"role": 1}]}, "chat")
+
+
+async def test_unknown_model_without_default_is_a_render_error() -> None:
+    async with TokenizerService.open(TokenizerRegistry({"m": SPEC})) as svc:
+        assert await svc.token_ids("m", {"prompt": "hi"}, "completion") == HF.encode("hi")
+        with pytest.raises(RenderError) as info:
+            await svc.token_ids("other", {"prompt": "hi"}, "completion")
+        assert info.value.param == "model"
+
+
+def build_lstrip_tokenizer(out: Path) -> str:
+    tok = Tokenizer.from_file(str(DEFAULT_TOKENIZER_DIR / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken("<|im_start|>", lstrip=True, special=True, normalized=False)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHATML_TEMPLATE
+    fast.save_pretrained(str(out))
+    return str(out)
+
+
+async def test_traffic_check_falls_back_when_segments_are_not_independent(tmp_path: Path) -> None:
+    spec = build_lstrip_tokenizer(tmp_path / "lstrip")
+    loaded = LoadedTokenizer.load(spec)
+    wrongly_trusted = replace(loaded, plan=replace(loaded.plan, segmentable=True))
+    body = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    expected = all_prompt_token_ids_sync(loaded.hf, body, "chat")[0]
+    assert wrongly_trusted.plan.split(render_chat(loaded.hf, body))[1:]
+    pool = WorkerPool([spec])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        svc = TokenizerService(TokenizerRegistry(default=spec), {spec: wrongly_trusted}, pool,
+                               cache_tokens=10_000, inline_max_chars=1_024, verify_every=1)
+        assert await svc.token_ids(None, body, "chat") == expected
+        assert svc.stats.segment_mismatches == 1
+        assert await svc.token_ids(None, body, "chat") == expected
+        assert svc.stats.verifications == 1
+        nursery.cancel_scope.cancel()
+
+
+async def ticker(stop: trio.Event, gaps: list[float]) -> None:
+    last = time.perf_counter()
+    while not stop.is_set():
+        await trio.sleep(0)
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+
+
+async def test_event_loop_keeps_running_during_a_32k_token_prompt() -> None:
+    rnd = random.Random(5)
+    async with TokenizerService.open(TokenizerRegistry(default=SPEC)) as svc:
+        long_body = {"messages": [{"role": "user", "content": excerpt(rnd, 120_000)}]}
+        reference_text = render_chat(HF, {"messages": [{"role": "user", "content": excerpt(rnd, 120_000)}]})
+        started = time.perf_counter()
+        HF.encode(reference_text, add_special_tokens=False)
+        inline_seconds = time.perf_counter() - started
+
+        gaps: list[float] = []
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ticker, stop, gaps)
+            ids = await svc.token_ids(None, long_body, "chat")
+            stop.set()
+        assert len(ids) > 25_000
+        assert svc.stats.worker_encodes == 1
+        assert max(gaps) < 0.5 * inline_seconds
+
+
+async def test_cache_hits_are_served_while_a_worker_is_busy() -> None:
+    rnd = random.Random(9)
+    async with TokenizerService.open(TokenizerRegistry(default=SPEC), workers=1) as svc:
+        short = {"messages": [{"role": "system", "content": CORPUS[:4000]}, {"role": "user", "content": "hi"}]}
+        await svc.token_ids(None, short, "chat")
+        long_body = {"messages": [{"role": "user", "content": excerpt(rnd, 120_000)}]}
+        finished: list[str] = []
+
+        async def run(name: str, body: dict) -> None:
+            await svc.token_ids(None, body, "chat")
+            finished.append(name)
+
+        jobs_before = svc.stats.worker_encodes
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "long", long_body)
+            await trio.testing.wait_all_tasks_blocked()
+            assert svc.stats.worker_encodes == jobs_before + 1
+            nursery.start_soon(run, "short", short)
+        assert finished == ["short", "long"]
+        assert svc.stats.worker_encodes == jobs_before + 1
