@@ -288,7 +288,7 @@ class SimEngine:
             return HttpResponse(200, content_type=SSE, stream=self._stream(head, sreq, params))
         texts: list[str] = []
         last: TokenOutput | None = None
-        async for out in self._tokens(sreq):
+        async for out in self.run_request(sreq):
             texts.append(self.tok.token_text[out.token_id])
             last = out
         assert last is not None and last.finish_reason is not None
@@ -298,7 +298,7 @@ class SimEngine:
     async def _stream(self, head: ResponseHead, sreq: SimRequest, params: GenParams) -> AsyncIterator[bytes]:
         n = 0
         cached = 0
-        async for out in self._tokens(sreq):
+        async for out in self.run_request(sreq):
             if n == 0 and head.chat:
                 yield head.role_chunk()
             n += 1
@@ -308,7 +308,7 @@ class SimEngine:
             yield head.usage_chunk(usage(len(sreq.prompt_ids), n, cached))
         yield DONE
 
-    async def _tokens(self, sreq: SimRequest) -> AsyncIterator[TokenOutput]:
+    async def run_request(self, sreq: SimRequest) -> AsyncIterator[TokenOutput]:
         """Run one request through the engine, yielding its tokens; aborts it if abandoned."""
         arrival = trio.current_time()
         send, recv = trio.open_memory_channel[TokenOutput](math.inf)
