@@ -128,6 +128,8 @@ class WorkerPool:
         self.specs = list(specs)
         self.size = size
         self.restarts = 0
+        self.pids: set[int] = set()
+        """Process ids of the running workers (for monitoring and fault-injection tests)."""
         self._send, self._receive = trio.open_memory_channel[Job](queue_size)
 
     async def encode(self, spec: str, texts: list[str]) -> list[list[int]]:
@@ -154,6 +156,7 @@ class WorkerPool:
             process: trio.Process | None = None
             try:
                 process = await trio.lowlevel.open_process(command, pass_fds=(child.fileno(),))
+                self.pids.add(process.pid)
                 child.close()
                 stream = trio.SocketStream(trio.socket.from_stdlib_socket(parent))
                 with trio.fail_after(START_TIMEOUT_S):
@@ -171,6 +174,7 @@ class WorkerPool:
                 parent.close()
                 child.close()
                 if process is not None:
+                    self.pids.discard(process.pid)
                     await _stop(process)
             await trio.sleep(RESTART_DELAY_S)
 

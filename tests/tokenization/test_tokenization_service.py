@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import sysconfig
 import time
 from dataclasses import replace
@@ -148,3 +150,20 @@ async def test_cache_hits_are_served_while_a_worker_is_busy() -> None:
             nursery.start_soon(run, "short", short)
         assert finished == ["short", "long"]
         assert svc.stats.worker_encodes == jobs_before + 1
+
+
+async def test_killed_worker_is_replaced_and_its_job_still_answered() -> None:
+    rnd = random.Random(13)
+    async with TokenizerService.open(TokenizerRegistry(default=SPEC)) as svc:
+        (pid,) = svc.pool.pids
+        os.kill(pid, signal.SIGKILL)
+        body = {"messages": [{"role": "user", "content": excerpt(rnd, 8_000)}]}
+        assert await svc.token_ids(None, body, "chat") == all_prompt_token_ids_sync(HF, body, "chat")[0]
+        assert svc.stats.worker_failures == 1
+        with trio.fail_after(60):
+            while svc.pool.restarts == 0 or not svc.pool.pids:
+                await trio.sleep(0.05)
+        body = {"messages": [{"role": "user", "content": excerpt(rnd, 8_000)}]}
+        assert await svc.token_ids(None, body, "chat") == all_prompt_token_ids_sync(HF, body, "chat")[0]
+        assert svc.stats.worker_failures == 1
+        assert svc.pool.pids != {pid}
