@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 
-from pycrdt import Doc, Map, MapEvent, TransactionEvent, merge_updates
+from pycrdt import Doc, Map, MapEvent, Subscription, TransactionEvent, merge_updates
 
 MAPS = ("blocks", "seq", "registry", "approx")
 SEP = "\x1f"
@@ -128,13 +128,13 @@ class IndexDoc:
 
     def _attach(self, doc: Doc) -> None:
         self._doc = doc
-        self._maps: dict[str, Map] = {}
-        for name in MAPS:
-            root = doc.get(name, type=Map)
-            # partial, not a lambda with a default: pycrdt passes as many arguments as the callable takes.
-            root.observe(partial(self._on_map_event, name))
-            self._maps[name] = root
+        self._maps: dict[str, Map] = {name: doc.get(name, type=Map) for name in MAPS}
+        self._subscriptions = {name: self._observe(name) for name in MAPS}
         doc.observe(self._on_transaction)
+
+    def _observe(self, name: str) -> Subscription:
+        # partial, not a lambda with a default: pycrdt passes as many arguments as the callable takes.
+        return self._maps[name].observe(partial(self._on_map_event, name))
 
     def _on_transaction(self, event: TransactionEvent) -> None:
         if self._writing:
@@ -185,7 +185,11 @@ class IndexDoc:
         if not changes:
             return changes
         # A flag, not the transaction origin: pycrdt hands doc observers a raw transaction whose
-        # origin is not the value given here.
+        # origin is not the value given here. The touched maps' observers are detached meanwhile:
+        # building a MapEvent for a local write costs more than the write itself.
+        touched = {name for name, _key, _old, _value in changes}
+        for name in touched:
+            self._maps[name].unobserve(self._subscriptions[name])
         self._writing = True
         try:
             with self._doc.transaction():
@@ -196,6 +200,8 @@ class IndexDoc:
                         self._maps[name][key] = value
         finally:
             self._writing = False
+            for name in touched:
+                self._subscriptions[name] = self._observe(name)
         client = self.client_id
         clock = decode_state(self._doc.get_state()).get(client, 0)
         for name, key, old, value in changes:
