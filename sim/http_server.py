@@ -116,10 +116,11 @@ class _Conn:
         headers += [(k.encode(), v.encode()) for k, v in resp.headers]
         if resp.stream is None:
             headers.append((b"content-length", str(len(resp.body)).encode()))
-            await self.send(h11.Response(status_code=resp.status, headers=headers))
+            data = self.h11.send(h11.Response(status_code=resp.status, headers=headers)) or b""
             if resp.body:
-                await self.send(h11.Data(data=resp.body))
-            await self.send(h11.EndOfMessage())
+                data += self.h11.send(h11.Data(data=resp.body)) or b""
+            data += self.h11.send(h11.EndOfMessage()) or b""
+            await self.stream.send_all(data)
             return
         await self.send(h11.Response(status_code=resp.status, headers=headers))
         async with aclosing(resp.stream) as chunks:
