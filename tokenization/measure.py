@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import trio
+from transformers import PreTrainedTokenizerBase
 
 from tokenization.registry import DEFAULT_TOKENIZER_DIR, TokenizerRegistry, load_tokenizer
 from tokenization.render import render_chat
@@ -34,24 +35,23 @@ def _chat(text: str) -> dict:
                          {"role": "user", "content": text}]}
 
 
-def _excerpt(corpus: str, rnd: random.Random, tokens: int, chars_per_token: float) -> str:
-    size = int(tokens * chars_per_token)
-    start = rnd.randrange(len(corpus) - size)
-    return corpus[start:start + size]
+def _excerpt(hf: PreTrainedTokenizerBase, corpus: str, rnd: random.Random, tokens: int) -> str:
+    """About ``tokens`` tokens of fresh text (cut by decoding; untimed setup)."""
+    start = rnd.randrange(len(corpus) - tokens * 8)
+    ids = hf.encode(corpus[start:start + tokens * 8], add_special_tokens=False)
+    return hf.decode(ids[:tokens])
 
 
 async def _measure(spec: str, workers: int, repeats: int) -> list[dict[str, float]]:
     corpus = _corpus()
     hf = load_tokenizer(spec)
-    sample = corpus[:200_000]
-    chars_per_token = len(sample) / len(hf.encode(sample, add_special_tokens=False))
     rnd = random.Random(7)
     rows = []
     async with TokenizerService.open(TokenizerRegistry(default=spec), workers=workers) as svc:
         for tokens in SIZES:
             cold, warm, inline, counted = [], [], [], 0
             for i in range(repeats):
-                body = _chat(_excerpt(corpus, rnd, tokens, chars_per_token))
+                body = _chat(_excerpt(hf, corpus, rnd, tokens))
                 started = time.perf_counter()
                 counted = len(await svc.token_ids(None, body, "chat"))
                 cold.append(time.perf_counter() - started)
