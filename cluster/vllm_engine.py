@@ -225,7 +225,7 @@ class VllmEngine:
         """Resident memory of the engine's whole process group (API server plus EngineCore)."""
         if self.process is None:
             return 0
-        return _group_rss(self.process.pid)
+        return process_group_rss(self.process.pid)
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
@@ -233,7 +233,8 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
 
 
-def _group_rss(pgid: int) -> int:
+def process_group_rss(pgid: int) -> int:
+    """Resident memory of every process in a group (0 once the whole group is gone)."""
     page = os.sysconf("SC_PAGE_SIZE")
     total = 0
     for entry in Path("/proc").iterdir():
