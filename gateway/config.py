@@ -79,7 +79,7 @@ class RouterConfig:
     def validate(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(f"policy: unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
-        if not 0 < self.port < 65536:
+        if not 0 <= self.port < 65536:
             raise ConfigError(f"port: {self.port} is not a TCP port")
         for key in ("max_body_bytes", "max_attempts", "tokenizer_workers"):
             if getattr(self, key) < 1:

@@ -7,7 +7,9 @@ serve_router
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import signal
 
 import trio
@@ -20,6 +22,7 @@ from gateway.router import Router
 
 log = logging.getLogger("kvmesh.server")
 GRACE_S = 10.0
+READY_PREFIX = "KVMESH_ROUTER_READY "
 
 
 def hypercorn_config(config: RouterConfig) -> HypercornConfig:
@@ -50,6 +53,7 @@ async def serve_router(config: RouterConfig, task_status: trio.TaskStatus = trio
         binds = await nursery.start(lambda task_status: serve(router, hypercorn_config(config),
                                                               shutdown_trigger=stop.wait, task_status=task_status))
         log.info("router listening", extra={"binds": binds, "policy": config.policy})
+        print(READY_PREFIX + json.dumps({"url": binds[0], "pid": os.getpid()}), flush=True)
         task_status.started(router)
         await stop.wait()
         router.shutting_down = True

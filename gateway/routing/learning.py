@@ -5,7 +5,8 @@ each one ahead only shares the batch with it (``c``); beyond the slots it must w
 about one service time per ``max_num_seqs`` requests (``d``). Its own prefill costs ``b`` per uncached
 token. The coefficients are fitted by exponentially weighted ridge regression pulled toward priors, so
 directions the data never exercise (depth at c=1, say) keep their priors instead of drifting, old data
-fade as engines change, and Huber weights keep a stalled request from dragging the fit.
+fade as engines change, and residuals beyond a few robust deviations lose weight quadratically, so a
+stalled request barely moves the fit.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class TTFTPrior:
     batch_s_per_request: float = 0.004
     service_s: float = 2.0
     weight: float = 4.0
-    decay: float = 0.98
+    decay: float = 0.99
     huber_k: float = 3.0
     scale_rate: float = 0.1
 
@@ -130,7 +131,7 @@ class EngineTTFTModel:
         residual = ttft_s - predicted
         scale = self._scale_s if self._scale_s is not None else max(0.01, 0.5 * predicted)
         limit = self.prior.huber_k * scale
-        weight = 1.0 if abs(residual) <= limit else limit / abs(residual)
+        weight = 1.0 if abs(residual) <= limit else (limit / residual) ** 2
         rate = self.prior.scale_rate
         self._scale_s = (1 - rate) * scale + rate * 1.25 * min(abs(residual), limit)
         keep = self.prior.decay

@@ -1,0 +1,163 @@
+"""The gateway in front of simulated engines: proxying, streaming, errors, routing explanation."""
+
+import json
+import socket
+import time
+
+import pytest
+from conftest import MODEL, Http, chat
+
+pytestmark = pytest.mark.integration
+
+
+def test_models_health_ready_metrics(client):
+    status, _, body = client.json("GET", "/v1/models")
+    assert status == 200 and [m["id"] for m in body["data"]] == [MODEL]
+    assert client.json("GET", "/health")[0] == 200
+    assert client.json("GET", "/ready")[2] == {"ready": True}
+    client.json("POST", "/v1/chat/completions", chat("count me"))
+    status, _, text = client.request("GET", "/metrics")
+    assert status == 200 and b'kvmesh_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
+
+
+def test_chat_and_completion_are_proxied_with_route_header(client):
+    status, head, body = client.json("POST", "/v1/chat/completions", chat("hello engine"))
+    assert status == 200 and body["object"] == "chat.completion"
+    assert head["x-kvmesh-route"].startswith("engine=")
+    assert "prompt_tokens_details" in body["usage"]
+    completion = {"model": MODEL, "prompt": "once upon", "max_tokens": 3}
+    status, head, body = client.json("POST", "/v1/completions", completion)
+    assert status == 200 and body["object"] == "text_completion" and "x-kvmesh-route" in head
+
+
+def test_stream_is_forwarded_chunk_by_chunk(router):
+    """The first token reaches the client while the engine is still decoding the rest."""
+    host, port = router.url.removeprefix("http://").split(":")
+    body = json.dumps(chat("stream slowly please", max_tokens=40, stream=True)).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n" % len(body) + body)
+        seen = b""
+        first_at = None
+        while b"data: [DONE]" not in seen:
+            data = sock.recv(65536)
+            assert data, "connection closed before [DONE]"
+            seen += data
+            if first_at is None and b'"content":"' in seen.split(b"\r\n\r\n", 1)[-1]:
+                first_at = time.perf_counter()
+        done_at = time.perf_counter()
+    assert seen.startswith(b"HTTP/1.1 200")
+    assert seen.count(b"data: ") >= 40
+    # 40 decode steps at the sim's step time: the first token arrived well before the last.
+    assert done_at - first_at > 0.02
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        (b"{not json", 400, None),
+        (b"[1, 2]", 400, None),
+        (json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(), 400, "model"),
+        (json.dumps({"model": MODEL}).encode(), 400, "messages"),
+        (json.dumps({"model": MODEL, "messages": "hi"}).encode(), 400, "messages"),
+        (json.dumps({"model": MODEL, "messages": [{"content": "x"}]}).encode(), 400, "messages[0].role"),
+        (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": "yes"}).encode(),
+         400, "stream"),
+        (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}).encode(),
+         400, "max_tokens"),
+        (json.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}).encode(), 404,
+         "model"),
+    ],
+)
+def test_bad_requests_get_openai_errors(client, body, status, param):
+    got, head, data = client.request("POST", "/v1/chat/completions", body)
+    error = json.loads(data)["error"]
+    assert got == status and head["content-type"] == "application/json"
+    assert error["param"] == param and error["message"] and error["type"]
+
+
+def _raw_post(url: str, head: bytes, body: bytes) -> bytes:
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head + body)
+        received = b""
+        while data := sock.recv(65536):
+            received += data
+            if b"\r\n\r\n" in received and b"}}" in received:
+                break
+    return received
+
+
+def test_oversized_body_and_wrong_method(client, router):
+    """A body over the limit is refused from its declared length, before it is read."""
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 9437184\r\n\r\n"
+    answer = _raw_post(router.url, head, b'{"model": "x", "messages": [')
+    assert answer.startswith(b"HTTP/1.1 413")
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "body_too_large"
+    status, _, data = client.request("GET", "/v1/chat/completions")
+    assert status == 405 and "POST" in json.loads(data)["error"]["message"]
+    assert client.request("GET", "/nowhere")[0] == 404
+
+
+def test_bad_input_changes_nothing(client):
+    """A rejected request reaches no engine: the engines' request counters do not move."""
+    before = client.request("GET", "/metrics")[2]
+    client.request("POST", "/v1/chat/completions", b"{broken")
+    after = client.request("GET", "/metrics")[2]
+    assert before.count(b"kvmesh_time_to_first_byte_seconds_count") == after.count(
+        b"kvmesh_time_to_first_byte_seconds_count")
+
+
+def test_debug_route_scores_without_sending(client):
+    body = chat("explain me " * 20)
+    status, _, table = client.json("POST", "/debug/route", body)
+    assert status == 200 and table["policy"] == "kv_aware" and len(table["candidates"]) == 2
+    assert table["prompt_tokens"] > 0 and table["chosen"] == table["candidates"][0]["engine"]
+
+
+def test_repeated_prefix_goes_where_it_is_cached(client):
+    """After the first request's BlockStored events arrive, siblings go to the same engine with overlap."""
+    document = "The quick brown fox jumps over the lazy dog near the river bank. " * 30
+    first = client.json("POST", "/v1/chat/completions", chat(document + " Question one?"))[1]["x-kvmesh-route"]
+    engine = first.split(";")[0]
+    time.sleep(0.3)
+    for question in ("two", "three", "four"):
+        head = client.json("POST", "/v1/chat/completions", chat(document + f" Question {question}?"))[1]
+        route = head["x-kvmesh-route"]
+        assert route.split(";")[0] == engine
+        overlap = int(route.split("overlap=")[1].split("/")[0])
+        assert overlap > 300
+
+
+def test_unreachable_engine_is_retried_elsewhere(fleet):
+    """A dead engine in the list costs a retry, never a client error."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    from cluster.router_process import RouterProcess
+
+    with RouterProcess([dead, fleet.urls[0]], policy="round_robin") as proc:
+        client = Http(proc.url)
+        dead_id = dead.removeprefix("http://")
+        for i in range(6):
+            status, head, _ = client.json("POST", "/v1/chat/completions", chat(f"retry {i}"))
+            assert status == 200
+            assert dead_id not in head["x-kvmesh-route"].split("served_by=")[-1]
+
+
+def test_5xx_fails_over_and_no_engine_gives_503(fleet):
+    from cluster.router_process import RouterProcess
+
+    sick, healthy = Http(fleet.urls[0]), Http(fleet.urls[1])
+    with RouterProcess(fleet.urls, policy="round_robin") as proc:
+        client = Http(proc.url)
+        sick.json("POST", "/sim/fault", {"fail_5xx": True})
+        try:
+            for i in range(6):
+                assert client.json("POST", "/v1/chat/completions", chat(f"failover {i}"))[0] == 200
+            healthy.json("POST", "/sim/fault", {"fail_5xx": True})
+            status, _, body = client.json("POST", "/v1/chat/completions", chat("nobody home"))
+            assert status == 503 and "no engine" in body["error"]["message"]
+        finally:
+            sick.json("POST", "/sim/fault", {"clear": True})
+            healthy.json("POST", "/sim/fault", {"clear": True})
