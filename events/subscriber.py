@@ -13,10 +13,15 @@ from dataclasses import dataclass
 import trio
 import zmq
 
+from events.counters import SUBSCRIBER_RESTARTS
 from events.discovery import EventSource
 from events.feed import EngineFeed
 
 DRAIN_BATCH = 64
+
+
+class PublisherDisconnected(Exception):
+    """The SUB lost its publisher; libzmq does not reconnect after e.g. a MAXMSGSIZE violation."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,21 +48,28 @@ async def _readable(sock: zmq.Socket) -> None:
 async def run_subscriber(feed: EngineFeed, source: EventSource, *, context: zmq.Context | None = None,
                          config: SubscriberConfig | None = None,
                          clock: Callable[[], float] = trio.current_time) -> None:
-    """Run until cancelled, reconnecting with exponential backoff after socket errors."""
+    """Run until cancelled, rebuilding the session with exponential backoff after errors/disconnects."""
     config = config or SubscriberConfig()
     context = context or zmq.Context.instance()
     backoff = config.backoff_initial_s
     while True:
+        started = trio.current_time()
         try:
             await _session(feed, source, context, config, clock)
-        except zmq.ZMQError:
-            await trio.sleep(backoff)
-            backoff = min(config.backoff_max_s, backoff * 2)
+        except* zmq.ZMQError:
+            SUBSCRIBER_RESTARTS.labels(engine=feed.engine, reason="socket_error").inc()
+        except* PublisherDisconnected:
+            SUBSCRIBER_RESTARTS.labels(engine=feed.engine, reason="disconnected").inc()
+        if trio.current_time() - started > config.backoff_max_s:
+            backoff = config.backoff_initial_s
+        await trio.sleep(backoff)
+        backoff = min(config.backoff_max_s, backoff * 2)
 
 
 async def _session(feed: EngineFeed, source: EventSource, context: zmq.Context, config: SubscriberConfig,
                    clock: Callable[[], float]) -> None:
     sub = context.socket(zmq.SUB)
+    monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     try:
         _configure(sub, config)
         sub.setsockopt(zmq.SUBSCRIBE, source.topic.encode("utf-8"))
@@ -66,6 +78,7 @@ async def _session(feed: EngineFeed, source: EventSource, context: zmq.Context, 
         else:
             sub.connect(source.endpoint)
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch_disconnect, monitor)
             while True:
                 await _readable(sub)
                 for _ in range(DRAIN_BATCH):
@@ -78,7 +91,14 @@ async def _session(feed: EngineFeed, source: EventSource, context: zmq.Context, 
                         nursery.start_soon(_replay, feed, source, start, context, config, clock)
                 await trio.lowlevel.checkpoint()
     finally:
+        sub.disable_monitor()
+        monitor.close(linger=0)
         sub.close(linger=0)
+
+
+async def _watch_disconnect(monitor: zmq.Socket) -> None:
+    await _readable(monitor)
+    raise PublisherDisconnected
 
 
 async def _replay(feed: EngineFeed, source: EventSource, start: int, context: zmq.Context,
@@ -105,8 +125,6 @@ async def _replay(feed: EngineFeed, source: EventSource, start: int, context: zm
                         done = True
                         break
                 await trio.lowlevel.checkpoint()
-    except zmq.ZMQError:
-        done = False
     finally:
         dealer.close(linger=0)
         if not done:

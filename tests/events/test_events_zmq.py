@@ -1,0 +1,165 @@
+"""Real ZeroMQ on loopback: a test-local PUB + ROUTER speaking vLLM's wire format feed the index."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import trio
+import zmq
+from events_frames import payload, stored_map
+from prometheus_client import REGISTRY
+
+from events.discovery import EventSource
+from events.feed import EngineFeed
+from events.subscriber import SubscriberConfig, run_subscriber
+from index.block_hash import chain, root_seed
+from index.prefix_index import PrefixIndex
+from index.view import CacheView
+
+pytestmark = pytest.mark.integration
+
+MODEL = "tiny"
+BLOCK = 4
+TOPIC = b"kv"
+_names = itertools.count()
+
+
+class FakeEngine:
+    """Publishes one new block per batch on a PUB and answers replays from its buffer on a ROUTER."""
+
+    def __init__(self, context: zmq.Context) -> None:
+        self.pub = context.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind("tcp://127.0.0.1:0")
+        self.router = context.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind("tcp://127.0.0.1:0")
+        self.buffer: list[tuple[int, bytes]] = []
+        self.tokens: list[int] = []
+        self.seq = 0
+        self.epoch = 0
+        self.hashes: list[int] = []
+        self.replays = 0
+
+    @property
+    def source(self) -> EventSource:
+        endpoint = self.pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+        return EventSource(endpoint, self.router.getsockopt(zmq.LAST_ENDPOINT).decode(), TOPIC.decode())
+
+    def restart(self) -> None:
+        self.buffer, self.tokens, self.hashes, self.seq = [], [], [], 0
+        self.epoch += 1
+
+    def next_block(self, live: bool = True) -> None:
+        block = [self.epoch * 10_000 + self.seq * 100 + i for i in range(BLOCK)]
+        self.tokens += block
+        engine_hash = 1_000_000 * (self.epoch + 1) + self.seq
+        body = payload([stored_map([engine_hash], self.hashes[-1] if self.hashes else None, block, BLOCK)])
+        self.hashes.append(engine_hash)
+        self.buffer.append((self.seq, body))
+        if live:
+            self.pub.send_multipart([TOPIC, self.seq.to_bytes(8, "big"), body])
+        self.seq += 1
+
+    def send_raw(self, frames: list[bytes]) -> None:
+        self.pub.send_multipart(frames)
+
+    async def serve_replays(self) -> None:
+        while True:
+            while not self.router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                await trio.lowlevel.wait_readable(self.router.getsockopt(zmq.FD))
+            identity, _, start = self.router.recv_multipart()
+            self.replays += 1
+            first = int.from_bytes(start, "big")
+            for seq, body in self.buffer:
+                if seq >= first:
+                    self.router.send_multipart([identity, b"", TOPIC, seq.to_bytes(8, "big"), body])
+            self.router.send_multipart([identity, b"", b"", b"\xff" * 8, b""])
+
+    def expected_chain(self) -> list[int]:
+        return chain(self.tokens, BLOCK, root_seed(MODEL))
+
+    def close(self) -> None:
+        self.pub.close(0)
+        self.router.close(0)
+
+
+async def catch_up(feed: EngineFeed, engine: FakeEngine) -> None:
+    """Keep publishing fresh blocks (slow joiner, reconnects) until the feed has applied the latest."""
+    with trio.fail_after(15):
+        while True:
+            engine.next_block()
+            await trio.sleep(0.02)
+            if feed.ingest.last_seq == engine.seq - 1 and not feed.replaying:
+                return
+
+
+def dropped(engine: str, reason: str) -> float:
+    return REGISTRY.get_sample_value("kvmesh_events_dropped_total", {"engine": engine, "reason": reason}) or 0.0
+
+
+async def run_case(body, *, max_payload_bytes: int = 1 << 20, config: SubscriberConfig | None = None):
+    context = zmq.Context()
+    engine = FakeEngine(context)
+    name = f"zmq-engine-{next(_names)}"
+    store = PrefixIndex()
+    view = CacheView(store)
+    view.register(name, block_size=BLOCK, has_events=True)
+    feed = EngineFeed(name, MODEL, view, max_payload_bytes=max_payload_bytes)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine.serve_replays)
+            nursery.start_soon(lambda: run_subscriber(feed, engine.source, context=context, config=config))
+            await body(engine, feed, store, name)
+            nursery.cancel_scope.cancel()
+    finally:
+        engine.close()
+        context.term()
+
+
+async def test_events_flow_and_gap_is_filled_by_replay():
+    async def body(engine, feed, store, name):
+        await catch_up(feed, engine)
+        replays_before = engine.replays
+        engine.next_block(live=False)
+        engine.next_block(live=False)
+        await catch_up(feed, engine)
+        assert engine.replays > replays_before
+        full = engine.expected_chain()
+        assert store.overlap(full) == {name: len(full)}
+        assert feed.freshness.lost_batches == 0
+
+    await run_case(body)
+
+
+async def test_seq_reset_drops_the_engines_blocks():
+    async def body(engine, feed, store, name):
+        await catch_up(feed, engine)
+        old = engine.expected_chain()
+        assert store.overlap(old) == {name: len(old)}
+        engine.restart()
+        await catch_up(feed, engine)
+        assert store.overlap(old) == {}
+        assert store.block_count(name) == engine.seq
+        assert feed.freshness.resets >= 1
+
+    await run_case(body)
+
+
+async def test_malformed_and_oversized_frames_are_counted_and_dropped():
+    async def body(engine, feed, store, name):
+        await catch_up(feed, engine)
+        engine.send_raw([TOPIC, b"short", b"x"])
+        engine.send_raw([TOPIC, (0).to_bytes(8, "big"), b"\xc1\xc1"])
+        engine.send_raw([TOPIC, (0).to_bytes(8, "big"), b"x" * 8000])
+        engine.send_raw([TOPIC, (0).to_bytes(8, "big"), b"y" * 200_000])
+        await catch_up(feed, engine)
+        with trio.fail_after(5):
+            while dropped(name, "seq_length") < 1 or dropped(name, "msgpack") < 1:
+                await trio.sleep(0.02)
+        assert dropped(name, "oversized") == 1
+        full = engine.expected_chain()
+        assert store.overlap(full) == {name: len(full)}
+
+    await run_case(body, max_payload_bytes=4096, config=SubscriberConfig(max_message_bytes=65536))
