@@ -25,8 +25,8 @@ class TTFTPrior:
     prefill_s_per_token: float = 1 / 20_000
     batch_s_per_request: float = 0.004
     service_s: float = 2.0
-    weight: float = 4.0
-    decay: float = 0.99
+    weight: float = 1.0
+    decay: float = 0.995
     huber_k: float = 3.0
     scale_rate: float = 0.1
 

@@ -1,0 +1,197 @@
+"""The cost model against a brute-force reference, and the behaviours that fall out of it."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from routing_strategies import fleets, requests
+
+from gateway.routing import CostModel, CostSettings, EngineView, RouteRequest, make_policy
+from gateway.routing.cost import Knowledge
+from gateway.routing.hashing import rendezvous_order
+from gateway.routing.learning import TTFTParams
+
+
+def reference_ttft(engine: EngineView, request: RouteRequest, p: TTFTParams, s: CostSettings) -> float:
+    """Walk the request's life step by step with the same parameters: requests ahead, token by token."""
+    t = p.overhead_s
+    slots = engine.max_num_seqs or math.inf
+    occupied = 0
+    for _ in range(max(engine.in_flight, engine.running) + engine.waiting):
+        if occupied < slots:
+            occupied += 1
+            t += p.batch_s_per_request
+        else:
+            t += p.slot_wait_s_per_request
+    if occupied >= slots:
+        t += p.slot_wait_s_per_request
+    exact = engine.exact_blocks * engine.block_size
+    approx = engine.approx_blocks * engine.block_size
+    computed = 0.0
+    for i in range(request.prompt_tokens):
+        credit = 1.0 if i < exact else s.approx_trust if i < approx else 0.0
+        computed += 1.0 - engine.confidence * credit
+    computed = math.ceil(computed - 1e-9)
+    t += p.prefill_s_per_token * computed
+    if engine.num_blocks:
+        free = engine.num_blocks * engine.block_size * (1.0 - engine.kv_usage)
+        capacity = engine.num_blocks * engine.block_size
+        recomputed = 0
+        for k in range(computed + (request.max_tokens or 0)):
+            if k + 1 > free and recomputed < capacity:
+                recomputed += 1
+        t += p.prefill_s_per_token * recomputed
+    if request.router_island is not None and engine.island not in (None, request.router_island):
+        t += s.cross_island_s
+    return t
+
+
+def trained_costs(seed: int) -> CostModel:
+    """A cost model whose engines have learned different speeds, so candidates differ in parameters too."""
+    costs = CostModel()
+    rng = random.Random(seed)
+    for i in range(6):
+        speed = rng.uniform(0.5, 3.0)
+        for _ in range(rng.randint(0, 30)):
+            uncached, depth = rng.randint(0, 4000), rng.randint(0, 30)
+            costs.learner.observe(f"e{i}", uncached, depth, 0.01 + speed * (4e-5 * uncached + 0.003 * depth))
+    return costs
+
+
+@settings(max_examples=100, deadline=None)
+@given(fleets(), requests(), st.integers(0, 1000))
+def test_kv_aware_picks_the_engine_the_reference_says_is_fastest(fleet, request, seed):
+    costs = trained_costs(seed)
+    decision = make_policy("kv_aware", costs=costs).choose(request, fleet)
+    pool = [e for e in fleet if e.live] or [e for e in fleet if e.healthy] or fleet
+    reference = {
+        e.id: reference_ttft(e, request, costs.learner.params(e.id, e.max_num_seqs), costs.settings) for e in fleet
+    }
+    one_token = max(costs.learner.params(e.id, e.max_num_seqs).prefill_s_per_token for e in fleet)
+    tolerance = 3 * one_token + 1e-9
+    assert reference[decision.chosen] <= min(reference[e.id] for e in pool) + tolerance
+    for row in decision.table:
+        assert math.isclose(row.ttft_s, reference[row.engine], rel_tol=1e-6, abs_tol=tolerance)
+
+
+def test_more_in_flight_or_waiting_never_looks_faster():
+    costs = CostModel()
+    request = RouteRequest("m", 1024, 64, "k")
+    base = EngineView("a", "u", max_num_seqs=8)
+    estimates = [
+        costs.estimate(request, EngineView("a", "u", max_num_seqs=8, in_flight=n, waiting=w), Knowledge.EVENTS).ttft_s
+        for n in range(0, 20)
+        for w in (0, 3)
+    ]
+    assert costs.estimate(request, base, Knowledge.EVENTS).ttft_s == min(estimates)
+    by_in_flight = [
+        costs.estimate(request, EngineView("a", "u", max_num_seqs=8, in_flight=n), Knowledge.EVENTS).ttft_s
+        for n in range(20)
+    ]
+    assert all(later > earlier for earlier, later in zip(by_in_flight, by_in_flight[1:], strict=False))
+
+
+def _dispatch(engine: EngineView, prefix_blocks: int) -> EngineView:
+    """What the router's edge does after sending a request: one more in flight, a speculative entry."""
+    return EngineView(
+        engine.id,
+        engine.url,
+        in_flight=engine.in_flight + 1,
+        exact_blocks=engine.exact_blocks,
+        approx_blocks=max(engine.approx_blocks, prefix_blocks),
+        max_num_seqs=engine.max_num_seqs,
+    )
+
+
+@given(st.integers(64, 8192), st.integers(2, 5))
+def test_a_hot_prefix_spills_once_its_holder_queue_outweighs_the_cache(prefix_tokens, engines):
+    policy = make_policy("kv_aware")
+    blocks = prefix_tokens // 16
+    request = RouteRequest("m", prefix_tokens + 40, blocks, "hot")
+    fleet = {f"e{i}": EngineView(f"e{i}", "u", max_num_seqs=256) for i in range(engines)}
+    fleet["e0"] = EngineView("e0", "u", exact_blocks=blocks, max_num_seqs=256)
+    p = policy.costs.learner.params("e0", 256)
+    spill_depth = math.ceil(p.prefill_s(blocks * 16) / p.batch_s_per_request) + 1
+    chosen = []
+    for _ in range(spill_depth * engines + 4 * engines):
+        decision = policy.choose(request, list(fleet.values()))
+        chosen.append(decision.chosen)
+        fleet[decision.chosen] = _dispatch(fleet[decision.chosen], blocks)
+    assert chosen[0] == "e0"
+    first_spill = next(i for i, e in enumerate(chosen) if e != "e0")
+    assert first_spill <= spill_depth
+    assert policy.choose(request, list(fleet.values())).reason.startswith(("cache-hit", "hot-prefix-spill"))
+    loads = [e.in_flight for e in fleet.values()]
+    assert max(loads) - min(loads) <= spill_depth + 1
+
+
+def test_spill_is_explained_as_such():
+    policy = make_policy("kv_aware")
+    request = RouteRequest("m", 2048, 128, "hot")
+    fleet = [EngineView("a", "u", exact_blocks=128, in_flight=200), EngineView("b", "u")]
+    decision = policy.choose(request, fleet)
+    assert decision.chosen == "b"
+    assert decision.reason == "hot-prefix-spill"
+
+
+def test_cache_wins_at_low_load():
+    policy = make_policy("kv_aware")
+    request = RouteRequest("m", 2048, 128, "k")
+    fleet = [EngineView("a", "u", in_flight=1), EngineView("b", "u", exact_blocks=120, in_flight=1)]
+    decision = policy.choose(request, fleet)
+    assert decision.ranked == ["b", "a"]
+    assert decision.reason == "cache-hit 94%"
+
+
+def test_zero_confidence_routes_by_load_alone():
+    policy = make_policy("kv_aware")
+    request = RouteRequest("m", 2048, 128, "k")
+    fleet = [EngineView("a", "u", exact_blocks=128, confidence=0.0, in_flight=2), EngineView("b", "u")]
+    decision = policy.choose(request, fleet)
+    assert decision.chosen == "b"
+    assert decision.reason == "least-loaded"
+
+
+def test_ties_go_to_the_least_loaded_then_to_the_prefix_home():
+    policy = make_policy("kv_aware")
+    request = RouteRequest("m", 100, 6, "k")
+    same_estimate = [EngineView("a", "u", running=3, in_flight=1), EngineView("b", "u", running=3, in_flight=0)]
+    decision = policy.choose(request, same_estimate)
+    assert decision.table[0].ttft_s == decision.table[1].ttft_s
+    assert decision.ranked == ["b", "a"]
+    idle = [EngineView(f"e{i}", "u") for i in range(5)]
+    home = rendezvous_order("k", [e.id for e in idle])
+    assert policy.choose(request, idle).ranked == home
+    assert policy.choose(request, idle[::-1]).ranked == home
+
+
+def test_a_full_cache_pushes_work_elsewhere():
+    policy = make_policy("kv_aware")
+    request = RouteRequest("m", 2048, 128, "k", max_tokens=256)
+    fleet = [
+        EngineView("a", "u", exact_blocks=64, kv_usage=0.99, num_blocks=200),
+        EngineView("b", "u", kv_usage=0.1, num_blocks=200),
+    ]
+    decision = policy.choose(request, fleet)
+    assert decision.chosen == "b"
+    assert decision.reason == "kv-pressure"
+    assert decision.table[1].pressure_penalty_s > 0
+
+
+def test_the_router_prefers_its_own_island_all_else_equal():
+    policy = make_policy("kv_aware")
+    request = RouteRequest("m", 512, 32, "k", router_island="west")
+    fleet = [EngineView("a", "u", island="east"), EngineView("b", "u", island="west")]
+    assert policy.choose(request, fleet).ranked == ["b", "a"]
+    cached_far = [EngineView("a", "u", island="east", exact_blocks=32), EngineView("b", "u", island="west")]
+    assert policy.choose(request, cached_far).chosen == "a"
+
+
+def test_approximate_ignores_event_knowledge():
+    request = RouteRequest("m", 2048, 128, "k")
+    fleet = [EngineView("a", "u", exact_blocks=128, in_flight=1), EngineView("b", "u", approx_blocks=128, in_flight=1)]
+    assert make_policy("approximate").choose(request, fleet).chosen == "b"
+    assert make_policy("kv_aware").choose(request, fleet).chosen == "a"

@@ -1,0 +1,105 @@
+"""The online TTFT model: converges on synthetic data, shrugs off outliers, keeps priors it cannot test."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.routing.learning import TTFTLearner, TTFTPrior
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    overhead=st.floats(0.005, 0.1),
+    per_token=st.floats(5e-6, 5e-4),
+    per_request=st.floats(0.001, 0.05),
+    seed=st.integers(0, 2**32),
+)
+def test_parameters_converge_on_noisy_synthetic_ttfts_with_outliers(overhead, per_token, per_request, seed):
+    rng = random.Random(seed)
+    learner = TTFTLearner()
+    for _ in range(400):
+        uncached, depth = rng.randint(0, 4000), rng.randint(0, 24)
+        ttft = (overhead + per_token * uncached + per_request * depth) * rng.uniform(0.95, 1.05)
+        if rng.random() < 0.05:
+            ttft *= 20
+        learner.observe("e", uncached, depth, ttft)
+    p = learner.params("e", None)
+    typical = overhead + per_token * 2000 + per_request * 12
+    assert abs(p.prefill_s_per_token - per_token) * 2000 <= 0.05 * typical
+    assert abs(p.batch_s_per_request - per_request) * 12 <= 0.05 * typical
+    assert abs(p.overhead_s - overhead) <= 0.05 * typical
+    for uncached, depth in ((0, 0), (4000, 0), (0, 24), (2000, 12)):
+        truth = overhead + per_token * uncached + per_request * depth
+        assert math.isclose(p.predict(uncached, depth, None), truth, rel_tol=0.08, abs_tol=0.004)
+
+
+def test_slot_waits_are_learned_beyond_max_num_seqs():
+    rng = random.Random(7)
+    learner = TTFTLearner()
+    learner.params("e", 8)
+    for _ in range(600):
+        uncached, depth = rng.randint(0, 2000), rng.randint(0, 20)
+        over = max(0, depth - 8 + 1)
+        learner.observe("e", uncached, depth, 0.02 + 5e-5 * uncached + 0.003 * min(depth, 8) + 0.4 * over)
+    p = learner.params("e", 8)
+    assert math.isclose(p.slot_wait_s_per_request, 0.4, rel_tol=0.05)
+    assert p.queue_s(12, 8) > p.queue_s(7, 8) + 4 * 0.3
+
+
+def test_a_direction_the_data_never_exercises_keeps_its_prior():
+    prior = TTFTPrior()
+    learner = TTFTLearner(prior)
+    for i in range(300):
+        uncached = (i * 37) % 3000
+        learner.observe("e", uncached, 0, 0.03 + 1e-4 * uncached)
+    p = learner.params("e", None)
+    assert math.isclose(p.prefill_s_per_token, 1e-4, rel_tol=0.05)
+    assert math.isclose(p.batch_s_per_request, prior.batch_s_per_request, rel_tol=0.25)
+
+
+def test_the_model_follows_an_engine_that_slows_down():
+    learner = TTFTLearner()
+    rng = random.Random(3)
+    for slowdown in (1.0, 3.0):
+        for _ in range(800):
+            uncached = rng.randint(0, 3000)
+            learner.observe("e", uncached, 0, slowdown * (0.01 + 5e-5 * uncached))
+    assert math.isclose(learner.params("e", None).prefill_s_per_token, 1.5e-4, rel_tol=0.1)
+
+
+@given(
+    st.one_of(st.none(), st.text(), st.integers(-5, 5), st.floats(allow_nan=True, allow_infinity=True)),
+    st.one_of(st.integers(-5, 5), st.floats(allow_nan=True, allow_infinity=True), st.none()),
+    st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.none(), st.booleans()),
+)
+def test_impossible_feedback_is_counted_and_dropped(uncached, depth, ttft):
+    learner = TTFTLearner()
+    before = learner.params("e", None)
+    accepted = learner.observe("e", uncached, depth, ttft)
+    valid = all(
+        isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+        for v in (uncached, depth, ttft)
+    )
+    assert accepted == valid
+    assert learner.rejected == (0 if valid else 1)
+    if not valid:
+        assert learner.params("e", None) == before
+    assert all(math.isfinite(v) and v >= 0 for v in vars_of(learner.params("e", None)))
+
+
+def vars_of(params) -> list[float]:
+    return [params.overhead_s, params.prefill_s_per_token, params.batch_s_per_request, params.slot_wait_s_per_request]
+
+
+def test_forgetting_an_engine_restores_the_prior():
+    learner = TTFTLearner()
+    prior_params = learner.params("e", None)
+    for _ in range(50):
+        learner.observe("e", 1000, 0, 1.0)
+    assert learner.params("e", None) != prior_params
+    learner.forget("e")
+    assert learner.params("e", None) == prior_params
