@@ -65,6 +65,8 @@ class PrefixIndex:
             self._masks.pop(own_key, None)
 
     def store(self, engine: str, pairs: Sequence[tuple[int, int]]) -> int:
+        if not pairs:
+            return 0
         slot = self._slot_of(engine)
         bit = 1 << slot
         aliases = self._aliases[engine]
