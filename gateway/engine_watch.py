@@ -94,6 +94,7 @@ async def watch_engine(engine: EngineState, planner, interval_s: float) -> None:
         models, sources = await _discover(discovery)
         engine.models = models or engine.models
         model = engine.config.model or (sorted(engine.models)[0] if engine.models else "")
+        engine.event_sources = [s.endpoint for s in sources]
         planner.register_engine(engine, has_events=bool(sources))
 
         def on_load(load: PolledLoad, now: float) -> None:
@@ -120,4 +121,4 @@ async def watch_engine(engine: EngineState, planner, interval_s: float) -> None:
             feed = EngineFeed(engine.id, model, planner.cache)
             nursery.start_soon(lambda f=feed, s=source: run_subscriber(f, s))
         log.info("engine discovered", extra={"engine": engine.id, "models": sorted(engine.models),
-                                             "event_sources": [s.endpoint for s in sources]})
+                                             "event_sources": engine.event_sources})

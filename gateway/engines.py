@@ -34,6 +34,9 @@ class EngineState:
     in_flight: int = 0
     healthy: bool = False
     draining: bool = False
+    maintenance: bool = False
+    zone: str | None = None
+    event_sources: list[str] = field(default_factory=list)
     consecutive_failures: int = 0
     events_endpoint: str | None = None
     replay_endpoint: str | None = None
@@ -41,6 +44,10 @@ class EngineState:
     @property
     def url(self) -> str:
         return self.config.url.rstrip("/")
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not self.draining and not self.maintenance
 
     @property
     def block_size(self) -> int:

@@ -130,8 +130,9 @@ class RoutePlanner:
         for engine in candidates:
             found = overlaps.get(engine.id)
             views.append(EngineView(
-                id=engine.id, url=engine.url, island=engine.config.island, healthy=engine.healthy,
-                draining=engine.draining, in_flight=engine.in_flight, running=engine.load.running,
+                id=engine.id, url=engine.url, island=engine.config.island,
+                healthy=engine.healthy and not engine.maintenance, draining=engine.draining,
+                in_flight=engine.in_flight, running=engine.load.running,
                 waiting=engine.load.waiting, kv_usage=engine.load.kv_usage, num_blocks=engine.load.num_blocks,
                 block_size=engine.block_size, exact_blocks=found.exact_blocks if found else 0,
                 approx_blocks=found.approx_blocks if found else 0, confidence=found.confidence if found else 0.0,

@@ -11,7 +11,8 @@ from typing import Any
 import trio
 
 from gateway import http_app
-from gateway.config import RouterConfig
+from gateway.admin import handle_admin
+from gateway.config import EngineConfig, RouterConfig
 from gateway.engine_watch import watch_engine
 from gateway.engines import EngineRegistry, EngineState
 from gateway.metrics import RouterMetrics
@@ -39,6 +40,7 @@ class Router:
         self.active_requests = 0
         self.shutting_down = False
         self._nursery: trio.Nursery | None = None
+        self._watches: dict[str, trio.CancelScope] = {}
 
     async def run_background(self, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         """Engine watchers and the planner's services; owned by the process nursery."""
@@ -46,12 +48,49 @@ class Router:
             self._nursery = nursery
             await nursery.start(self.planner.run)
             for engine in self.engines.all():
-                nursery.start_soon(watch_engine, engine, self.planner, self.config.metrics_interval_s)
+                self._watch(engine)
             task_status.started()
 
-    def add_engine_watch(self, engine: EngineState) -> None:
+    def _watch(self, engine: EngineState) -> None:
+        """Start the engine's watcher under its own cancel scope, so removing the engine stops it."""
         assert self._nursery is not None
-        self._nursery.start_soon(watch_engine, engine, self.planner, self.config.metrics_interval_s)
+        scope = trio.CancelScope()
+        self._watches[engine.id] = scope
+
+        async def watched() -> None:
+            with scope:
+                await watch_engine(engine, self.planner, self.config.metrics_interval_s)
+
+        self._nursery.start_soon(watched)
+
+    def add_engine(self, config: EngineConfig) -> str:
+        engine = self.engines.add(config)
+        if engine.id not in self._watches:
+            self._watch(engine)
+        return engine.id
+
+    def remove_engine(self, engine_id: str) -> None:
+        scope = self._watches.pop(engine_id, None)
+        if scope is not None:
+            scope.cancel()
+        self.engines.remove(engine_id)
+        self.planner.cache.unregister(engine_id)
+
+    def set_engine_state(self, engine_id: str, state: dict[str, Any]) -> None:
+        engine = self.engines.get(engine_id)
+        if engine is None:
+            return
+        for key, value in state.items():
+            if key == "island":
+                engine.config.island = value
+            else:
+                setattr(engine, key, value)
+
+    def mesh_report(self) -> dict[str, Any]:
+        return {"enabled": False, "members": []}
+
+    def isolate(self, isolated: bool) -> None:
+        raise ApiError(409, "this router runs without a mesh", code="no_mesh")
 
     async def leave(self) -> None:
         await self.planner.leave()
@@ -80,6 +119,8 @@ class Router:
         if path in INFERENCE_PATHS:
             _require(method, "POST")
             return await self._inference(INFERENCE_PATHS[path], scope, receive, send)
+        if path.startswith("/admin/"):
+            return await handle_admin(self, method, path, scope, receive, send)
         if path == "/debug/route":
             _require(method, "POST")
             raw = await http_app.read_body(scope, receive, self.config.max_body_bytes)
@@ -97,7 +138,7 @@ class Router:
             await http_app.send_json(send, 200, {"status": "ok"})
             return 200
         if path == "/ready":
-            ready = not self.shutting_down and any(e.healthy and not e.draining for e in self.engines.all())
+            ready = not self.shutting_down and any(e.routable for e in self.engines.all())
             await http_app.send_json(send, 200 if ready else 503, {"ready": ready})
             return 200 if ready else 503
         if path == "/metrics":

@@ -161,3 +161,37 @@ def test_5xx_fails_over_and_no_engine_gives_503(fleet):
         finally:
             sick.json("POST", "/sim/fault", {"clear": True})
             healthy.json("POST", "/sim/fault", {"clear": True})
+
+
+def test_admin_index_reports_blocks_and_confidence(client):
+    client.json("POST", "/v1/chat/completions", chat("admin index " * 40))
+    time.sleep(0.3)
+    status, _, report = client.json("GET", "/admin/index")
+    assert status == 200 and len(report["engines"]) == 2
+    rows = list(report["engines"].values())
+    assert sum(r["blocks"] for r in rows) > 0
+    assert all(0.0 <= r["confidence"] <= 1.0 and r["has_events"] for r in rows)
+    assert all(r["digest"].endswith(f":{r['blocks']}") for r in rows)
+
+
+def test_admin_drain_removes_engine_from_rotation(fleet):
+    from cluster.router_process import RouterProcess
+
+    with RouterProcess(fleet.urls, policy="round_robin") as proc:
+        client = Http(proc.url)
+        engines = client.json("GET", "/admin/engines")[2]["engines"]
+        drained = engines[0]["id"]
+        status, _, row = client.json("POST", f"/admin/engines/{drained}/drain", {})
+        assert status == 200 and row["draining"] is True
+        for i in range(4):
+            route = client.json("POST", "/v1/chat/completions", chat(f"drain {i}"))[1]["x-kvmesh-route"]
+            assert f"engine={drained};" not in route
+        client.json("POST", f"/admin/engines/{drained}/drain", {"enabled": False})
+        routes = {client.json("POST", "/v1/chat/completions", chat(f"back {i}"))[1]["x-kvmesh-route"].split(";")[0]
+                  for i in range(4)}
+        assert f"engine={drained}" in routes
+        assert client.json("DELETE", f"/admin/engines/{drained}")[0] == 200
+        assert [e["id"] for e in client.json("GET", "/admin/engines")[2]["engines"]] == [engines[1]["id"]]
+        assert client.json("POST", "/admin/engines", {"url": "ftp://nope"})[0] == 400
+        status, _, row = client.json("POST", "/admin/engines", {"url": fleet.urls[0]})
+        assert status == 201 and row["id"] == drained

@@ -1,0 +1,130 @@
+"""The admin API: engines (add, remove, label, drain, maintenance), the index and the mesh, as JSON.
+
+Everything here is for operators and the chaos suite; none of it is on the request path.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+import trio
+import xxhash
+
+from gateway import http_app
+from gateway.config import ConfigError, EngineConfig, _build
+from gateway.openai_errors import ApiError
+
+if TYPE_CHECKING:
+    from gateway.router import Router
+
+ADMIN_STATE_KEYS = ("draining", "maintenance", "island", "zone")
+
+
+def index_digest(pairs: dict[int, int]) -> str:
+    """An order-independent digest of one engine's block set, so replicas can compare content cheaply."""
+    total = 0
+    for engine_hash, own_key in pairs.items():
+        total = (total + xxhash.xxh3_64_intdigest(engine_hash.to_bytes(8, "big") + own_key.to_bytes(8, "big")))
+    return f"{total & 0xFFFFFFFFFFFFFFFF:016x}:{len(pairs)}"
+
+
+def engine_row(router: Router, engine_id: str) -> dict[str, Any]:
+    engine = router.engines.get(engine_id)
+    assert engine is not None
+    return {
+        "id": engine.id, "url": engine.url, "models": sorted(engine.models), "island": engine.config.island,
+        "zone": engine.zone, "healthy": engine.healthy, "draining": engine.draining,
+        "maintenance": engine.maintenance, "in_flight": engine.in_flight,
+        "running": engine.load.running, "waiting": engine.load.waiting, "kv_usage": engine.load.kv_usage,
+        "block_size": engine.block_size, "num_blocks": engine.load.num_blocks,
+        "event_sources": engine.event_sources,
+    }
+
+
+def index_report(router: Router) -> dict[str, Any]:
+    now = trio.current_time()
+    cache = router.planner.cache
+    engines = {}
+    for engine in router.engines.all():
+        info = cache.info(engine.id)
+        fresh = info.freshness if info else None
+        pairs = cache.store.pairs(engine.id)
+        engines[engine.id] = {
+            "blocks": len(pairs),
+            "digest": index_digest(pairs),
+            "has_events": bool(info and info.has_events),
+            "confidence": round(fresh.confidence(now), 4) if fresh else 0.0,
+            "last_seq": fresh.last_seq if fresh else None,
+            "seconds_since_event": round(now - fresh.last_event_at, 3) if fresh and fresh.last_event_at else None,
+            "gaps": fresh.gaps if fresh else 0,
+            "lost_batches": fresh.lost_batches if fresh else 0,
+            "resets": fresh.resets if fresh else 0,
+            "speculative_blocks": cache.approximate.size(engine.id),
+            "owner_present": fresh.owner_present if fresh else None,
+        }
+    return {"engines": engines}
+
+
+async def _json_body(router: Router, scope: dict, receive) -> dict[str, Any]:
+    raw = await http_app.read_body(scope, receive, 1024 * 1024)
+    try:
+        body = json.loads(raw or b"{}")
+    except json.JSONDecodeError as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    return body
+
+
+async def handle_admin(router: Router, method: str, path: str, scope: dict, receive, send) -> int:
+    parts = [p for p in path.split("/") if p][1:]
+    if parts == ["index"] and method == "GET":
+        await http_app.send_json(send, 200, index_report(router))
+        return 200
+    if parts == ["mesh"] and method == "GET":
+        await http_app.send_json(send, 200, router.mesh_report())
+        return 200
+    if parts == ["mesh", "isolate"] and method == "POST":
+        body = await _json_body(router, scope, receive)
+        router.isolate(bool(body.get("isolated", True)))
+        await http_app.send_json(send, 200, {"isolated": bool(body.get("isolated", True))})
+        return 200
+    if parts == ["engines"] and method == "GET":
+        await http_app.send_json(send, 200, {"engines": [engine_row(router, e.id) for e in router.engines.all()]})
+        return 200
+    if parts == ["engines"] and method == "POST":
+        body = await _json_body(router, scope, receive)
+        try:
+            config = _build(EngineConfig, body, "engine")
+            config.validate("engine")
+        except ConfigError as exc:
+            raise ApiError(400, str(exc), param=str(exc).split(":")[0]) from None
+        engine_id = router.add_engine(config)
+        await http_app.send_json(send, 201, engine_row(router, engine_id))
+        return 201
+    if len(parts) >= 2 and parts[0] == "engines":
+        engine_id = parts[1]
+        if router.engines.get(engine_id) is None:
+            raise ApiError(404, f"no engine {engine_id!r}", code="engine_not_found")
+        if len(parts) == 2 and method == "DELETE":
+            router.remove_engine(engine_id)
+            await http_app.send_json(send, 200, {"removed": engine_id})
+            return 200
+        if len(parts) == 2 and method in ("PATCH", "POST"):
+            body = await _json_body(router, scope, receive)
+            return await _set_state(router, engine_id, body, send)
+        if len(parts) == 3 and parts[2] in ("drain", "maintenance") and method == "POST":
+            body = await _json_body(router, scope, receive)
+            flag = "draining" if parts[2] == "drain" else "maintenance"
+            return await _set_state(router, engine_id, {flag: bool(body.get("enabled", True))}, send)
+    raise ApiError(404, f"no admin route for {method} {path}", code="not_found")
+
+
+async def _set_state(router: Router, engine_id: str, body: dict[str, Any], send) -> int:
+    unknown = set(body) - set(ADMIN_STATE_KEYS)
+    if unknown:
+        raise ApiError(400, f"unknown engine setting(s): {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
+    router.set_engine_state(engine_id, body)
+    await http_app.send_json(send, 200, engine_row(router, engine_id))
+    return 200
