@@ -34,7 +34,7 @@ def test_parameters_converge_on_noisy_synthetic_ttfts_with_outliers(overhead, pe
     assert abs(p.overhead_s - overhead) <= 0.05 * typical
     for uncached, depth in ((0, 0), (4000, 0), (0, 24), (2000, 12)):
         truth = overhead + per_token * uncached + per_request * depth
-        assert math.isclose(p.predict(uncached, depth, None), truth, rel_tol=0.08, abs_tol=0.004)
+        assert math.isclose(p.predict(uncached, depth, None), truth, rel_tol=0.08, abs_tol=0.03 * typical)
 
 
 def test_slot_waits_are_learned_beyond_max_num_seqs():
