@@ -62,6 +62,8 @@ class EngineOptions:
     """What every engine of one launch shares."""
 
     model: Path = TINY_MODEL
+    # None: the model's "tokenizer" subfolder (see scripts/build_tiny_model.py for why it is separate).
+    tokenizer: Path | None = None
     served_model_name: str = SERVED_MODEL_NAME
     block_size: int = 32
     num_gpu_blocks: int | None = None
@@ -113,11 +115,12 @@ class VllmEngine:
         }
         max_len = opts.max_model_len
         if opts.num_gpu_blocks is not None:
-            # vLLM refuses to start when one request could not fit in the whole cache.
-            max_len = min(max_len, opts.num_gpu_blocks * opts.block_size)
+            # vLLM refuses to start when one request could not fit in the cache (less its null block).
+            max_len = min(max_len, (opts.num_gpu_blocks - 1) * opts.block_size)
         cmd = [
             str(VLLM_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(opts.model),
+            "--tokenizer", str(opts.tokenizer or opts.model / "tokenizer"),
             "--served-model-name", opts.served_model_name,
             "--host", "127.0.0.1",
             "--port", str(self.port),
@@ -160,11 +163,13 @@ class VllmEngine:
             )
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        """The end of the log, preceded by its exception lines (vLLM's root cause sits far above the end)."""
         try:
-            text = self.log_path.read_text(encoding="utf-8", errors="replace")
+            text = self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()
         except FileNotFoundError:
             return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
+        causes = [line for line in text if "Error: " in line][-3:]
+        return "\n".join([*causes, "...", *text[-lines:]])
 
     def check_alive(self) -> None:
         """Raise EngineFailed (with the log tail) unless the process is running."""

@@ -19,6 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER_DIR = REPO / "tokenization" / "default"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+TOKENIZER_SUBDIR = "tokenizer"
 RECIPE_FILE = "kvmesh-recipe.json"
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
@@ -38,16 +39,26 @@ def recipe(seed: int) -> dict[str, object]:
     digest = hashlib.sha256()
     for name in TOKENIZER_FILES:
         digest.update((TOKENIZER_DIR / name).read_bytes())
-    return {"seed": seed, "shape": SHAPE, "tokenizer_sha256": digest.hexdigest(), "dtype": "bfloat16"}
+    return {
+        "seed": seed, "shape": SHAPE, "tokenizer_sha256": digest.hexdigest(), "dtype": "bfloat16",
+        "tokenizer_subdir": TOKENIZER_SUBDIR,
+    }
 
 
 def copy_tokenizer(out: Path) -> dict[str, int]:
     """Copy the router's tokenizer files verbatim (the engine must tokenize exactly as the router does).
 
+    They go into ``tokenizer/`` (what the engine loads through ``--tokenizer``) and, for peers that read
+    ``tokenizer.json`` from the model path, into the model folder too. The engine must not load them from
+    the model folder: next to a ``config.json`` with model_type qwen2, transformers 5 picks its
+    Qwen2Tokenizer class, whose own pre-tokenizer regex and NFC normaliser split text (e.g. "\\r\\n ")
+    differently from the router, which loads the folder without a model config.
     Returns the vocabulary, whose size and special ids the model config must match.
     """
-    for name in TOKENIZER_FILES:
-        shutil.copyfile(TOKENIZER_DIR / name, out / name)
+    for folder in (out, out / TOKENIZER_SUBDIR):
+        folder.mkdir(exist_ok=True)
+        for name in TOKENIZER_FILES:
+            shutil.copyfile(TOKENIZER_DIR / name, folder / name)
     return json.loads((TOKENIZER_DIR / "tokenizer.json").read_text(encoding="utf-8"))["model"]["vocab"]
 
 

@@ -7,12 +7,21 @@ from vllm_wire import EventTap, chat, metric, tokenize_chat, unique_text, wait_m
 
 from cluster.vllm_engine import HASH_SEED, VllmEngine
 from index.block_hash import engine_hash_to_int
-from index.vllm_hash import block_hashes, to_u64
+from index.vllm_hash import block_hashes, hash_block, none_hash, to_u64
 
 pytestmark = pytest.mark.vllm
 
 BLOCK = 32
 HITS = "vllm:prefix_cache_hits_total"
+
+
+def tagged_salt_chain(tokens: list[int], salt: str) -> list[bytes]:
+    """vLLM hashes block 0 with the tagged extra keys (("cache_salt", salt),) but publishes them untagged."""
+    chain: list[bytes] = []
+    for i in range(len(tokens) // BLOCK):
+        extra = (("cache_salt", salt),) if i == 0 else None
+        chain.append(hash_block(chain[-1] if chain else none_hash(HASH_SEED), tokens[i * BLOCK:(i + 1) * BLOCK], extra))
+    return chain
 
 
 def test_salted_blocks_carry_the_salt_and_hash_with_it(engines: list[VllmEngine], taps: list[EventTap]) -> None:
@@ -23,10 +32,10 @@ def test_salted_blocks_carry_the_salt_and_hash_with_it(engines: list[VllmEngine]
     chat(engine, messages, cache_salt="tenant-a")
     chain = tap.chain_for(tokens, BLOCK)
     blocks = tap.stored_blocks()
-    # The salt enters the first block only, as the bare string (not a ("cache_salt", salt) pair).
+    # The event carries the salt of the first block only, as the bare string.
     assert blocks[chain[0]][2] == ("tenant-a",)
     assert all(blocks[h][2] is None for h in chain[1:])
-    salted = [to_u64(h) for h in block_hashes(tokens, BLOCK, cache_salt="tenant-a", seed=HASH_SEED)]
+    salted = [to_u64(h) for h in tagged_salt_chain(tokens, "tenant-a")]
     assert set(salted) <= tap.raw_stored_hashes(start)
     assert chain == [engine_hash_to_int(h) for h in salted]
     unsalted = [to_u64(h) for h in block_hashes(tokens, BLOCK, seed=HASH_SEED)]
