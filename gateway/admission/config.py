@@ -1,0 +1,34 @@
+"""The ``[admission]`` config table: queue threshold for shedding and the rate-limit windows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.config import ConfigError
+
+
+@dataclass
+class AdmissionConfig:
+    queue_threshold: int = 64
+    queue_retry_after_s: float = 1.0
+    request_window_s: float = 10.0
+    request_slots: int = 10
+    request_burst_s: float = 1.0
+    token_window_s: float = 60.0
+    token_slots: int = 12
+    token_burst_s: float = 60.0
+    peer_stale_after_s: float = 3.0
+    peer_forget_after_s: float = 30.0
+
+    def validate(self, where: str) -> None:
+        if self.queue_threshold < 1:
+            raise ConfigError(f"{where}.queue_threshold: must be at least 1")
+        for key in ("request_slots", "token_slots"):
+            if not 1 <= getattr(self, key) <= 600:
+                raise ConfigError(f"{where}.{key}: must be between 1 and 600")
+        for key in ("queue_retry_after_s", "request_window_s", "request_burst_s", "token_window_s",
+                    "token_burst_s", "peer_stale_after_s", "peer_forget_after_s"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"{where}.{key}: must be positive")
+        if self.peer_forget_after_s < self.peer_stale_after_s:
+            raise ConfigError(f"{where}.peer_forget_after_s: must not be shorter than peer_stale_after_s")

@@ -1,0 +1,178 @@
+"""Per-engine circuit breaker and the combined health verdict the router filters candidates by (sans-IO).
+
+Breaker: closed until ``failure_threshold`` consecutive failures, or an error rate of at least
+``error_rate_threshold`` over the last ``window`` requests (judged only once the window is full, so one
+early failure cannot open it). Open for ``open_base_s``, doubling on every re-open up to ``open_max_s``;
+then half-open: up to ``half_open_probes`` requests go through. A probe's success closes the breaker and
+resets the backoff; its failure re-opens it with the doubled backoff. A probe whose outcome is never
+recorded (client gone, task cancelled) frees its slot after ``probe_timeout_s``, so the breaker cannot
+stick half-open.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Literal
+
+State = Literal["closed", "half_open", "open"]
+_STATE_CODES: dict[State, int] = {"closed": 0, "half_open": 1, "open": 2}
+_MAX_DOUBLINGS = 32
+
+
+class CircuitBreaker:
+    def __init__(self, failure_threshold: int = 5, error_rate_threshold: float = 0.5, window: int = 20,
+                 open_base_s: float = 1.0, open_max_s: float = 30.0, half_open_probes: int = 1,
+                 probe_timeout_s: float = 30.0) -> None:
+        self.failure_threshold = failure_threshold
+        self.error_rate_threshold = error_rate_threshold
+        self.open_base_s = open_base_s
+        self.open_max_s = open_max_s
+        self.half_open_probes = half_open_probes
+        self.probe_timeout_s = probe_timeout_s
+        self.state: State = "closed"
+        self.open_until = 0.0
+        self.open_for = 0.0
+        self.last_cause: str | None = None
+        self.opens = 0
+        self._failures: deque[bool] = deque(maxlen=window)
+        self._consecutive = 0
+        self._probes: list[float] = []
+
+    def _advance(self, now: float) -> None:
+        if self.state == "open" and now >= self.open_until:
+            self.state = "half_open"
+            self._probes = []
+        if self.state == "half_open":
+            self._probes = [t for t in self._probes if now - t < self.probe_timeout_s]
+
+    def available(self, now: float) -> bool:
+        """Whether ``allow`` would let a request through now, without taking a probe slot."""
+        self._advance(now)
+        if self.state == "half_open":
+            return len(self._probes) < self.half_open_probes
+        return self.state == "closed"
+
+    def allow(self, now: float) -> bool:
+        """Call once for the engine actually chosen: in half-open this takes one of the probe slots."""
+        if not self.available(now):
+            return False
+        if self.state == "half_open":
+            self._probes.append(now)
+        return True
+
+    def record_success(self, now: float) -> None:
+        self._advance(now)
+        if self.state == "half_open":
+            self.state = "closed"
+            self.opens = 0
+            self._failures.clear()
+            self._probes = []
+        elif self.state == "closed":
+            self._failures.append(False)
+            self._consecutive = 0
+
+    def record_failure(self, now: float, cause: str) -> None:
+        """Late outcomes of requests sent before the breaker opened change nothing while it is open."""
+        self._advance(now)
+        if self.state == "open":
+            return
+        self.last_cause = cause
+        if self.state == "half_open":
+            self._open(now)
+            return
+        self._failures.append(True)
+        self._consecutive += 1
+        window_full = len(self._failures) == self._failures.maxlen
+        too_many = window_full and sum(self._failures) >= self.error_rate_threshold * len(self._failures)
+        if self._consecutive >= self.failure_threshold or too_many:
+            self._open(now)
+
+    def _open(self, now: float) -> None:
+        self.opens += 1
+        self.open_for = min(self.open_max_s, self.open_base_s * 2 ** min(self.opens - 1, _MAX_DOUBLINGS))
+        self.open_until = now + self.open_for
+        self.state = "open"
+        self._failures.clear()
+        self._consecutive = 0
+        self._probes = []
+
+    def state_code(self, now: float | None = None) -> int:
+        """For a Prometheus gauge: 0 closed, 1 half-open, 2 open (advanced to ``now`` when given)."""
+        if now is not None:
+            self._advance(now)
+        return _STATE_CODES[self.state]
+
+
+class EngineHealth:
+    """One verdict from four signals: request outcomes (the breaker), ``/health`` polls, ``/metrics`` polls
+    and KV-event silence.
+
+    Not routable: before the first successful ``/health`` poll, after ``health_failures_down``
+    consecutive failed polls, while the breaker refuses, or when metric polls keep failing *and* events
+    are silent (the engine is up enough to answer ``/health`` but not working). Metric failures or event
+    silence alone leave it routable with a reason: an idle engine publishes no events, and a missing
+    metrics scrape only makes the load estimate older. Events count as silent when a request that should
+    have stored a full block (``note_routed``) got no event within ``event_silence_s``.
+    """
+
+    def __init__(self, breaker: CircuitBreaker | None = None, health_failures_down: int = 2,
+                 metric_failures_down: int = 3, event_silence_s: float = 10.0) -> None:
+        self.breaker = breaker or CircuitBreaker()
+        self.health_failures_down = health_failures_down
+        self.metric_failures_down = metric_failures_down
+        self.event_silence_s = event_silence_s
+        self.health_checked = False
+        self.health_failures = 0
+        self.metric_failures = 0
+        self.last_error = ""
+        self._unanswered_since: float | None = None
+
+    def record_health(self, ok: bool, detail: str = "") -> None:
+        if ok:
+            self.health_checked = True
+            self.health_failures = 0
+        else:
+            self.health_failures += 1
+            self.last_error = detail
+
+    def record_metrics(self, ok: bool, detail: str = "") -> None:
+        if ok:
+            self.metric_failures = 0
+        else:
+            self.metric_failures += 1
+            self.last_error = detail
+
+    def note_event(self) -> None:
+        self._unanswered_since = None
+
+    def note_routed(self, now: float) -> None:
+        """A request that fills at least one block was sent: the engine owes a BlockStored event."""
+        if self._unanswered_since is None:
+            self._unanswered_since = now
+
+    def events_silent(self, now: float) -> bool:
+        return self._unanswered_since is not None and now - self._unanswered_since >= self.event_silence_s
+
+    def status(self, now: float) -> tuple[bool, str]:
+        """(routable, reason); the reason is "ok" or names the failing signal(s)."""
+        if self.health_failures >= self.health_failures_down:
+            return False, f"health check failed {self.health_failures} times ({self.last_error})"
+        if not self.health_checked:
+            return False, "awaiting first health check"
+        if not self.breaker.available(now):
+            return False, f"circuit {self.breaker.state.replace('_', '-')} after {self.breaker.last_cause}"
+        metrics_down = self.metric_failures >= self.metric_failures_down
+        silent = self.events_silent(now)
+        if metrics_down and silent:
+            return False, f"metrics failing and events silent ({self.last_error})"
+        if metrics_down:
+            return True, "metrics failing"
+        if silent:
+            return True, "events silent"
+        return True, "ok"
+
+    def routable(self, now: float) -> bool:
+        return self.status(now)[0]
+
+    def reason(self, now: float) -> str:
+        return self.status(now)[1]

@@ -1,0 +1,1 @@
+"""Tenants, API keys, authentication and per-tenant KV-cache isolation."""
