@@ -61,9 +61,11 @@ class MeshConfig:
 class Membership:
     """One replica's live view of the mesh, kept current by SWIM gossip over authenticated UDP."""
 
-    def __init__(self, config: MeshConfig) -> None:
+    def __init__(self, config: MeshConfig, member_id: str | None = None) -> None:
+        """``member_id`` lets a caller that must know the id before joining (the replicated document
+        is keyed by it) choose it; by default it is the name plus a random suffix, unique per start."""
         self.config = config
-        self.member_id = f"{config.name}-{secrets.token_hex(4)}"
+        self.member_id = member_id or f"{config.name}-{secrets.token_hex(4)}"
         self.stats: Counter[str] = Counter()
         self._auth = MeshAuth(config.secret, self.member_id, domain=GOSSIP_DOMAIN)
         self._swim: Swim | None = None

@@ -51,7 +51,10 @@ class _Connection:
 
 
 class SyncService:
-    """Runs one replica's replication: listener, dialers, batched broadcast, anti-entropy, compaction."""
+    """Runs one replica's replication: listener, dialers, batched broadcast, anti-entropy, compaction.
+
+    ``last_heard`` maps each peer to the trio time of its last accepted frame (a lag estimate for admin).
+    """
 
     def __init__(
         self,
@@ -72,6 +75,7 @@ class SyncService:
         self.auth = MeshAuth(secret, self.replica_id, domain=DOMAIN)
         self.counters: Counter[str] = Counter()
         self.port: int | None = None
+        self.last_heard: dict[str, float] = {}
         self._peers = peers
         self._host, self._port = host, port
         self._flush_interval = flush_interval
@@ -194,6 +198,7 @@ class SyncService:
                 if self._drop(envelope.sender_id):
                     self.counters["dropped_by_filter"] += 1
                     continue
+                self.last_heard[envelope.sender_id] = trio.current_time()
                 if not isinstance(envelope.payload, bytes):
                     self.counters["malformed"] += 1
                     continue
