@@ -1,0 +1,110 @@
+"""Steady open-loop load through the cluster's balancer, with one ``RequestRecord`` per request.
+
+The workload is deterministic per request index: most requests share one of a few long system prompts
+(so the fleet has a hit rate to lose and win back), every fifth is unique (so a cold engine is always
+worth sending something to), and every fourth is not streamed (both response paths are exercised).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+
+import trio
+
+from bench.client import ROUTE_HEADER, TRANSPORT_ERRORS, HttpClient, run_open_loop
+from bench.sse import SseSplitter, StreamedAnswer
+from bench.stats import RequestResult
+from bench.workloads import chat_body, text
+from chaos import records as rec
+from chaos.invariants import route_engine
+from chaos.records import RequestRecord
+
+Clock = Callable[[], float]
+
+
+class ChaosWorkload:
+    """Request bodies by index; ``systems`` shared prompts of ``system_tokens`` tokens each."""
+
+    def __init__(self, model: str, seed: int = 0, systems: int = 6, system_tokens: int = 300,
+                 max_tokens: int = 8) -> None:
+        rng = random.Random(f"chaos-{seed}")
+        self.model = model
+        self.seed = seed
+        self.max_tokens = max_tokens
+        self.systems = [f"System {s}:" + text(rng, system_tokens) for s in range(systems)]
+
+    def body(self, i: int) -> dict:
+        rng = random.Random(f"chaos-{self.seed}-{i}")
+        stream = i % 4 != 3
+        if i % 5 == 4:
+            messages = [{"role": "user", "content": f"Note {self.seed}-{i}:" + text(rng, 60)}]
+        else:
+            messages = [{"role": "system", "content": rng.choice(self.systems)},
+                        {"role": "user", "content": text(rng, rng.randint(10, 40))}]
+        return chat_body(messages, self.model, self.max_tokens, stream)
+
+
+async def measure(client: HttpClient, url: str, body: dict, index: int, clock: Clock,
+                  timeout: float = 30.0) -> RequestRecord:
+    """Send one request and record what happened; never raises for a failure of the cluster."""
+    stream = bool(body.get("stream"))
+    record = RequestRecord(index, clock(), stream=stream)
+    splitter, answer = SseSplitter(), StreamedAnswer()
+    chunks: list[bytes] = []
+
+    def sink(chunk: bytes) -> None:
+        if record.first_byte is None:
+            record.first_byte = clock()
+        chunks.append(chunk)
+        for payload in splitter.feed(chunk) if stream else ():
+            if answer.apply(payload) and record.first_token is None:
+                record.first_token = clock()
+
+    response = None
+    with trio.move_on_after(timeout) as scope:
+        try:
+            response = await client.request(url, "POST", json.dumps(body).encode(), sink)
+        except TRANSPORT_ERRORS as exc:
+            record.error, record.detail = rec.TRANSPORT, f"{type(exc).__name__}: {exc}"[:200]
+    record.end = clock()
+    if scope.cancelled_caught:
+        record.error = rec.TIMEOUT
+    if response is None:
+        return record
+    record.status = response.status
+    record.engine = route_engine(response.headers.get(ROUTE_HEADER, ""))
+    raw = b"".join(chunks)
+    if response.status != 200:
+        record.detail = raw[:200].decode("utf-8", errors="replace")
+    elif stream and answer.error:
+        record.error, record.detail = rec.SSE_ERROR, answer.error
+    elif stream and not answer.done:
+        record.error = rec.INCOMPLETE
+    elif not stream:
+        record.error = "" if _complete_json(raw) else rec.MALFORMED
+    return record
+
+
+def _complete_json(raw: bytes) -> bool:
+    try:
+        return bool(json.loads(raw)["choices"])
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
+async def run_load(client: HttpClient, url: str, workload: ChaosWorkload, rate: float, duration: float,
+                   clock: Clock, timeout: float = 30.0, max_in_flight: int = 256) -> tuple[list[RequestRecord], int]:
+    """Open-loop load at ``rate`` requests/s for ``duration`` s; returns the records and the starts
+    skipped at the in-flight cap."""
+    records: list[RequestRecord] = []
+    endpoint = url.rstrip("/") + "/v1/chat/completions"
+
+    async def send(i: int, _started: float) -> RequestResult:
+        record = await measure(client, endpoint, workload.body(i), i, clock, timeout)
+        records.append(record)
+        return record.as_result()
+
+    report = await run_open_loop(send, rate, duration, max_in_flight)
+    return records, report.skipped
