@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import tempfile
 from pathlib import Path
@@ -14,6 +15,9 @@ from bench.processes import StartFailed
 from bench.report import Row, format_table, verdicts
 from bench.runner import FleetSpec, MeasureOptions, compare_policies, measure_target
 from bench.workloads import WORKLOAD_NAMES
+
+# Measurements that live beside the code they measure: name -> module with main(argv) -> int.
+DELEGATED = {"tokenize": "tokenization.measure", "index": "index.measure"}
 
 SMALL_CACHE_BLOCKS = 256
 """Blocks per engine for workload d, so its working set is a few times the fleet's capacity."""
@@ -99,7 +103,10 @@ async def _targets(args: argparse.Namespace, log_dir: Path) -> list[Row]:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kvmesh bench``; exits 1 when a judged target fails."""
-    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in DELEGATED:
+        return importlib.import_module(DELEGATED[argv[0]]).main(argv[1:])
+    args = parser().parse_args(argv)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvmesh-bench-"))
     print(f"process logs: {log_dir}", file=sys.stderr)
     try:
