@@ -1,0 +1,38 @@
+"""``kvmesh keys``: hashing from an argument or stdin (never echoed) and generating new keys."""
+
+import hashlib
+import io
+
+from gateway.security.config import is_hashed_key
+from gateway.security.keys import generate_key, hash_key, main
+
+
+def test_hash_key_is_sha256_of_the_utf8_key():
+    assert hash_key("kvm-é") == "sha256:" + hashlib.sha256("kvm-é".encode()).hexdigest()
+    assert is_hashed_key(hash_key("x"))
+
+
+def test_hash_from_argument(capsys):
+    assert main(["hash", "kvm-abc"]) == 0
+    assert capsys.readouterr().out.strip() == hash_key("kvm-abc")
+
+
+def test_hash_from_stdin_does_not_echo_the_key(capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("kvm-from-stdin\n"))
+    assert main(["hash"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() == hash_key("kvm-from-stdin")
+    assert "kvm-from-stdin" not in captured.out + captured.err
+
+
+def test_empty_stdin_is_an_error(capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert main(["hash"]) == 2
+    assert capsys.readouterr().out == ""
+
+
+def test_generate_prints_a_fresh_key_and_its_hash(capsys):
+    assert main(["generate"]) == 0
+    lines = dict(line.split(": ", 1) for line in capsys.readouterr().out.strip().splitlines())
+    assert lines["hash"].strip() == hash_key(lines["key"].strip())
+    assert generate_key() != generate_key() and len(generate_key()) > 40
