@@ -1,0 +1,102 @@
+"""Mesh nodes in separate processes (python -m mesh.node): one is kill -9ed, the others take its engines."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import trio
+
+pytestmark = [pytest.mark.integration, pytest.mark.mesh]
+
+REPO = Path(__file__).resolve().parents[2]
+ENGINES = [f"e{i}" for i in range(12)]
+TAKEOVER_BOUND_S = 3.0
+
+
+class NodeProcess:
+    """One ``python -m mesh.node`` process and the JSON lines it printed so far."""
+
+    def __init__(self, process: trio.Process) -> None:
+        self.process = process
+        self.lines: list[dict] = []
+
+    async def read(self) -> None:
+        buffer = b""
+        async for chunk in self.process.stdout:
+            buffer += chunk
+            *complete, buffer = buffer.split(b"\n")
+            self.lines += [json.loads(line) for line in complete]
+
+    @property
+    def ready(self) -> dict:
+        return self.lines[0]
+
+    def owned(self) -> dict | None:
+        return next((x for x in reversed(self.lines) if x["event"] == "owned"), None)
+
+
+async def wait_for(condition: Callable[[], bool], timeout: float) -> None:
+    with trio.fail_after(timeout):
+        while not condition():
+            await trio.sleep(0.05)
+
+
+async def start(nursery: trio.Nursery, name: str, secret_file: Path, seeds: str = "") -> NodeProcess:
+    argv = [sys.executable, "-m", "mesh.node", "--name", name, "--mesh-secret-file", str(secret_file),
+            "--seeds", seeds, "--redundancy", "1", "--engines", ",".join(ENGINES), "--duration", "60"]
+    node = NodeProcess(await trio.lowlevel.open_process(argv, cwd=REPO, stdout=subprocess.PIPE))
+    nursery.start_soon(node.read)
+    await wait_for(lambda: bool(node.lines), 20)
+    return node
+
+
+@pytest.fixture
+def secret_file(tmp_path: Path) -> Path:
+    path = tmp_path / "mesh.secret"
+    path.write_text("node-process-secret-0123456789\n")
+    return path
+
+
+async def test_survivors_take_over_the_engines_of_a_killed_node(secret_file):
+    async with trio.open_nursery() as nursery:
+        nodes = [await start(nursery, "p0", secret_file)]
+        for i in (1, 2):
+            nodes.append(await start(nursery, f"p{i}", secret_file, nodes[0].ready["gossip"]))
+        try:
+            ids = sorted(n.ready["id"] for n in nodes)
+
+            def settled(group: list[NodeProcess]) -> bool:
+                views = [n.owned() for n in group]
+                if any(v is None or v["live"] != sorted(m.ready["id"] for m in group) for v in views):
+                    return False
+                owned = [set(v["engines"]) for v in views]
+                return set().union(*owned) == set(ENGINES) and sum(map(len, owned)) == len(ENGINES)
+
+            await wait_for(lambda: settled(nodes), 20)
+            assert nodes[0].owned()["live"] == ids
+            victim = max(nodes, key=lambda n: len(n.owned()["engines"]))
+            survivors = [n for n in nodes if n is not victim]
+            lost = set(victim.owned()["engines"])
+            assert lost
+            killed_at = time.monotonic()
+            os.kill(victim.process.pid, signal.SIGKILL)
+            await wait_for(lambda: settled(survivors), 10)
+            took = max(n.owned()["t"] for n in survivors) - killed_at
+            print(f"engines {sorted(lost)} taken over after {took:.2f}s")
+            assert took <= TAKEOVER_BOUND_S
+        finally:
+            for n in nodes:
+                if n.process.returncode is None:
+                    n.process.kill()
+            with trio.move_on_after(10) as scope:
+                scope.shield = True
+                for n in nodes:
+                    await n.process.wait()
