@@ -63,7 +63,7 @@ def test_plain_key_is_refused_without_being_echoed():
 def test_cross_tenant_checks():
     with pytest.raises(ConfigError, match=r"tenants\[1\]\.name: tenant 'acme' is defined twice"):
         validate_security(AuthConfig(), [tenant(), tenant(keys=[hash_key("other")])])
-    with pytest.raises(ConfigError, match=r"tenants\[1\]\.keys\[0\]: key already belongs to tenant 'acme'"):
+    with pytest.raises(ConfigError, match=r"tenants\[1\]\.keys\[0\]: this key already belongs to tenant"):
         same_key_other_case = "sha256:" + KEY_HASH[7:].upper()
         validate_security(AuthConfig(), [tenant(), tenant(name="globex", keys=[same_key_other_case])])
     with pytest.raises(ConfigError, match=r"^auth\.enabled"):
