@@ -6,7 +6,7 @@ a replay when told to; every decision lives here so it can be tested without soc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from events.counters import BLOCK_OPS, EVENT_BATCHES, EVENTS_DROPPED, REPLAYS
 from events.decode import DecodeError, EventBatch, ReplayEnd, decode_live, decode_replay
@@ -19,7 +19,11 @@ DEFAULT_MAX_PAYLOAD = 16 * 1024 * 1024
 
 class EngineFeed:
     def __init__(self, engine: str, model: str, view: CacheView,
-                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD) -> None:
+                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD, resume_seq: int | None = None,
+                 on_applied: Callable[[int], None] | None = None) -> None:
+        """`resume_seq`: the last seq applied to the (replicated) index by a previous owner of this
+        stream; the first live batch after it then replays the gap instead of re-reading from 0.
+        `on_applied(seq)` is told the last seq applied after each input, so a mesh can record it."""
         info = view.info(engine)
         if info is None:
             raise ValueError(f"engine {engine!r} is not registered in the cache view")
@@ -28,6 +32,9 @@ class EngineFeed:
         self.freshness = info.freshness
         self.ingest = EngineIngest(engine, model, view.store)
         self.tracker: SequenceTracker[EventBatch] = SequenceTracker()
+        self.tracker.last_seq = resume_seq
+        self.ingest.last_seq = resume_seq
+        self.on_applied = on_applied
         self.max_payload_bytes = max_payload_bytes
         self.totals = IngestStats()
 
@@ -99,6 +106,8 @@ class EngineFeed:
             self.view.on_ingest(self.engine, stats)
             self.freshness.on_events(now, batch.seq)
             self._count(batch, stats)
+        if self.on_applied is not None and (decision.apply or decision.reset):
+            self.on_applied(decision.apply[-1].seq if decision.apply else -1)
 
     def _count(self, batch: EventBatch, stats: IngestStats) -> None:
         EVENT_BATCHES.labels(engine=self.engine).inc()

@@ -3,7 +3,7 @@
 watch_engine(engine)
  +- health loop      (GET /health; fast while the engine is down, so it rejoins within a second)
  +- metrics poller   (GET /metrics -> load, KV usage, block geometry)
- +- subscribers      (one per event source, from config or GET /kv_event_sources)
+ +- event sources    (from config or GET /kv_event_sources), handed to EventIngest to subscribe
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ import logging
 import trio
 
 from events.discovery import EventSource, parse_kv_event_sources
-from events.feed import EngineFeed
 from events.metrics_poller import EngineLoad as PolledLoad
 from events.metrics_poller import poll_metrics
-from events.subscriber import run_subscriber
 from gateway.engines import EngineState
+from gateway.event_ingest import EventIngest
 from gateway.upstream import UpstreamError
 
 log = logging.getLogger("kvmesh.engines")
@@ -86,7 +85,7 @@ async def _refresh_models(discovery: Discovery) -> None:
             continue
 
 
-async def watch_engine(engine: EngineState, planner, interval_s: float) -> None:
+async def watch_engine(engine: EngineState, planner, ingest: EventIngest, interval_s: float) -> None:
     """Own every task that keeps ``engine``'s state current; cancelled when the engine is removed."""
     discovery = Discovery(engine)
     async with trio.open_nursery() as nursery:
@@ -117,8 +116,7 @@ async def watch_engine(engine: EngineState, planner, interval_s: float) -> None:
 
         nursery.start_soon(_refresh_models, discovery)
         nursery.start_soon(lambda: poll_metrics(engine.id, "/metrics", fetch, on_load, interval_s=interval_s))
-        for source in sources:
-            feed = EngineFeed(engine.id, model, planner.cache)
-            nursery.start_soon(lambda f=feed, s=source: run_subscriber(f, s))
+        if sources:
+            ingest.add(engine.id, model, sources)
         log.info("engine discovered", extra={"engine": engine.id, "models": sorted(engine.models),
                                              "event_sources": engine.event_sources})

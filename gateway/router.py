@@ -11,10 +11,12 @@ from typing import Any
 import trio
 
 from gateway import http_app
-from gateway.admin import handle_admin
+from gateway.admin import ADMIN_STATE_KEYS, handle_admin
 from gateway.config import EngineConfig, RouterConfig
 from gateway.engine_watch import watch_engine
 from gateway.engines import EngineRegistry, EngineState
+from gateway.event_ingest import EventIngest
+from gateway.mesh_link import build_mesh_node, follow_mesh, registry_state
 from gateway.metrics import RouterMetrics
 from gateway.openai_errors import ApiError
 from gateway.proxy import Attempt, Timeouts, forward
@@ -35,7 +37,10 @@ class Router:
             self.engines.add(engine)
         self.metrics = RouterMetrics()
         self.metrics.track_engines(self.engines.all)
-        self.planner = RoutePlanner(config, self.engines, self.metrics)
+        self.mesh = build_mesh_node(config)
+        self.planner = RoutePlanner(config, self.engines, self.metrics,
+                                    store=self.mesh.store if self.mesh is not None else None)
+        self.ingest = EventIngest(self.planner.cache, self.mesh)
         self.timeouts = Timeouts(config.connect_timeout_s, config.first_byte_timeout_s, config.idle_timeout_s)
         self.active_requests = 0
         self.shutting_down = False
@@ -43,10 +48,14 @@ class Router:
         self._watches: dict[str, trio.CancelScope] = {}
 
     async def run_background(self, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
-        """Engine watchers and the planner's services; owned by the process nursery."""
+        """Mesh, tokenizers, event ingestion and engine watchers; owned by the process nursery."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            if self.mesh is not None:
+                await nursery.start(self.mesh.run)
+                follow_mesh(self, self.mesh)
             await nursery.start(self.planner.run)
+            await nursery.start(self.ingest.run)
             for engine in self.engines.all():
                 self._watch(engine)
             task_status.started()
@@ -59,41 +68,54 @@ class Router:
 
         async def watched() -> None:
             with scope:
-                await watch_engine(engine, self.planner, self.config.metrics_interval_s)
+                await watch_engine(engine, self.planner, self.ingest, self.config.metrics_interval_s)
 
         self._nursery.start_soon(watched)
 
-    def add_engine(self, config: EngineConfig) -> str:
+    def add_engine(self, config: EngineConfig, replicate: bool = True) -> str:
         engine = self.engines.add(config)
         if engine.id not in self._watches:
             self._watch(engine)
+        if replicate and self.mesh is not None:
+            self.mesh.set_engine_state(engine.id, {**registry_state(engine), "url": engine.url})
         return engine.id
 
-    def remove_engine(self, engine_id: str) -> None:
+    def remove_engine(self, engine_id: str, replicate: bool = True) -> None:
         scope = self._watches.pop(engine_id, None)
         if scope is not None:
             scope.cancel()
+        self.ingest.remove(engine_id)
         self.engines.remove(engine_id)
         self.planner.cache.unregister(engine_id)
+        if replicate and self.mesh is not None:
+            self.mesh.set_engine_state(engine_id, {"removed": True})
 
-    def set_engine_state(self, engine_id: str, state: dict[str, Any]) -> None:
+    def set_engine_state(self, engine_id: str, state: dict[str, Any], replicate: bool = True) -> None:
         engine = self.engines.get(engine_id)
         if engine is None:
             return
         for key, value in state.items():
             if key == "island":
                 engine.config.island = value
-            else:
+            elif key in ADMIN_STATE_KEYS:
                 setattr(engine, key, value)
+        if replicate and self.mesh is not None:
+            self.mesh.set_engine_state(engine_id, {**registry_state(engine), "url": engine.url})
 
     def mesh_report(self) -> dict[str, Any]:
-        return {"enabled": False, "members": []}
+        if self.mesh is None:
+            return {"enabled": False, "members": []}
+        return {"enabled": True, **self.mesh.describe(), "ingesting": self.ingest.ingesting()}
 
     def isolate(self, isolated: bool) -> None:
-        raise ApiError(409, "this router runs without a mesh", code="no_mesh")
+        if self.mesh is None:
+            raise ApiError(409, "this router runs without a mesh", code="no_mesh")
+        self.mesh.isolate(isolated)
 
     async def leave(self) -> None:
-        await self.planner.leave()
+        if self.mesh is not None:
+            with trio.move_on_after(2):
+                await self.mesh.leave()
 
     async def __call__(self, scope: dict[str, Any], receive: http_app.Receive, send: http_app.Send) -> None:
         if scope["type"] == "lifespan":

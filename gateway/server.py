@@ -11,12 +11,13 @@ import json
 import logging
 import os
 import signal
+import sys
 
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
-from gateway.config import RouterConfig
+from gateway.config import ConfigError, RouterConfig
 from gateway.logs import setup_logging
 from gateway.router import Router
 
@@ -66,5 +67,9 @@ async def serve_router(config: RouterConfig, task_status: trio.TaskStatus = trio
 
 def main(config: RouterConfig) -> int:
     setup_logging(config.log_level)
-    trio.run(serve_router, config)
+    try:
+        trio.run(serve_router, config)
+    except ConfigError as exc:
+        print(f"kvmesh router: configuration error: {exc}", file=sys.stderr)
+        return 2
     return 0

@@ -1,0 +1,80 @@
+"""The router's side of the mesh: build the node from config, and keep local state in step with it.
+
+What flows from the mesh into this replica: admin state of engines (drain, maintenance, island, added
+and removed engines), event progress of engines other replicas ingest (freshness), and whether each
+engine's stream still has a live owner (confidence decays when not).
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from gateway.admin import ADMIN_STATE_KEYS
+from gateway.config import ConfigError, EngineConfig, RouterConfig
+from gateway.engines import EngineState
+from mesh.auth import load_secret
+from mesh.node import MeshNode, MeshNodeSettings
+
+if TYPE_CHECKING:
+    from gateway.router import Router
+
+
+def build_mesh_node(config: RouterConfig) -> MeshNode | None:
+    mesh = config.mesh
+    if mesh.bind is None:
+        return None
+    if mesh.secret_file is None:
+        raise ConfigError("mesh.secret_file: required when mesh.bind is set (every mesh packet is authenticated)")
+    try:
+        secret = load_secret(mesh.secret_file)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"mesh.secret_file: {exc}") from None
+    replication = mesh.replication_bind or f"{mesh.bind.rsplit(':', 1)[0]}:0"
+    settings = MeshNodeSettings(
+        secret=secret, name=f"{socket.gethostname()}-{config.port}", bind=mesh.bind, seeds=tuple(mesh.seeds),
+        replication_bind=replication, http_addr=f"http://{config.host}:{config.port}", island=config.island or "",
+        cluster=mesh.cluster, redis_url=mesh.redis_url, redundancy=mesh.redundancy,
+    )
+    try:
+        settings.validate()
+    except ValueError as exc:
+        raise ConfigError(f"mesh: {exc}") from None
+    return MeshNode(settings)
+
+
+def registry_state(engine: EngineState) -> dict[str, Any]:
+    return {"draining": engine.draining, "maintenance": engine.maintenance, "island": engine.config.island,
+            "zone": engine.zone}
+
+
+def follow_mesh(router: Router, node: MeshNode) -> None:
+    """Subscribe the router to the node's change feeds; each callback is cheap and never awaits."""
+
+    def on_registry(engine_id: str, state: dict[str, Any] | None) -> None:
+        if state is None or state.get("removed"):
+            if router.engines.get(engine_id) is not None:
+                router.remove_engine(engine_id, replicate=False)
+            return
+        if router.engines.get(engine_id) is None and isinstance(state.get("url"), str):
+            router.add_engine(EngineConfig(url=state["url"], id=engine_id, island=state.get("island")),
+                              replicate=False)
+        router.set_engine_state(engine_id, {k: state[k] for k in ADMIN_STATE_KEYS if k in state}, replicate=False)
+
+    def on_seq(engine_id: str, seq: int) -> None:
+        info = router.planner.cache.info(engine_id)
+        if info is not None:
+            info.freshness.on_events(trio.current_time(), seq)
+
+    def on_presence(engine_id: str, present: bool) -> None:
+        info = router.planner.cache.info(engine_id)
+        if info is not None:
+            info.freshness.on_owner(trio.current_time(), present)
+
+    node.on_registry(on_registry)
+    node.on_seq(on_seq)
+    node.on_owner_presence(on_presence)
+    for engine_id, state in node.engine_states().items():
+        on_registry(engine_id, state)
