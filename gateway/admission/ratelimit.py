@@ -148,27 +148,29 @@ class RateLimiter:
         if local is None or cost > budget:
             return None
         slots = window.indices(now)
-        own = [dim.counts.get(i, 0.0) for i in slots]
-        fresh = [0.0] * len(slots)
+        peers: list[dict[int, float]] = []
         stale = 0
         for peer in self._peers.values():
-            if not self._fresh(peer, now):
+            if self._fresh(peer, now):
+                peers.append(peer.tenants.get(tenant, {}).get(name, {}))
+            else:
                 stale += 1
-                continue
-            counts = peer.tenants.get(tenant, {}).get(name, {})
-            for k, i in enumerate(slots):
-                fresh[k] += counts.get(i, 0.0)
-        cluster = self._cluster_wait(own, fresh, stale, cost, budget, window, now)
-        return max(local, cluster)
+        # Fast path (the common case): the totals fit, no need to look at slots one by one.
+        fresh_total = sum(_window_total(counts, slots) for counts in peers)
+        if _window_total(dim.counts, slots) + cost <= (budget - fresh_total) / (1 + stale):
+            return local
+        own = [dim.counts.get(i, 0.0) for i in slots]
+        fresh = [sum(counts.get(i, 0.0) for counts in peers) for i in slots]
+        return max(local, self._cluster_wait(own, fresh, stale, cost, budget, window, now))
 
     @staticmethod
     def _cluster_wait(own: list[float], fresh: list[float], stale: int, cost: float, budget: float,
                       window: Window, now: float) -> float:
         """Seconds until enough old slots leave the window for ``cost`` to fit in this replica's share."""
         cur = window.current(now)
-        for k in range(len(own) + 1):
+        for k in range(1, len(own) + 1):
             if sum(own[k:]) + cost <= (budget - sum(fresh[k:])) / (1 + stale):
-                return 0.0 if k == 0 else max(0.0, (cur + k) * window.slot_s - now)
+                return max(0.0, (cur + k) * window.slot_s - now)
         return window.length_s
 
     def _fresh(self, peer: _Peer, now: float) -> bool:
@@ -248,6 +250,10 @@ class RateLimiter:
                 dims[name] = counts
             tenants[tenant] = dims
         return _Peer(now, float(sent_at), tenants)
+
+
+def _window_total(counts: dict[int, float], slots: range) -> float:
+    return sum(value for slot, value in counts.items() if slot in slots)
 
 
 def _drop_before(counts: dict[int, float], first: int) -> None:
