@@ -11,10 +11,12 @@ stalled request barely moves the fit.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 _TOKEN_UNIT = 1000.0
+_MAX_TOKENS = 10_000_000
+_MAX_DEPTH = 1_000_000
+_MAX_TTFT_S = 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +31,7 @@ class TTFTPrior:
     decay: float = 0.995
     huber_k: float = 3.0
     scale_rate: float = 0.1
+    min_scale_s: float = 0.001
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +86,7 @@ class EngineTTFTModel:
     observations: int = 0
     _xtx: list[list[float]] = field(default_factory=lambda: [[0.0] * 4 for _ in range(4)])
     _xty: list[float] = field(default_factory=lambda: [0.0] * 4)
-    _scale_s: float | None = None
+    _relative_scale: float = 0.25
     _params: TTFTParams | None = None
 
     def _features(self, uncached_tokens: float, queue_depth: int) -> list[float]:
@@ -125,15 +128,26 @@ class EngineTTFTModel:
             self.max_num_seqs = max_num_seqs
             self._params = None
 
+    def _robust_weight(self, residual: float, predicted: float) -> float:
+        """Full weight within ``huber_k`` robust deviations, fading quadratically beyond.
+
+        TTFT noise grows with TTFT, so the deviation is relative: a running median of |residual| / prediction
+        (multiplicative steps up or down), which a burst of outliers moves only slowly, yet which follows a
+        real change of the engine within a few dozen requests.
+        """
+        p = self.prior
+        median = self._relative_scale
+        limit = max(p.min_scale_s, p.huber_k * 1.4826 * median * max(predicted, 0.0))
+        relative = abs(residual) / max(predicted, p.min_scale_s)
+        step = 1.0 + p.scale_rate
+        self._relative_scale = median * step if relative > median else median / step
+        return 1.0 if abs(residual) <= limit else (limit / residual) ** 2
+
     def observe(self, uncached_tokens: float, queue_depth: int, ttft_s: float) -> None:
         x = self._features(uncached_tokens, queue_depth)
         predicted = self.params.predict(uncached_tokens, queue_depth, self.max_num_seqs)
         residual = ttft_s - predicted
-        scale = self._scale_s if self._scale_s is not None else max(0.01, 0.5 * predicted)
-        limit = self.prior.huber_k * scale
-        weight = 1.0 if abs(residual) <= limit else (limit / residual) ** 2
-        rate = self.prior.scale_rate
-        self._scale_s = (1 - rate) * scale + rate * 1.25 * min(abs(residual), limit)
+        weight = self._robust_weight(residual, predicted)
         keep = self.prior.decay
         for i in range(4):
             self._xty[i] = keep * self._xty[i] + weight * x[i] * ttft_s
@@ -145,7 +159,11 @@ class EngineTTFTModel:
 
 
 class TTFTLearner:
-    """All engines' TTFT models; feedback with impossible values is counted in ``rejected`` and dropped."""
+    """All engines' TTFT models.
+
+    Feedback outside physical bounds (negative, NaN, more than 10M tokens, 1M queued, an hour to first
+    token) is counted in ``rejected`` and dropped: one corrupt measurement must not poison the fit.
+    """
 
     def __init__(self, prior: TTFTPrior | None = None) -> None:
         self.prior = prior or TTFTPrior()
@@ -166,9 +184,9 @@ class TTFTLearner:
     def observe(self, engine_id: str, uncached_tokens: float, queue_depth: int, ttft_s: float) -> bool:
         valid = (
             isinstance(engine_id, str)
-            and _finite_at_least(uncached_tokens, 0)
-            and _finite_at_least(queue_depth, 0)
-            and _finite_at_least(ttft_s, 0)
+            and _within(uncached_tokens, _MAX_TOKENS)
+            and _within(queue_depth, _MAX_DEPTH)
+            and _within(ttft_s, _MAX_TTFT_S)
         )
         if not valid:
             self.rejected += 1
@@ -181,5 +199,5 @@ class TTFTLearner:
         self._models.pop(engine_id, None)
 
 
-def _finite_at_least(value: object, low: float) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= low
+def _within(value: object, high: float) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= high

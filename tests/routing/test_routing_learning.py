@@ -72,8 +72,8 @@ def test_the_model_follows_an_engine_that_slows_down():
 
 
 @given(
-    st.one_of(st.none(), st.text(), st.integers(-5, 5), st.floats(allow_nan=True, allow_infinity=True)),
-    st.one_of(st.integers(-5, 5), st.floats(allow_nan=True, allow_infinity=True), st.none()),
+    st.one_of(st.none(), st.text(), st.integers(-5, 10**12), st.floats(allow_nan=True, allow_infinity=True)),
+    st.one_of(st.integers(-5, 10**12), st.floats(allow_nan=True, allow_infinity=True), st.none()),
     st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.none(), st.booleans()),
 )
 def test_impossible_feedback_is_counted_and_dropped(uncached, depth, ttft):
@@ -81,8 +81,8 @@ def test_impossible_feedback_is_counted_and_dropped(uncached, depth, ttft):
     before = learner.params("e", None)
     accepted = learner.observe("e", uncached, depth, ttft)
     valid = all(
-        isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
-        for v in (uncached, depth, ttft)
+        isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v <= bound
+        for v, bound in ((uncached, 1e7), (depth, 1e6), (ttft, 3600))
     )
     assert accepted == valid
     assert learner.rejected == (0 if valid else 1)
