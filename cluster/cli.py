@@ -37,8 +37,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait until all is healthy")
     p.add_argument("--status", action="store_true", help="show the running cluster instead of starting one")
     for name in ("down", "status"):
-        sub.add_parser(name, help=f"{name} the local cluster").add_argument("--state-dir", type=Path,
-                                                                          default=Path(DEFAULT_STATE_DIR))
+        sub.add_parser(name, help=f"{name} the local cluster").add_argument(
+            "--state-dir", type=Path, default=Path(DEFAULT_STATE_DIR)
+        )
     p.add_argument("--state-dir", type=Path, default=Path(DEFAULT_STATE_DIR))
     return root
 
@@ -46,8 +47,10 @@ def parser() -> argparse.ArgumentParser:
 def summary(state: ClusterState) -> str:
     """Who runs where, one line per process, HAProxy first."""
     meshed = "meshed" if state.meshed else "unmeshed"
-    lines = [f"kvmesh cluster ({state.policy}, {meshed}) state {state.path}",
-             f"  haproxy  {state.haproxy_url}   stats {state.stats_url}"]
+    lines = [
+        f"kvmesh cluster ({state.policy}, {meshed}) state {state.path}",
+        f"  haproxy  {state.haproxy_url}   stats {state.stats_url}",
+    ]
     for record in state.processes:
         if record.role != "haproxy":
             where = record.url or ""
@@ -92,9 +95,19 @@ def main(argv: list[str] | None) -> int:
         print("kvmesh cluster stopped")
         return 0
     count, vllm = args.engines
-    options = UpOptions(routers=args.routers, engines=count, vllm=vllm, redis=args.redis, port=args.port,
-                        state_dir=args.state_dir, policy=args.policy, mesh=args.mesh, profile=args.profile,
-                        time_scale=args.time_scale, timeout=args.timeout)
+    options = UpOptions(
+        routers=args.routers,
+        engines=count,
+        vllm=vllm,
+        redis=args.redis,
+        port=args.port,
+        state_dir=args.state_dir,
+        policy=args.policy,
+        mesh=args.mesh,
+        profile=args.profile,
+        time_scale=args.time_scale,
+        timeout=args.timeout,
+    )
     try:
         state = up(options)
     except (ClusterError, StartError, ValueError, OSError) as exc:

@@ -85,8 +85,15 @@ def spawn(record: ProcessRecord) -> ProcessRecord:
     with log_path.open("ab") as log:
         log.write(f"\n=== kvmesh: starting {record.name} at {time.strftime('%H:%M:%S')} ===\n".encode())
         log.flush()
-        proc = subprocess.Popen(record.argv, cwd=record.cwd, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            record.argv,
+            cwd=record.cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     record.pid = proc.pid
     record.start_ticks = start_ticks(proc.pid) or 0
     return record
@@ -109,10 +116,10 @@ def wait_ready_line(record: ProcessRecord, prefix: str, deadline: float) -> Any:
     while time.monotonic() < deadline:
         with suppress(OSError):
             lines = Path(record.log).read_text(errors="replace").splitlines()
-            run = lines[max(i for i, line in enumerate(lines) if line.startswith("=== kvmesh: starting")):]
+            run = lines[max(i for i, line in enumerate(lines) if line.startswith("=== kvmesh: starting")) :]
             found = [line for line in run if line.startswith(prefix)]
             if found:
-                return json.loads(found[-1][len(prefix):])
+                return json.loads(found[-1][len(prefix) :])
         _check_alive(record)
         time.sleep(0.05)
     raise StartError(f"{record.name} printed no ready line in time; log {record.log}:\n{log_tail(record)}")

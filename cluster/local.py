@@ -71,11 +71,16 @@ def _python(module: str, *args: str) -> list[str]:
 
 def _start_redis(logs: Path, deadline: float) -> ProcessRecord:
     port = free_port()
-    record = daemon.spawn(ProcessRecord(
-        role="redis", name="redis", log=str(logs / "redis.log"), ports={"port": port},
-        url=f"redis://{HOST}:{port}/0",
-        argv=["redis-server", "--port", str(port), "--bind", HOST, "--save", "", "--appendonly", "no"],
-    ))
+    record = daemon.spawn(
+        ProcessRecord(
+            role="redis",
+            name="redis",
+            log=str(logs / "redis.log"),
+            ports={"port": port},
+            url=f"redis://{HOST}:{port}/0",
+            argv=["redis-server", "--port", str(port), "--bind", HOST, "--save", "", "--appendonly", "no"],
+        )
+    )
     client = redis.Redis(host=HOST, port=port, socket_timeout=1)
     while time.monotonic() < deadline:
         try:
@@ -92,19 +97,40 @@ def _start_sim_engines(options: UpOptions, logs: Path, deadline: float) -> list[
     """One process per engine, so that chaos can kill or pause a single engine."""
     records = []
     for i in range(options.engines):
-        argv = _python("sim.cli", "--engines", "1", "--base-port", "0", "--profile", options.profile,
-                       "--time-scale", str(options.time_scale), "--num-blocks", str(options.num_blocks),
-                       "--max-num-seqs", str(options.max_num_seqs))
-        records.append(daemon.spawn(ProcessRecord(role="engine", name=f"engine-{i}", argv=argv,
-                                                  log=str(logs / f"engine-{i}.log"))))
+        argv = _python(
+            "sim.cli",
+            "--engines",
+            "1",
+            "--base-port",
+            "0",
+            "--profile",
+            options.profile,
+            "--time-scale",
+            str(options.time_scale),
+            "--num-blocks",
+            str(options.num_blocks),
+            "--max-num-seqs",
+            str(options.max_num_seqs),
+        )
+        records.append(
+            daemon.spawn(
+                ProcessRecord(role="engine", name=f"engine-{i}", argv=argv, log=str(logs / f"engine-{i}.log"))
+            )
+        )
     for record in records:
         info = daemon.wait_ready_line(record, SIM_READY, deadline)[0]
         record.url = info["url"]
         record.ports = {"http": info["port"], "events": info["event_port"], "replay": info["replay_port"]}
         # Pin the ports the kernel chose, so a restart comes back where the routers look for it.
         base = record.argv.index("--base-port")
-        record.argv[base:base + 2] = ["--base-port", str(info["port"]), "--event-base-port",
-                                      str(info["event_port"]), "--replay-base-port", str(info["replay_port"])]
+        record.argv[base : base + 2] = [
+            "--base-port",
+            str(info["port"]),
+            "--event-base-port",
+            str(info["event_port"]),
+            "--replay-base-port",
+            str(info["replay_port"]),
+        ]
         daemon.wait_http_ok(record, record.url + "/health", deadline)
     return records
 
@@ -118,26 +144,46 @@ def _start_vllm_engines(options: UpOptions, logs: Path, deadline: float) -> list
     for engine in planned:
         # The record owns the process from here on; the engine object only knew how to build its command.
         extra_env = {k: v for k, v in engine.environment().items() if os.environ.get(k) != v}
-        record = ProcessRecord(role="engine", name=engine.name, argv=engine.command(),
-                               log=str(engine.log_path), url=engine.url, env=extra_env, cwd=str(logs),
-                               ports={"http": engine.port, "events": engine.events_port,
-                                      "replay": engine.replay_port})
+        record = ProcessRecord(
+            role="engine",
+            name=engine.name,
+            argv=engine.command(),
+            log=str(engine.log_path),
+            url=engine.url,
+            env=extra_env,
+            cwd=str(logs),
+            ports={"http": engine.port, "events": engine.events_port, "replay": engine.replay_port},
+        )
         records.append(daemon.spawn(record))
     for record in records:
         daemon.wait_http_ok(record, f"{record.url}/health", deadline)
     return records
 
 
-def router_argv(options: UpOptions, engines: list[str], port: int, gossip: list[int], replication: list[int],
-                index: int, secret_file: Path, redis_url: str | None) -> list[str]:
+def router_argv(
+    options: UpOptions,
+    engines: list[str],
+    port: int,
+    gossip: list[int],
+    replication: list[int],
+    index: int,
+    secret_file: Path,
+    redis_url: str | None,
+) -> list[str]:
     """Router ``index``'s command line: it seeds its gossip with every other replica's address."""
     args = ["router", "--host", HOST, "--port", str(port), "--policy", options.policy]
     for url in engines:
         args += ["--engine", url]
     if options.mesh:
         seeds = ",".join(f"{HOST}:{p}" for i, p in enumerate(gossip) if i != index)
-        args += ["--mesh-bind", f"{HOST}:{gossip[index]}", "--mesh-secret-file", str(secret_file),
-                 "--replication-bind", f"{HOST}:{replication[index]}"]
+        args += [
+            "--mesh-bind",
+            f"{HOST}:{gossip[index]}",
+            "--mesh-secret-file",
+            str(secret_file),
+            "--replication-bind",
+            f"{HOST}:{replication[index]}",
+        ]
         if seeds:
             args += ["--seeds", seeds]
         if redis_url:
@@ -145,27 +191,41 @@ def router_argv(options: UpOptions, engines: list[str], port: int, gossip: list[
     return _python("gateway.cli", *args)
 
 
-def _start_routers(options: UpOptions, engines: list[str], logs: Path, secret_file: Path,
-                   redis_url: str | None, deadline: float) -> list[ProcessRecord]:
+def _start_routers(
+    options: UpOptions,
+    engines: list[str],
+    logs: Path,
+    secret_file: Path,
+    redis_url: str | None,
+    deadline: float,
+) -> list[ProcessRecord]:
     n = options.routers
     ports = free_ports(3 * n, udp_too=True)
-    http, gossip, replication = ports[:n], ports[n:2 * n], ports[2 * n:]
+    http, gossip, replication = ports[:n], ports[n : 2 * n], ports[2 * n :]
     records = []
     for i in range(n):
         argv = router_argv(options, engines, http[i], gossip, replication, i, secret_file, redis_url)
-        records.append(daemon.spawn(ProcessRecord(
-            role="router", name=f"router-{i}", argv=argv, log=str(logs / f"router-{i}.log"),
-            url=f"http://{HOST}:{http[i]}",
-            ports={"http": http[i], "gossip": gossip[i], "replication": replication[i]},
-        )))
+        records.append(
+            daemon.spawn(
+                ProcessRecord(
+                    role="router",
+                    name=f"router-{i}",
+                    argv=argv,
+                    log=str(logs / f"router-{i}.log"),
+                    url=f"http://{HOST}:{http[i]}",
+                    ports={"http": http[i], "gossip": gossip[i], "replication": replication[i]},
+                )
+            )
+        )
     for record in records:
         daemon.wait_ready_line(record, ROUTER_READY, deadline)
         daemon.wait_http_ok(record, f"{record.url}/ready", deadline)
     return records
 
 
-def _start_haproxy(options: UpOptions, routers: list[ProcessRecord], state_dir: Path, logs: Path,
-                   deadline: float) -> ProcessRecord:
+def _start_haproxy(
+    options: UpOptions, routers: list[ProcessRecord], state_dir: Path, logs: Path, deadline: float
+) -> ProcessRecord:
     port = options.port or free_port()
     stats_port = free_port()
     config = state_dir / "haproxy.cfg"
@@ -173,9 +233,16 @@ def _start_haproxy(options: UpOptions, routers: list[ProcessRecord], state_dir: 
     config.write_text(haproxy.render(f"{HOST}:{port}", f"{HOST}:{stats_port}", servers=servers))
     haproxy.check(config)
     argv = ["haproxy", "-db", "-f", str(config)]
-    record = daemon.spawn(ProcessRecord(role="haproxy", name="haproxy", argv=argv,
-                                        log=str(logs / "haproxy.log"), url=f"http://{HOST}:{port}",
-                                        ports={"port": port, "stats": stats_port}))
+    record = daemon.spawn(
+        ProcessRecord(
+            role="haproxy",
+            name="haproxy",
+            argv=argv,
+            log=str(logs / "haproxy.log"),
+            url=f"http://{HOST}:{port}",
+            ports={"port": port, "stats": stats_port},
+        )
+    )
     stats_url = f"http://{HOST}:{stats_port}/stats"
     while time.monotonic() < deadline:
         if not daemon.alive(record):
@@ -216,8 +283,14 @@ def up(options: UpOptions) -> ClusterState:
     logs.mkdir(parents=True, exist_ok=True)
     secret_file = state_dir / "mesh.secret"
     _write_secret(secret_file)
-    state = ClusterState(state_dir=str(state_dir), haproxy_url="", stats_url="", policy=options.policy,
-                         meshed=options.mesh, secret_file=str(secret_file))
+    state = ClusterState(
+        state_dir=str(state_dir),
+        haproxy_url="",
+        stats_url="",
+        policy=options.policy,
+        meshed=options.mesh,
+        secret_file=str(secret_file),
+    )
     deadline = time.monotonic() + options.timeout
     try:
         if options.redis:
@@ -227,8 +300,9 @@ def up(options: UpOptions) -> ClusterState:
         engines = start_engines(options, logs, deadline)
         state.processes += engines
         state.save()
-        routers = _start_routers(options, [e.url or "" for e in engines], logs, secret_file, state.redis_url,
-                                 deadline)
+        routers = _start_routers(
+            options, [e.url or "" for e in engines], logs, secret_file, state.redis_url, deadline
+        )
         state.processes += routers
         state.save()
         proxy = _start_haproxy(options, routers, state_dir, logs, deadline)
@@ -268,6 +342,7 @@ def restart(state_dir: Path, name: str, deadline_s: float = 60.0) -> ProcessReco
     deadline = time.monotonic() + deadline_s
     if record.role == "router":
         daemon.wait_ready_line(record, ROUTER_READY, deadline)
+        daemon.wait_http_ok(record, f"{record.url}/ready", deadline)
     elif record.role == "engine" and record.url:
         daemon.wait_http_ok(record, record.url + "/health", deadline)
     state.save()
