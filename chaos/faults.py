@@ -116,14 +116,13 @@ class FaultInjector:
 
     async def _step(self, n: int, event: FaultEvent, record: ProcessRecord, action: str, work) -> None:
         at = self.clock()
-        pid = record.pid
         ok, detail = True, ""
         try:
             await work
         except (FaultError, OSError, *TRANSPORT_ERRORS, trio.TooSlowError) as exc:
             ok, detail = False, f"{type(exc).__name__}: {exc}"
         self.actions.append(FaultAction(n, event.kind, action, record.role, record.name, at, self.clock(), ok,
-                                        detail, pid, engine_id(record)))
+                                        detail, record.pid, engine_id(record)))
 
     def _signal_now(self, record: ProcessRecord, sig: signal.Signals) -> None:
         members = daemon.session_members(record)

@@ -183,12 +183,15 @@ class Growth:
     fds_end: int
 
 
-def resource_growth(samples: list[Sample], after: float, warm_s: float) -> list[Growth]:
+def resource_growth(samples: list[Sample], after: float, warm_s: float,
+                    ready: dict[tuple[str, int], float] | None = None) -> list[Growth]:
     """RSS and fd count per (process, pid) from a warmed-up baseline to the last live sample.
 
-    The baseline is the first live sample at least ``warm_s`` after the pid was first seen (and after
-    ``after``), so start-up allocations of a restarted process do not count as growth.
+    The baseline is the first live sample at least ``warm_s`` after the pid was first seen or, for a
+    restarted one, after it became ready (and after ``after``), so start-up allocations of a restarted
+    process do not count as growth.
     """
+    ready = ready or {}
     first_seen: dict[tuple[str, int], float] = {}
     base: dict[tuple[str, int], tuple[int, int]] = {}
     last: dict[tuple[str, int], tuple[int, int]] = {}
@@ -198,7 +201,7 @@ def resource_growth(samples: list[Sample], after: float, warm_s: float) -> list[
                 continue
             key = (name, p.pid)
             first_seen.setdefault(key, s.t)
-            if s.t >= max(after, first_seen[key] + warm_s):
+            if s.t >= max(after, max(first_seen[key], ready.get(key, 0.0)) + warm_s):
                 base.setdefault(key, (p.rss_kb, p.fds))
                 last[key] = (p.rss_kb, p.fds)
     return [Growth(name, pid, base[(name, pid)][0], last[(name, pid)][0], base[(name, pid)][1], last[(name, pid)][1])
@@ -278,7 +281,8 @@ def evaluate(records: list[RequestRecord], actions: list[FaultAction], samples: 
         outcomes.append(outcome)
         previous_heal = healed
     dead = crashes(samples, actions)
-    growth = resource_growth(samples, warmup, limits.warm_s)
+    ready = {(a.target, a.pid): a.done_at for a in actions if a.action == RESTART}
+    growth = resource_growth(samples, warmup, limits.warm_s, ready)
     invariants = {
         "no_request_failed_outside_killed_router": not any(c.startswith("reset_") for c in violations),
         "no_engine_fault_leaked_before_first_byte": not any(c.startswith("router_error_") for c in violations),

@@ -8,6 +8,7 @@ worth sending something to), and every fourth is not streamed (both response pat
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Callable
 
@@ -94,17 +95,38 @@ def _complete_json(raw: bytes) -> bool:
         return False
 
 
-async def run_load(client: HttpClient, url: str, workload: ChaosWorkload, rate: float, duration: float,
-                   clock: Clock, timeout: float = 30.0, max_in_flight: int = 256) -> tuple[list[RequestRecord], int]:
-    """Open-loop load at ``rate`` requests/s for ``duration`` s; returns the records and the starts
-    skipped at the in-flight cap."""
-    records: list[RequestRecord] = []
-    endpoint = url.rstrip("/") + "/v1/chat/completions"
+class LoadGenerator:
+    """Open-loop load whose records survive cancellation: the runner stops it once the faults are over.
 
-    async def send(i: int, _started: float) -> RequestResult:
-        record = await measure(client, endpoint, workload.body(i), i, clock, timeout)
-        records.append(record)
+    Requests still in flight when it is cancelled are not recorded (they never finished).
+    """
+
+    def __init__(self, client: HttpClient, url: str, workload: ChaosWorkload, clock: Clock,
+                 timeout: float = 30.0) -> None:
+        self.client = client
+        self.endpoint = url.rstrip("/") + "/v1/chat/completions"
+        self.workload = workload
+        self.clock = clock
+        self.timeout = timeout
+        self.records: list[RequestRecord] = []
+        self.started = 0
+        self._began = 0.0
+        self._rate = 0.0
+        self._planned = 0
+
+    async def run(self, rate: float, duration: float, max_in_flight: int = 256) -> None:
+        self._began, self._rate, self._planned = self.clock(), rate, math.floor(rate * duration)
+        await run_open_loop(self._send, rate, duration, max_in_flight)
+
+    def skipped(self, now: float) -> int:
+        """Starts refused at the in-flight cap so far (those due minus those sent)."""
+        if not self._rate:
+            return 0
+        due = min(self._planned, math.floor(self._rate * (now - self._began)) + 1)
+        return max(0, due - self.started)
+
+    async def _send(self, i: int, _started: float) -> RequestResult:
+        self.started += 1
+        record = await measure(self.client, self.endpoint, self.workload.body(i), i, self.clock, self.timeout)
+        self.records.append(record)
         return record.as_result()
-
-    report = await run_open_loop(send, rate, duration, max_in_flight)
-    return records, report.skipped

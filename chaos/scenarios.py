@@ -96,9 +96,3 @@ def schedule(name: str, duration: float, topology: Topology, fault_s: float = 2.
         inject = warmup + k * slot
         events.append(FaultEvent(kind, role, target, inject, inject if kind in INSTANT_HEAL else inject + fault_s))
     return events
-
-
-def run_length(events: list[FaultEvent], duration: float, tail_s: float = 5.0) -> float:
-    """How long load must run: the requested duration, stretched so the last heal is observed."""
-    last_heal = max((e.heal_at for e in events), default=0.0)
-    return max(duration, last_heal + tail_s)
