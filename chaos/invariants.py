@@ -11,7 +11,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from bench.engine_stats import HITS, QUERIES, delta
+from bench.engine_stats import HITS, QUERIES
 from chaos.records import (
     ENDS_PROCESS,
     INCOMPLETE,
@@ -107,6 +107,14 @@ def classify(record: RequestRecord, actions: list[FaultAction], engine_ids: list
     return "other_" + (record.error or f"status_{record.status}")
 
 
+def _engine_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Counter increases of one engine; if any counter went down the engine restarted, and then every
+    counter's value after is its increase (a per-counter guess could pair hits and queries of two lives)."""
+    if any(after.get(k, 0.0) < v for k, v in before.items()):
+        return dict(after)
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
 def window_hit_rate(samples: list[Sample], t_a: float, t_b: float) -> float:
     """Fleet hit rate (cached / queried prompt tokens) between the samples nearest inside [t_a, t_b].
 
@@ -121,7 +129,7 @@ def window_hit_rate(samples: list[Sample], t_a: float, t_b: float) -> float:
         before = first.counters.get(name)
         if before is None or after is None:
             continue
-        d = delta(before, after)
+        d = _engine_delta(before, after)
         hits += d.get(HITS, 0.0)
         queries += d.get(QUERIES, 0.0)
     return hits / queries if queries > 0 else math.nan
