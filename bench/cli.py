@@ -10,6 +10,7 @@ from pathlib import Path
 
 import trio
 
+from bench import mesh
 from bench.overhead import format_overhead, measure_overhead
 from bench.processes import StartFailed
 from bench.report import Row, format_table, verdicts
@@ -67,6 +68,9 @@ def parser() -> argparse.ArgumentParser:
     overhead.add_argument("--rounds", type=int, default=4)
     overhead.add_argument("--policy", default="kv_aware")
     _fleet_args(overhead, "fast")
+    mesh_bench = sub.add_parser("mesh", help="1..8 replicas behind HAProxy: hit rate, TTFT, lag, ingest, CPU")
+    mesh.add_arguments(mesh_bench)
+    mesh_bench.add_argument("--log-dir", type=Path, help="cluster state and logs (default: a temporary folder)")
     return root
 
 
@@ -110,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvmesh-bench-"))
     print(f"process logs: {log_dir}", file=sys.stderr)
     try:
+        if args.command == "mesh":
+            return mesh.run(args, log_dir)
         if args.command == "overhead":
             spec = _spec(args, "", engines=1)
             rows = trio.run(measure_overhead, spec, log_dir, args.concurrency, args.requests, args.rounds, args.policy)
