@@ -294,9 +294,9 @@ async def open_vllm_engines(
     try:
         for engine in engines:
             engine.start()
-        async with trio.open_nursery() as nursery:
-            for engine in engines:
-                nursery.start_soon(engine.wait_ready_async)
+        # All are already starting in parallel; waiting in turn keeps a failure a plain EngineFailed.
+        for engine in engines:
+            await engine.wait_ready_async()
         yield engines
     finally:
         with trio.CancelScope(shield=True):
