@@ -30,8 +30,9 @@ def process_sample(record: ProcessRecord) -> ProcessSample:
         fds = sum(1 for _ in Path(f"/proc/{record.pid}/fd").iterdir())
     except OSError:
         return ProcessSample(record.pid, False)
-    rss = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
-    return ProcessSample(record.pid, True, rss, fds)
+    rss = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), None)
+    # A process being torn down after SIGKILL has no memory map left: it is no longer alive.
+    return ProcessSample(record.pid, False) if rss is None else ProcessSample(record.pid, True, rss, fds)
 
 
 def index_fingerprint(payload: object) -> dict[str, str] | None:
