@@ -63,6 +63,10 @@ class EngineFeed:
             REPLAYS.labels(engine=self.engine, outcome="requested").inc()
         return decision.replay_from
 
+    def catch_up(self) -> int | None:
+        """The seq to replay from when a subscription (re)starts after batches were already applied."""
+        return self.tracker.catch_up().replay_from
+
     def on_replay(self, frames: Sequence[bytes], now: float) -> bool:
         """One replay reply; returns True when the replay is finished (end marker)."""
         if self._oversized(frames):

@@ -82,6 +82,16 @@ class SequenceTracker(Generic[T]):
             return self.replay_failed()
         return Decision()
 
+    def catch_up(self) -> Decision[T]:
+        """(Re)subscribing: replay whatever was published since the last applied seq (from 0 when none,
+        to learn blocks stored before we listened), without waiting for the next live batch to reveal
+        the gap: a quiet engine may publish none for a long time."""
+        if self.replaying or (self.last_seq is None and not self._backfill):
+            return Decision()
+        self.replaying = True
+        self._held = []
+        return Decision(replay_from=0 if self.last_seq is None else self.last_seq + 1)
+
     def replayed(self, seq: int, item: T) -> Decision[T]:
         """A batch from the replay socket (only meaningful while a replay runs)."""
         last = self.last_seq

@@ -79,6 +79,9 @@ async def _session(feed: EngineFeed, source: EventSource, context: zmq.Context, 
             sub.connect(source.endpoint)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_disconnect, monitor)
+            start = feed.catch_up()
+            if start is not None:
+                nursery.start_soon(_replay, feed, source, start, context, config, clock)
             while True:
                 await _readable(sub)
                 for _ in range(DRAIN_BATCH):

@@ -125,3 +125,22 @@ def test_restart_resets_and_hold_overflow_gives_up():
     tracker.live(5, 5)
     overflow = tracker.live(6, 6)
     assert overflow.apply == [4, 5, 6] and overflow.lost == 2 and not tracker.replaying
+
+
+def test_catch_up_replays_from_the_last_applied_seq():
+    assert SequenceTracker(backfill=False).catch_up().replay_from is None
+    fresh = SequenceTracker()
+    assert fresh.catch_up().replay_from == 0
+    assert fresh.replayed(0, "z").apply == ["z"] and fresh.replay_done().apply == []
+    tracker = SequenceTracker()
+    tracker.live(0, "a")
+    tracker.live(1, "b")
+    decision = tracker.catch_up()
+    assert decision.replay_from == 2 and tracker.replaying
+    assert tracker.catch_up().replay_from is None
+    assert tracker.replayed(2, "c").apply == ["c"]
+    held = tracker.live(4, "e")
+    assert held.apply == []
+    assert tracker.replayed(3, "d").apply == ["d"]
+    assert tracker.replay_done().apply == ["e"]
+    assert tracker.last_seq == 4 and not tracker.replaying

@@ -1,0 +1,151 @@
+"""Router replicas meshed on loopback in front of simulated engines: one index, everywhere."""
+
+import json
+import os
+import signal
+import socket
+import time
+import urllib.request
+
+import pytest
+
+from cluster.router_process import RouterProcess
+from sim.process import SimFleetProcess
+
+pytestmark = [pytest.mark.mesh, pytest.mark.integration]
+MODEL = "kvmesh-tiny"
+
+
+def free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def call(url: str, path: str, body: dict | None = None, timeout: float = 30.0):
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url + path, data=data, headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read()), dict(response.headers)
+
+
+def chat(text: str) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 2}
+
+
+def digests(url: str) -> dict[str, str]:
+    return {e: row["digest"] for e, row in call(url, "/admin/index")[0]["engines"].items()}
+
+
+def wait_until(predicate, timeout: float, step: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step)
+    return predicate()
+
+
+class Mesh:
+    def __init__(self, engines: list[str], secret_file: str, size: int) -> None:
+        self.engines = engines
+        self.secret_file = secret_file
+        self.ports = [free_udp_port() for _ in range(size)]
+        self.routers: list[RouterProcess] = []
+
+    def start(self, port: int, secret_file: str | None = None) -> RouterProcess:
+        seeds = ",".join(f"127.0.0.1:{p}" for p in self.ports if p != port)
+        router = RouterProcess(self.engines, mesh_bind=f"127.0.0.1:{port}", seeds=seeds,
+                               mesh_secret_file=secret_file or self.secret_file, metrics_interval=0.2)
+        router.start()
+        self.routers.append(router)
+        return router
+
+    def stop(self) -> None:
+        for router in self.routers:
+            router.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    with SimFleetProcess(engines=2, profile="fast", time_scale=0.2) as sims:
+        yield sims
+
+
+@pytest.fixture()
+def secret_file(tmp_path):
+    path = tmp_path / "mesh.secret"
+    path.write_text(os.urandom(24).hex())
+    return str(path)
+
+
+@pytest.fixture()
+def mesh(fleet, secret_file):
+    mesh = Mesh(fleet.urls, secret_file, size=4)
+    try:
+        for port in mesh.ports[:3]:
+            mesh.start(port)
+        wait_until(lambda: all(len(call(r.url, "/admin/mesh")[0]["members"]) == 3 for r in mesh.routers), 10)
+        yield mesh
+    finally:
+        mesh.stop()
+
+
+def converged(urls: list[str]):
+    views = [digests(u) for u in urls]
+    return views if all(v == views[0] for v in views) and any(not d.startswith("0" * 16) for d in views[0].values()) \
+        else None
+
+
+def test_replicas_converge_and_route_on_each_others_events(mesh):
+    urls = [r.url for r in mesh.routers]
+    document = "replicated knowledge is shared by every router replica " * 25
+    call(urls[0], "/v1/chat/completions", chat(document + "first"))
+    assert wait_until(lambda: converged(urls), 5), [digests(u) for u in urls]
+    table, _ = call(urls[2], "/debug/route", chat(document + "second"))
+    assert table["candidates"][0]["overlap_exact_tokens"] >= 300
+
+
+def test_new_replica_is_warm_within_two_seconds(mesh):
+    urls = [r.url for r in mesh.routers]
+    for i in range(20):
+        call(urls[i % 3], "/v1/chat/completions", chat(f"warm index document number {i} " * 20))
+    assert wait_until(lambda: converged(urls), 5)
+    late = mesh.start(mesh.ports[3])
+    started = time.monotonic()
+    assert wait_until(lambda: digests(late.url) == digests(urls[0]), 2.0)
+    assert time.monotonic() - started <= 2.5
+
+
+def test_killing_every_owner_loses_no_events(mesh, fleet):
+    """Both owners of an engine die; events it publishes meanwhile reach the index through replay."""
+    urls = [r.url for r in mesh.routers]
+    engine_url = fleet.urls[0]
+    engine_id = engine_url.removeprefix("http://")
+    owners = call(urls[0], "/admin/mesh")[0]["owners"][engine_id]
+    by_member = {call(r.url, "/admin/mesh")[0]["member_id"]: r for r in mesh.routers}
+    survivor = next(r for m, r in by_member.items() if m not in owners)
+    for member in owners:
+        os.kill(by_member[member].pid, signal.SIGKILL)
+    document = "events published while no replica listened must not be lost " * 40
+    call(engine_url, "/v1/chat/completions", chat(document))
+
+    def survivor_knows() -> bool:
+        table, _ = call(survivor.url, "/debug/route", chat(document))
+        row = next(c for c in table["candidates"] if c["engine"] == engine_id)
+        return row["overlap_exact_tokens"] >= 256
+
+    assert wait_until(survivor_knows, 8.0)
+    assert call(survivor.url, "/admin/mesh")[0]["owned"] == sorted(digests(survivor.url))
+
+
+def test_replica_with_wrong_secret_is_refused(mesh, tmp_path):
+    other = tmp_path / "other.secret"
+    other.write_text(os.urandom(24).hex())
+    intruder = mesh.start(mesh.ports[3], secret_file=str(other))
+    time.sleep(2.0)
+    assert [m["id"] for m in call(intruder.url, "/admin/mesh")[0]["members"]] == [
+        call(intruder.url, "/admin/mesh")[0]["member_id"]]
+    for router in mesh.routers[:3]:
+        assert len(call(router.url, "/admin/mesh")[0]["members"]) == 3
