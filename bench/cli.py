@@ -70,7 +70,7 @@ def parser() -> argparse.ArgumentParser:
     _fleet_args(overhead, "fast")
     mesh_bench = sub.add_parser("mesh", help="1..8 replicas behind HAProxy: hit rate, TTFT, lag, ingest, CPU")
     mesh.add_arguments(mesh_bench)
-    mesh_bench.add_argument("--log-dir", type=Path, help="cluster state and logs (default: a new temp folder)")
+    mesh_bench.add_argument("--log-dir", type=Path, help="state and logs (default: a new temp folder)")
     return root
 
 
