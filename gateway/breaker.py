@@ -60,6 +60,12 @@ class CircuitBreaker:
             self._probes.append(now)
         return True
 
+    def probe_now(self, now: float) -> None:
+        """Outside evidence says the engine is back: end the open period so probes can confirm it."""
+        if self.state == "open":
+            self.open_until = now
+            self._advance(now)
+
     def record_success(self, now: float) -> None:
         self._advance(now)
         if self.state == "half_open":
@@ -127,8 +133,12 @@ class EngineHealth:
         self.last_error = ""
         self._unanswered_since: float | None = None
 
-    def record_health(self, ok: bool, detail: str = "") -> None:
+    def record_health(self, ok: bool, detail: str = "", now: float | None = None) -> None:
+        """A /health poll. When it comes back after the engine was down, an open breaker moves to half-open
+        at once: a restarted engine must rejoin within a second, not after the breaker's backoff."""
         if ok:
+            if self.health_failures >= self.health_failures_down and now is not None:
+                self.breaker.probe_now(now)
             self.health_checked = True
             self.health_failures = 0
         else:

@@ -14,8 +14,10 @@ DELEGATED = {
     "bench": ("bench.cli", "benchmarks: overhead, routing, mesh, ..."),
     "up": ("cluster.cli", "start a local cluster (routers behind HAProxy, engines, Redis)"),
     "down": ("cluster.cli", "stop the local cluster started by 'kvmesh up'"),
+    "status": ("cluster.cli", "show the local cluster started by 'kvmesh up'"),
     "demo": ("cluster.demo", "start a local cluster, send a workload, print what happened"),
     "chaos": ("chaos.cli", "run a chaos scenario against the local cluster"),
+    "keys": ("gateway.security.keys", "hash or generate API keys for the config file"),
 }
 
 
@@ -71,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     if command == "router":
         return run_router(rest)
     module = importlib.import_module(DELEGATED[command][0])
-    if command in ("up", "down"):
+    if command in ("up", "down", "status"):
         return module.main([command, *rest])
     return module.main(rest)
 

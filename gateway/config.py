@@ -16,11 +16,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from gateway.admission.config import AdmissionConfig
+from gateway.config_errors import ConfigError
+from gateway.security.config import AuthConfig, TenantConfig, validate_security
+
+__all__ = ["AdmissionConfig", "AuthConfig", "ConfigError", "EngineConfig", "MeshConfig", "RouterConfig",
+           "TenantConfig", "load_config"]
+
 POLICIES = ("kv_aware", "approximate", "prefix_hash", "session", "least_loaded", "round_robin", "random")
-
-
-class ConfigError(ValueError):
-    """A configuration value is missing, unknown or malformed; the message names the key."""
 
 
 @dataclass
@@ -75,6 +78,9 @@ class RouterConfig:
     log_level: str = "info"
     engines: list[EngineConfig] = field(default_factory=list)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    tenants: list[TenantConfig] = field(default_factory=list)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -97,6 +103,8 @@ class RouterConfig:
             seen.add(engine.url)
         if self.mesh.redundancy < 1:
             raise ConfigError("mesh.redundancy: must be at least 1")
+        validate_security(self.auth, self.tenants)
+        self.admission.validate("admission")
 
 
 def _coerce(value: Any, hint: Any, where: str) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import trio
 
@@ -56,14 +57,14 @@ async def _health_loop(engine: EngineState, interval_s: float) -> None:
     while True:
         try:
             status, _ = await engine.pool.get("/health", timeout=min(2.0, interval_s * 2))
-        except UpstreamError:
-            status = 0
-        if status == 200:
-            if not engine.healthy:
-                log.info("engine healthy", extra={"engine": engine.id})
-            engine.record_success()
-        else:
-            engine.record_failure(threshold=2)
+            detail = f"/health answered {status}"
+        except UpstreamError as exc:
+            status, detail = 0, str(exc)
+        was_healthy = engine.healthy
+        engine.health.record_health(status == 200, detail, time.monotonic())
+        if engine.healthy != was_healthy:
+            log.info("engine healthy" if engine.healthy else "engine unhealthy",
+                     extra={"engine": engine.id, "reason": engine.health.reason(time.monotonic())})
         await trio.sleep(interval_s if engine.healthy else DOWN_POLL_S)
 
 
@@ -109,9 +110,14 @@ async def watch_engine(engine: EngineState, planner, ingest: EventIngest, interv
                 info.freshness.on_poll(now, load.running)
 
         async def fetch(url: str) -> bytes:
-            status, body = await engine.pool.get(url)
-            if status != 200:
-                raise UpstreamError(f"{url} answered {status}")
+            try:
+                status, body = await engine.pool.get(url)
+                if status != 200:
+                    raise UpstreamError(f"{url} answered {status}")
+            except UpstreamError as exc:
+                engine.health.record_metrics(False, str(exc))
+                raise
+            engine.health.record_metrics(True)
             return body
 
         nursery.start_soon(_refresh_models, discovery)

@@ -5,9 +5,11 @@ Pollers and the proxy write here; the routing core reads an immutable ``EngineVi
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from gateway.breaker import EngineHealth
 from gateway.config import EngineConfig
 from gateway.upstream import EnginePool
 
@@ -32,18 +34,20 @@ class EngineState:
     models: set[str] = field(default_factory=set)
     load: EngineLoad = field(default_factory=EngineLoad)
     in_flight: int = 0
-    healthy: bool = False
+    health: EngineHealth = field(default_factory=EngineHealth)
     draining: bool = False
     maintenance: bool = False
     zone: str | None = None
     event_sources: list[str] = field(default_factory=list)
-    consecutive_failures: int = 0
-    events_endpoint: str | None = None
-    replay_endpoint: str | None = None
 
     @property
     def url(self) -> str:
         return self.config.url.rstrip("/")
+
+    @property
+    def healthy(self) -> bool:
+        """Health polls, request outcomes (circuit breaker), metric polls and event silence combined."""
+        return self.health.routable(time.monotonic())
 
     @property
     def routable(self) -> bool:
@@ -55,15 +59,6 @@ class EngineState:
 
     def serves(self, model: str) -> bool:
         return model in self.models or (not self.models and self.config.model == model)
-
-    def record_success(self) -> None:
-        self.consecutive_failures = 0
-        self.healthy = True
-
-    def record_failure(self, threshold: int = 3) -> None:
-        self.consecutive_failures += 1
-        if self.consecutive_failures >= threshold:
-            self.healthy = False
 
 
 def engine_id_for(config: EngineConfig) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -32,6 +33,10 @@ class RouterMetrics:
                                registry=r)
         self.engine_healthy = Gauge("kvmesh_engine_healthy", "1 when the engine takes traffic", ["engine"],
                                     registry=r)
+        self.breaker_state = Gauge("kvmesh_engine_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open",
+                                   ["engine"], registry=r)
+        self.admission_rejections = Counter("kvmesh_admission_rejections", "Requests refused before routing",
+                                            ["reason", "priority"], registry=r)
         self._engines: Callable[[], list] = list
 
     def track_engines(self, engines: Callable[[], list]) -> None:
@@ -41,5 +46,6 @@ class RouterMetrics:
     def render(self) -> bytes:
         for engine in self._engines():
             self.in_flight.labels(engine.id).set(engine.in_flight)
-            self.engine_healthy.labels(engine.id).set(1 if engine.healthy and not engine.draining else 0)
+            self.engine_healthy.labels(engine.id).set(1 if engine.routable else 0)
+            self.breaker_state.labels(engine.id).set(engine.health.breaker.state_code(time.monotonic()))
         return generate_latest(self.registry)

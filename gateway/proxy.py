@@ -76,7 +76,12 @@ async def forward(
 ) -> ProxyResult:
     result = ProxyResult()
     start = time.perf_counter()
-    for engine in candidates[:max_attempts]:
+    for engine in candidates:
+        if len(result.attempts) >= max_attempts:
+            break
+        if not engine.health.breaker.allow(time.monotonic()):
+            result.attempts.append(Attempt(engine.id, "circuit open"))
+            continue
         engine.in_flight += 1
         try:
             done = await _try_engine(engine, method, target, body, headers, send, timeouts, route_header,
@@ -107,19 +112,19 @@ async def _try_engine(
     try:
         upstream = await engine.pool.request(method, target, body, headers, timeouts.connect, timeouts.first_byte)
     except UpstreamError as exc:
-        engine.record_failure()
+        engine.health.breaker.record_failure(time.monotonic(), "unreachable")
         result.attempts.append(Attempt(engine.id, f"unreachable ({exc})"))
         return False
     try:
         if upstream.status in RETRYABLE_STATUS:
             if upstream.status >= 500:
-                engine.record_failure()
+                engine.health.breaker.record_failure(time.monotonic(), f"status {upstream.status}")
             result.attempts.append(Attempt(engine.id, f"status {upstream.status}", upstream.status))
             return False
         try:
             first, rest = await _first_chunk(upstream, timeouts)
         except (UpstreamError, trio.TooSlowError) as exc:
-            engine.record_failure()
+            engine.health.breaker.record_failure(time.monotonic(), "no first byte")
             result.attempts.append(Attempt(engine.id, f"failed before first byte ({exc or 'timeout'})"))
             return False
         result.ttft_s = time.perf_counter() - start
@@ -134,12 +139,12 @@ async def _try_engine(
             async for chunk in rest:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except UpstreamError as exc:
-            engine.record_failure()
+            engine.health.breaker.record_failure(time.monotonic(), "broken stream")
             result.broken_after_first_byte = True
             tail = sse_error_event(f"engine {engine.id} failed mid-stream: {exc}") if is_stream else b""
             await send({"type": "http.response.body", "body": tail, "more_body": False})
             return True
-        engine.record_success()
+        engine.health.breaker.record_success(time.monotonic())
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return True
     finally:

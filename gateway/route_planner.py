@@ -147,11 +147,15 @@ class RoutePlanner:
         ranked = [by_id[i] for i in decision.ranked]
         if not ranked:
             raise ApiError(503, f"no engine is available for model `{parsed.model}`", code="no_engine_available")
-        if chains:
-            self.cache.record_dispatch(ranked[0].id, chains, now)
         self.metrics.decisions.labels(decision.policy, decision.reason.split(" ")[0]).inc()
         self.metrics.decision_latency.observe(time.perf_counter() - started)
         return Plan(parsed, decision, ranked, chains, len(token_ids))
+
+    def dispatched(self, plan: Plan) -> None:
+        """The request passed admission and goes to its first choice: remember the prompt's blocks there
+        until the engine's events confirm them, so a burst of siblings does not race ahead of the events."""
+        if plan.chains:
+            self.cache.record_dispatch(plan.engines[0].id, plan.chains, trio.current_time())
 
     def observe(self, plan: Plan, result: ProxyResult) -> None:
         """Feed the measured time to first byte back into the cost model of the engine that served it.

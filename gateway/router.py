@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -16,6 +15,7 @@ from gateway.config import EngineConfig, RouterConfig
 from gateway.engine_watch import watch_engine
 from gateway.engines import EngineRegistry, EngineState
 from gateway.event_ingest import EventIngest
+from gateway.gatekeeper import Gatekeeper
 from gateway.mesh_link import build_mesh_node, follow_mesh, registry_state
 from gateway.metrics import RouterMetrics
 from gateway.openai_errors import ApiError
@@ -41,6 +41,7 @@ class Router:
         self.planner = RoutePlanner(config, self.engines, self.metrics,
                                     store=self.mesh.store if self.mesh is not None else None)
         self.ingest = EventIngest(self.planner.cache, self.mesh)
+        self.gate = Gatekeeper(config, self.metrics, self.mesh.member_id if self.mesh is not None else "local")
         self.timeouts = Timeouts(config.connect_timeout_s, config.first_byte_timeout_s, config.idle_timeout_s)
         self.active_requests = 0
         self.shutting_down = False
@@ -54,6 +55,8 @@ class Router:
             if self.mesh is not None:
                 await nursery.start(self.mesh.run)
                 follow_mesh(self, self.mesh)
+                if self.gate.has_limits:
+                    nursery.start_soon(self.gate.share_limits, self.mesh)
             await nursery.start(self.planner.run)
             await nursery.start(self.ingest.run)
             for engine in self.engines.all():
@@ -142,13 +145,16 @@ class Router:
             _require(method, "POST")
             return await self._inference(INFERENCE_PATHS[path], scope, receive, send)
         if path.startswith("/admin/"):
+            self.gate.require_admin(dict(_headers(scope)))
             return await handle_admin(self, method, path, scope, receive, send)
         if path == "/debug/route":
             _require(method, "POST")
+            headers = dict(_headers(scope))
+            tenant = self.gate.tenant(headers)
             raw = await http_app.read_body(scope, receive, self.config.max_body_bytes)
-            kind: Kind = "completion" if json.loads(raw or b"{}").get("prompt") is not None else "chat"
-            parsed = parse_request(raw, kind)
-            plan = await self.planner.plan(parsed, dict(_headers(scope)))
+            kind: Kind = "completion" if b'"prompt"' in raw else "chat"
+            parsed = self.gate.isolate(tenant, parse_request(raw, kind))
+            plan = await self.planner.plan(parsed, headers)
             await http_app.send_json(send, 200, plan.explain())
             return 200
         _require(method, "GET")
@@ -172,13 +178,17 @@ class Router:
     async def _inference(self, kind: Kind, scope: dict, receive, send) -> int:
         if self.shutting_down:
             raise ApiError(503, "router is shutting down", code="shutting_down")
-        raw = await http_app.read_body(scope, receive, self.config.max_body_bytes)
-        parsed = parse_request(raw, kind)
         headers = dict(_headers(scope))
+        tenant = self.gate.tenant(headers)
+        raw = await http_app.read_body(scope, receive, self.config.max_body_bytes)
+        parsed = self.gate.isolate(tenant, parse_request(raw, kind))
+        priority = self.gate.priority(tenant, headers)
         request_id = headers.get("x-request-id") or uuid.uuid4().hex[:16]
         self.active_requests += 1
         try:
             plan = await self.planner.plan(parsed, headers)
+            self.gate.admit(tenant, priority, parsed, plan.prompt_tokens, plan.engines)
+            self.planner.dispatched(plan)
             upstream_headers = [(k, v) for k, v in headers.items() if k in FORWARDED_HEADERS]
             upstream_headers.append(("x-request-id", request_id))
 
@@ -198,7 +208,7 @@ class Router:
                 if attempt.outcome != "ok":
                     self.metrics.upstream_errors.labels(attempt.engine, attempt.outcome.split(" ")[0]).inc()
             self.planner.observe(plan, result)
-            log.info("routed", extra={"request_id": request_id, "model": parsed.model,
+            log.info("routed", extra={"request_id": request_id, "tenant": tenant.name, "model": parsed.model,
                                       "engine": result.engine.id if result.engine else None,
                                       "attempts": len(result.attempts), "reason": plan.decision.reason,
                                       "ttft_ms": round((result.ttft_s or 0) * 1000, 2)})

@@ -126,6 +126,14 @@ class ReplicatedIndex:
             if key.endswith(suffix)
         )
 
+    def set_limits(self, payload: Any) -> None:
+        """Publish this replica's rate-limit counts (gateway/admission/ratelimit.py export format)."""
+        self.doc.write([("limits", self.doc.replica_id, json.dumps(payload, sort_keys=True))])
+
+    def limits(self) -> dict[str, Any]:
+        """Every replica's published rate-limit counts, by replica id."""
+        return self._decoded(self.doc.content["limits"].items())
+
     def _decoded(self, items: Iterable[tuple[str, str]]) -> dict[str, Any]:
         result = {}
         for key, text in items:

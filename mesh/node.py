@@ -110,6 +110,7 @@ class MeshNode:
         self._seq_callbacks: list[SeqCallback] = []
         self._registry_callbacks: list[RegistryCallback] = []
         self._presence_callbacks: list[PresenceCallback] = []
+        self._limits_callbacks: list[Callable[[str, Any], None]] = []
         self._presence: dict[str, bool] = {}
         self.store.doc.subscribe(self._on_doc_changes)
 
@@ -306,6 +307,10 @@ class MeshNode:
         """Call ``callback(engine_id, present)`` when :meth:`owner_present` flips for a known engine."""
         self._presence_callbacks.append(callback)
 
+    def on_peer_limits(self, callback: Callable[[str, Any], None]) -> None:
+        """Call ``callback(replica_id, payload)`` when another replica publishes its rate-limit counts."""
+        self._limits_callbacks.append(callback)
+
     def set_engine_state(self, engine_id: str, state: dict[str, Any] | None) -> None:
         """Set (None: remove) an engine's replicated admin state: drain, maintenance, island, ..."""
         self.store.set_registry(engine_id, state)
@@ -322,6 +327,13 @@ class MeshNode:
                     self.stats["malformed_seq"] += 1
                     continue
                 self._notify(self._seq_callbacks, key, seq)
+            elif name == "limits" and key != self.member_id and new is not None:
+                try:
+                    payload = json.loads(new)
+                except ValueError:
+                    self.stats["malformed_limits"] += 1
+                    continue
+                self._notify(self._limits_callbacks, key, payload)
             elif name == "registry":
                 try:
                     state = None if new is None else json.loads(new)

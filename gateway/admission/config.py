@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.config import ConfigError
+from gateway.config_errors import ConfigError
 
 
 @dataclass

@@ -13,7 +13,7 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 
-from gateway.config import ConfigError
+from gateway.config_errors import ConfigError
 
 PRIORITIES = ("high", "normal", "low")
 CACHE_POLICIES = ("isolated", "shared")

@@ -1,0 +1,75 @@
+"""Who may send what, and whether now: API keys -> tenant, cache isolation, rate limits, priority shedding.
+
+The decisions live in gateway/security and gateway/admission (sans-IO); this module calls them in order
+for one request and, in a mesh, exchanges rate-limit counts with the other replicas so a tenant's limit
+holds cluster-wide.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping, Sequence
+
+import trio
+
+from gateway.admission.decision import Reject
+from gateway.admission.priority import PRIORITY_HEADER, admit, resolve_priority
+from gateway.admission.ratelimit import RateLimiter
+from gateway.config import RouterConfig
+from gateway.engines import EngineState
+from gateway.metrics import RouterMetrics
+from gateway.request_body import ParsedRequest
+from gateway.security.auth import Authenticator, Tenant
+from gateway.security.isolation import apply_cache_policy
+
+PUBLISH_INTERVAL_S = 0.3
+BYTES_PER_TOKEN_ESTIMATE = 4
+
+
+class Gatekeeper:
+    def __init__(self, config: RouterConfig, metrics: RouterMetrics, replica_id: str) -> None:
+        self.auth = Authenticator(config.auth, config.tenants)
+        self.limiter = RateLimiter(replica_id, config.admission)
+        self.admission = config.admission
+        self.metrics = metrics
+        self.has_limits = any(t.requests_per_second or t.prompt_tokens_per_minute for t in config.tenants)
+
+    def tenant(self, headers: Mapping[str, str]) -> Tenant:
+        """The caller's tenant (401 in OpenAI's format when auth is on and the key is missing or wrong)."""
+        return self.auth.authenticate(headers.get("authorization"))
+
+    def require_admin(self, headers: Mapping[str, str]) -> None:
+        self.auth.require_admin(headers.get("authorization"))
+
+    def isolate(self, tenant: Tenant, parsed: ParsedRequest) -> ParsedRequest:
+        """Apply the tenant's cache policy: an isolated tenant's salt goes into the body and the index key."""
+        body, raw, salt = apply_cache_policy(tenant, parsed.body, parsed.raw)
+        if raw is parsed.raw:
+            return parsed
+        return dataclasses.replace(parsed, body=body, raw=raw, cache_salt=salt)
+
+    def priority(self, tenant: Tenant, headers: Mapping[str, str]) -> str:
+        return resolve_priority(tenant, headers.get(PRIORITY_HEADER))
+
+    def admit(self, tenant: Tenant, priority: str, parsed: ParsedRequest, prompt_tokens: int,
+              candidates: Sequence[EngineState]) -> None:
+        """Raise a 429 (with Retry-After) when the tenant is over its limits or every engine is too busy for
+        this priority. Shedding is checked first, so a shed request costs the tenant nothing."""
+        depths = [e.in_flight + e.load.waiting for e in candidates if e.routable]
+        verdict = admit(priority, depths, self.admission.queue_threshold, self.admission.queue_retry_after_s)
+        if isinstance(verdict, Reject):
+            self.metrics.admission_rejections.labels("overloaded", priority).inc()
+            raise verdict.error()
+        tokens = prompt_tokens or len(parsed.raw) // BYTES_PER_TOKEN_ESTIMATE
+        verdict = self.limiter.admit(tenant, time.time(), tokens)
+        if isinstance(verdict, Reject):
+            self.metrics.admission_rejections.labels("rate_limited", priority).inc()
+            raise verdict.error()
+
+    async def share_limits(self, mesh) -> None:
+        """Publish this replica's windowed counts into the mesh and take in the others'."""
+        mesh.on_peer_limits(lambda replica, payload: self.limiter.merge_peer_counts(replica, payload, time.time()))
+        while True:
+            mesh.store.set_limits(self.limiter.export(time.time()))
+            await trio.sleep(PUBLISH_INTERVAL_S)
