@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -21,6 +22,19 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 class ChildError(RuntimeError):
     """The child exited or did not announce itself in time; the message carries its stderr tail."""
+
+
+def wait_for_ok(url: str, deadline: float) -> bool:
+    """Poll ``url`` until it answers 200 or the monotonic ``deadline`` passes."""
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.05)
+    return False
 
 
 def flags_to_argv(flags: dict[str, Any]) -> list[str]:

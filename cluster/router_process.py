@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import time
-import urllib.request
 from typing import Any, Self
 
-from cluster.child import ChildError, ChildProcess, flags_to_argv
+from cluster.child import ChildError, ChildProcess, flags_to_argv, wait_for_ok
 from gateway.server import READY_PREFIX
 
 
@@ -38,13 +37,5 @@ class RouterProcess(ChildProcess):
         return self
 
     def await_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(self.url + "/ready", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise ChildError(f"router {self.url} not ready after {timeout}s: {self.stderr()[-2000:]}")
+        if not wait_for_ok(self.url + "/ready", time.monotonic() + timeout):
+            raise ChildError(f"router {self.url} not ready after {timeout}s: {self.stderr()[-2000:]}")
