@@ -1,0 +1,264 @@
+"""kvmesh in front of real vLLM engines: the router's predictions checked against the engines' own counters.
+
+What the router predicts (the ``overlap`` of ``x-kvmesh-route``, the rows of ``/debug/route``) must be what
+the engine then takes from its prefix cache (``vllm:prefix_cache_hits_total``); evictions, restarts and
+tenant salts must reach the index; a killed engine must cost clients nothing. The numbers a maintainer
+needs (hits per policy, rejoin time, start-up time, memory) are printed (run with ``-s`` to see them).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_router import HitMeter, Routed, RouterClient, engine_id, user, wait_until, write_tenant_config
+from vllm_wire import chat, post_json, unique_text
+
+from cluster.router_process import RouterProcess
+from cluster.vllm_engine import VllmEngine
+from gateway.security.keys import generate_key
+
+pytestmark = pytest.mark.vllm
+
+BLOCK = 32
+DOCUMENTS = 4
+QUESTIONS = ("Summarise it.", "Who wrote this, and why?", "List every number in it.", "Translate line 3.")
+MIB = 1024 * 1024
+
+
+@contextmanager
+def router_for(engines: list[VllmEngine], model: Path, **flags: Any) -> Iterator[RouterProcess]:
+    """A router over ``engines`` that loads the very tokenizer folder the engines were started with."""
+    with RouterProcess([e.url for e in engines], tokenizer=model / "tokenizer", metrics_interval=0.2,
+                       start_timeout=120.0, **flags) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def kv_router(engines: list[VllmEngine], vllm_model: Path) -> Iterator[RouterClient]:
+    with router_for(engines, vllm_model, policy="kv_aware") as proc:
+        yield RouterClient(proc.url)
+
+
+def expected_hits(routed: Routed) -> int:
+    """vLLM always computes the last prompt token, so a fully cached prompt hits one block less."""
+    return min(routed.predicted_overlap, (routed.prompt_tokens - 1) // BLOCK * BLOCK)
+
+
+def reset_prefix_caches(engines: list[VllmEngine]) -> None:
+    for engine in engines:
+        post_json(engine, "/reset_prefix_cache", {})
+
+
+def shared_prefix_workload() -> list[list[dict[str, Any]]]:
+    """Documents of ~800 tokens, each asked every question in turn (sequential, as one user would)."""
+    documents = [unique_text(260) for _ in range(DOCUMENTS)]
+    return [user(f"{document}\n\n{question}") for document in documents for question in QUESTIONS]
+
+
+def run_workload(client: RouterClient, meter: HitMeter, workload: list[list[dict[str, Any]]],
+                 indexed: bool) -> list[tuple[Routed, int]]:
+    """Send every request; with ``indexed``, a repeat waits until the router's index holds the document
+    (events reach the router a moment after the response that caused them)."""
+    results = []
+    for i, messages in enumerate(workload):
+        if indexed and i % len(QUESTIONS):
+            wait_until(lambda m=messages: max(client.overlaps(m).values()) > 0)
+        results.append(meter.send(client, messages))
+    return results
+
+
+def test_kv_aware_predicts_engine_hits_and_beats_round_robin(
+    engines: list[VllmEngine], vllm_model: Path, kv_router: RouterClient
+) -> None:
+    meter = HitMeter({engine_id(e): e for e in engines})
+    workload = shared_prefix_workload()
+
+    reset_prefix_caches(engines)
+    kv = run_workload(kv_router, meter, workload, indexed=True)
+    reset_prefix_caches(engines)
+    with router_for(engines, vllm_model, policy="round_robin") as proc:
+        rr = run_workload(RouterClient(proc.url), meter, workload, indexed=False)
+
+    for routed, hits in kv:
+        assert routed.routed_prompt_tokens == routed.prompt_tokens
+        assert hits == expected_hits(routed), f"predicted {routed.predicted_overlap}, engine hit {hits}"
+    for start in range(0, len(kv), len(QUESTIONS)):
+        first, *repeats = [routed for routed, _ in kv[start:start + len(QUESTIONS)]]
+        assert first.predicted_overlap == 0
+        assert all(r.served_by == first.served_by and r.predicted_overlap > 0 for r in repeats)
+    kv_hits, rr_hits = sum(h for _, h in kv), sum(h for _, h in rr)
+    queried = sum(r.prompt_tokens for r, _ in kv)
+    print(f"\nshared-prefix workload ({len(workload)} requests, {queried} prompt tokens): "
+          f"engine prefix-cache hits kv_aware {kv_hits} ({kv_hits / queried:.1%}), "
+          f"round_robin {rr_hits} ({rr_hits / queried:.1%})")
+    assert rr_hits < 0.8 * kv_hits
+
+
+def test_router_prompt_tokens_equal_the_engines(kv_router: RouterClient) -> None:
+    tag = unique_text(3)
+    chats = [
+        [{"role": "system", "content": f"You are terse. {tag}"},
+         {"role": "user", "content": "Name three rivers."}],
+        [{"role": "user", "content": f"hi {tag}"}, {"role": "assistant", "content": "Hello! How can I help?"},
+         {"role": "user", "content": "Explain caches, briefly: ünïcödé, 漢字, emoji 🙂."}],
+        user(f"{tag} " + "tabs\tand\nnewlines  and   spaces " * 20),
+    ]
+    for messages in chats:
+        routed = kv_router.chat(messages)
+        assert routed.routed_prompt_tokens == routed.prompt_tokens
+        assert kv_router.debug_route(messages)["prompt_tokens"] == routed.prompt_tokens
+
+
+def test_evicted_blocks_leave_the_index(tiny_engine: VllmEngine, vllm_model: Path) -> None:
+    tiny = engine_id(tiny_engine)
+    capacity = tiny_engine.options.num_gpu_blocks
+    assert capacity is not None
+    with router_for([tiny_engine], vllm_model, policy="kv_aware") as proc:
+        client = RouterClient(proc.url)
+        meter = HitMeter({tiny: tiny_engine})
+        held = user(unique_text(100))
+        stored_blocks = client.chat(held).prompt_tokens // BLOCK
+        wait_until(lambda: client.overlaps(held)[tiny] > 0)
+        # Each prompt takes ~9 of the engine's blocks: a few more evict the held one.
+        for _ in range(6):
+            other = user(unique_text(100))
+            stored_blocks += client.chat(other).prompt_tokens // BLOCK
+            wait_until(lambda m=other: client.overlaps(m)[tiny] > 0)
+            if client.overlaps(held)[tiny] == 0:
+                break
+        assert client.overlaps(held)[tiny] == 0, "the held prompt's blocks were never removed from the index"
+        assert client.index()[tiny]["blocks"] <= capacity < stored_blocks
+        routed, hits = meter.send(client, held)
+        assert routed.predicted_overlap == 0
+        assert hits == 0, "the engine still had blocks the router had dropped"
+
+
+def sigkill(engine: VllmEngine) -> None:
+    """Kill the engine's whole process group (API server and EngineCore) without warning, then reap it."""
+    assert engine.process is not None
+    os.killpg(engine.process.pid, signal.SIGKILL)
+    engine.stop()
+
+
+class SteadyLoad:
+    """A thread sending one request after another through a router, keeping every outcome."""
+
+    def __init__(self, client: RouterClient, prefix: str, limit: int = 500) -> None:
+        self.client, self.prefix, self.limit = client, prefix, limit
+        self.served: list[Routed] = []
+        self.failed: list[BaseException] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        for i in range(self.limit):
+            if self.stop.is_set():
+                return
+            try:
+                self.served.append(self.client.chat(user(f"{self.prefix}\n\nQuestion {i}: what follows?")))
+            except (AssertionError, OSError, ValueError, KeyError) as exc:
+                self.failed.append(exc)
+
+    def answered(self) -> int:
+        return len(self.served) + len(self.failed)
+
+    def __enter__(self) -> SteadyLoad:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=120)
+
+
+def rejoin_after_restart(engine: VllmEngine, client: RouterClient) -> tuple[float, float]:
+    """Start ``engine`` and send requests through a round-robin router every 0.1 s until one lands there.
+
+    Returns (start-up time, time from the engine's first healthy /health to the send of that request)."""
+    started = time.monotonic()
+    engine.start()
+    healthy_at: float | None = None
+    deadline = started + engine.options.startup_timeout
+    while True:
+        assert time.monotonic() < deadline, f"{engine.name} never served a routed request after its restart"
+        if healthy_at is None and engine.check_ready():
+            healthy_at = time.monotonic()
+        sent = time.monotonic()
+        if client.chat(user(unique_text(20))).served_by == engine_id(engine):
+            # The router may notice a moment before this poll does: the engine served, so it was healthy.
+            healthy_at = healthy_at or sent
+            return healthy_at - started, max(0.0, sent - healthy_at)
+        time.sleep(0.1)
+
+
+def test_killed_engine_fails_over_then_rejoins_with_a_reset_index(
+    engines: list[VllmEngine], tiny_engine: VllmEngine, vllm_model: Path
+) -> None:
+    pair = [engines[0], tiny_engine]
+    tiny = engine_id(tiny_engine)
+    with router_for(pair, vllm_model, policy="kv_aware") as kv_proc, \
+            router_for(pair, vllm_model, policy="round_robin") as rr_proc:
+        kv, rr = RouterClient(kv_proc.url), RouterClient(rr_proc.url)
+        document = unique_text(120)
+        # Warm the document on the tiny engine only, so that kv_aware keeps choosing it until it dies.
+        chat(tiny_engine, user(f"{document}\n\nQuestion -1: what follows?"))
+        wait_until(lambda: kv.overlaps(user(document))[tiny] > 0)
+        memory = {e.name: e.rss_bytes() // MIB for e in pair}
+        try:
+            with SteadyLoad(kv, document) as load:
+                wait_until(lambda: len(load.served) >= 3, timeout=60)
+                before = kv.index()[tiny]
+                killed_at = load.answered()
+                sigkill(tiny_engine)
+                wait_until(lambda: load.answered() >= killed_at + 10, timeout=120)
+            assert not load.failed, f"clients saw failures: {load.failed[:3]}"
+            assert any(r.served_by == tiny for r in load.served[:killed_at])
+            failovers = sum(1 for r in load.served if "attempts" in r.route)
+            startup_s, rejoin_s = rejoin_after_restart(tiny_engine, rr)
+        finally:
+            if tiny_engine.process is None:
+                tiny_engine.start()
+                tiny_engine.wait_ready()
+        # The new process starts its seq over: the router must notice and drop the old process's blocks.
+        wait_until(lambda: kv.index()[tiny]["resets"] > before["resets"])
+        assert kv.overlaps(user(document))[tiny] == 0
+        assert kv.index()[tiny]["blocks"] < before["blocks"]
+    print(f"\nkill: {load.answered()} requests, {killed_at} before the SIGKILL, 0 failed, "
+          f"{failovers} failed over; restart: healthy after {startup_s:.1f} s, first routed request "
+          f"{rejoin_s:.2f} s after /health answered 200; engine RSS MiB {memory}")
+    assert rejoin_s <= 2.0
+
+
+def test_isolated_tenants_never_share_cached_blocks(
+    engines: list[VllmEngine], vllm_model: Path, tmp_path: Path
+) -> None:
+    keys = {"admin": generate_key(), "tenant-a": generate_key(), "tenant-b": generate_key()}
+    config = write_tenant_config(tmp_path / "router.toml", keys["admin"],
+                                 {"tenant-a": keys["tenant-a"], "tenant-b": keys["tenant-b"]})
+    engine = engines[1]
+    target = engine_id(engine)
+    with router_for([engine], vllm_model, policy="kv_aware", config=config) as proc:
+        tenant_a = RouterClient(proc.url, keys["tenant-a"])
+        tenant_b = RouterClient(proc.url, keys["tenant-b"])
+        meter = HitMeter({target: engine})
+        messages = user(unique_text(80))
+
+        first, first_hits = meter.send(tenant_a, messages)
+        assert (first.predicted_overlap, first_hits) == (0, 0)
+        wait_until(lambda: tenant_a.overlaps(messages)[target] > 0)
+        second, second_hits = meter.send(tenant_a, messages)
+        assert second.predicted_overlap == second.prompt_tokens // BLOCK * BLOCK
+        assert second_hits == expected_hits(second) > 0
+
+        assert tenant_b.overlaps(messages)[target] == 0
+        other, other_hits = meter.send(tenant_b, messages)
+        assert other.predicted_overlap == 0
+        assert other_hits == 0, "tenant-b reused tenant-a's cached blocks"
