@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -37,15 +36,19 @@ class RouterMetrics:
                                    ["engine"], registry=r)
         self.admission_rejections = Counter("kvmesh_admission_rejections", "Requests refused before routing",
                                             ["reason", "priority"], registry=r)
-        self._engines: Callable[[], list] = list
+        self.index_blocks = Gauge("kvmesh_index_blocks", "Blocks the index says each engine holds", ["engine"],
+                                  registry=r)
+        self.confidence = Gauge("kvmesh_engine_confidence", "Trust in the index's view of each engine (0..1)",
+                                ["engine"], registry=r)
+        self.peer_silence = Gauge("kvmesh_mesh_peer_silence_seconds", "Time since each replica was last heard "
+                                  "on the replication channel (the replication lag bound)", ["peer"], registry=r)
+        self._refresh: Callable[[RouterMetrics], None] = lambda metrics: None
 
-    def track_engines(self, engines: Callable[[], list]) -> None:
-        """Export per-engine gauges from live state at scrape time rather than on every request."""
-        self._engines = engines
+    def on_scrape(self, refresh: Callable[[RouterMetrics], None]) -> None:
+        """Gauges of live state are set at scrape time rather than on every request."""
+        self._refresh = refresh
 
     def render(self) -> bytes:
-        for engine in self._engines():
-            self.in_flight.labels(engine.id).set(engine.in_flight)
-            self.engine_healthy.labels(engine.id).set(1 if engine.routable else 0)
-            self.breaker_state.labels(engine.id).set(engine.health.breaker.state_code(time.monotonic()))
-        return generate_latest(self.registry)
+        """This router's metrics, then the process-wide ones (event ingestion, mesh, process)."""
+        self._refresh(self)
+        return generate_latest(self.registry) + generate_latest(REGISTRY)

@@ -36,7 +36,7 @@ class Router:
         for engine in config.engines:
             self.engines.add(engine)
         self.metrics = RouterMetrics()
-        self.metrics.track_engines(self.engines.all)
+        self.metrics.on_scrape(self._export_gauges)
         self.mesh = build_mesh_node(config)
         self.planner = RoutePlanner(config, self.engines, self.metrics,
                                     store=self.mesh.store if self.mesh is not None else None)
@@ -104,6 +104,19 @@ class Router:
                 setattr(engine, key, value)
         if replicate and self.mesh is not None:
             self.mesh.set_engine_state(engine_id, {**registry_state(engine), "url": engine.url})
+
+    def _export_gauges(self, metrics: RouterMetrics) -> None:
+        now, clock = time.monotonic(), trio.current_time()
+        for engine in self.engines.all():
+            metrics.in_flight.labels(engine.id).set(engine.in_flight)
+            metrics.engine_healthy.labels(engine.id).set(1 if engine.routable else 0)
+            metrics.breaker_state.labels(engine.id).set(engine.health.breaker.state_code(now))
+            metrics.index_blocks.labels(engine.id).set(self.planner.cache.store.block_count(engine.id))
+            info = self.planner.cache.info(engine.id)
+            metrics.confidence.labels(engine.id).set(info.freshness.confidence(clock) if info else 0.0)
+        if self.mesh is not None and self.mesh.replication is not None:
+            for peer, heard in self.mesh.replication.last_heard.items():
+                metrics.peer_silence.labels(peer).set(clock - heard)
 
     def mesh_report(self) -> dict[str, Any]:
         if self.mesh is None:
