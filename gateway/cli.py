@@ -34,6 +34,8 @@ def router_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", dest="log_level", choices=("debug", "info", "warning", "error"))
     p.add_argument("--metrics-interval", dest="metrics_interval_s", type=float)
     p.add_argument("--mesh-bind", dest="mesh_bind", help="host:port for gossip (UDP)")
+    p.add_argument("--mesh-advertise", dest="mesh_advertise", help="host:port peers use to reach this replica "
+                   "(default: the bind address, or this host's address when binding 0.0.0.0)")
     p.add_argument("--seeds", dest="mesh_seeds", help="comma-separated gossip addresses of other replicas")
     p.add_argument("--mesh-secret-file", dest="mesh_secret_file")
     p.add_argument("--replication-bind", dest="mesh_replication_bind", help="host:port for index replication")

@@ -52,6 +52,7 @@ class EngineConfig:
 @dataclass
 class MeshConfig:
     bind: str | None = None
+    advertise: str | None = None
     seeds: list[str] = field(default_factory=list)
     secret_file: str | None = None
     replication_bind: str | None = None

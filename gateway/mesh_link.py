@@ -34,7 +34,8 @@ def build_mesh_node(config: RouterConfig) -> MeshNode | None:
         raise ConfigError(f"mesh.secret_file: {exc}") from None
     replication = mesh.replication_bind or f"{mesh.bind.rsplit(':', 1)[0]}:0"
     settings = MeshNodeSettings(
-        secret=secret, name=f"{socket.gethostname()}-{config.port}", bind=mesh.bind, seeds=tuple(mesh.seeds),
+        secret=secret, name=f"{socket.gethostname()}-{config.port}", bind=mesh.bind,
+        advertise=mesh.advertise or _advertise_for(mesh.bind), seeds=tuple(mesh.seeds),
         replication_bind=replication, http_addr=f"http://{config.host}:{config.port}", island=config.island or "",
         cluster=mesh.cluster, redis_url=mesh.redis_url, redundancy=mesh.redundancy,
     )
@@ -43,6 +44,17 @@ def build_mesh_node(config: RouterConfig) -> MeshNode | None:
     except ValueError as exc:
         raise ConfigError(f"mesh: {exc}") from None
     return MeshNode(settings)
+
+
+def _advertise_for(bind: str) -> str | None:
+    """A wildcard bind (containers) advertises this host's own address, so peers can reach it."""
+    host, _, port = bind.rpartition(":")
+    if host not in ("0.0.0.0", "::", "[::]"):
+        return None
+    try:
+        return f"{socket.gethostbyname(socket.gethostname())}:{port}"
+    except OSError:
+        return None
 
 
 def registry_state(engine: EngineState) -> dict[str, Any]:
