@@ -62,55 +62,49 @@ async def _first_chunk(upstream: UpstreamResponse, timeouts: Timeouts) -> tuple[
     return None, body
 
 
-async def forward(
-    candidates: list[EngineState],
-    method: str,
-    target: str,
-    body: bytes,
-    headers: list[tuple[str, str]],
-    send: Send,
-    timeouts: Timeouts,
-    max_attempts: int,
-    route_header: Callable[[EngineState, list[Attempt]], list[tuple[bytes, bytes]]],
-    is_stream: bool,
-) -> ProxyResult:
+@dataclass
+class Exchange:
+    """One client request as the proxy forwards it, whichever engine ends up serving it."""
+
+    method: str
+    target: str
+    body: bytes
+    headers: list[tuple[str, str]]
+    send: Send
+    timeouts: Timeouts
+    route_header: Callable[[EngineState, list[Attempt]], list[tuple[bytes, bytes]]]
+    is_stream: bool
+
+
+async def forward(candidates: list[EngineState], exchange: Exchange, max_attempts: int) -> ProxyResult:
+    """Try engines in ranked order; engines whose breaker is open are skipped without using an attempt."""
     result = ProxyResult()
     start = time.perf_counter()
+    tried = 0
     for engine in candidates:
-        if len(result.attempts) >= max_attempts:
+        if tried >= max_attempts:
             break
         if not engine.health.breaker.allow(time.monotonic()):
             result.attempts.append(Attempt(engine.id, "circuit open"))
             continue
+        tried += 1
         engine.in_flight += 1
         try:
-            done = await _try_engine(engine, method, target, body, headers, send, timeouts, route_header,
-                                     is_stream, result, start)
+            done = await _try_engine(engine, exchange, result, start)
         finally:
             engine.in_flight -= 1
         if done:
             result.total_s = time.perf_counter() - start
             return result
-    tried = ", ".join(f"{a.engine}: {a.outcome}" for a in result.attempts) or "no engine available"
-    raise ApiError(503, f"no engine could serve the request ({tried})", code="no_engine_available")
+    reasons = ", ".join(f"{a.engine}: {a.outcome}" for a in result.attempts) or "no engine available"
+    raise ApiError(503, f"no engine could serve the request ({reasons})", code="no_engine_available")
 
 
-async def _try_engine(
-    engine: EngineState,
-    method: str,
-    target: str,
-    body: bytes,
-    headers: list[tuple[str, str]],
-    send: Send,
-    timeouts: Timeouts,
-    route_header: Callable[[EngineState, list[Attempt]], list[tuple[bytes, bytes]]],
-    is_stream: bool,
-    result: ProxyResult,
-    start: float,
-) -> bool:
+async def _try_engine(engine: EngineState, exchange: Exchange, result: ProxyResult, start: float) -> bool:
     """One attempt; True when the client got a response (success or a final error)."""
     try:
-        upstream = await engine.pool.request(method, target, body, headers, timeouts.connect, timeouts.first_byte)
+        upstream = await engine.pool.request(exchange.method, exchange.target, exchange.body, exchange.headers,
+                                             exchange.timeouts.connect, exchange.timeouts.first_byte)
     except UpstreamError as exc:
         engine.health.breaker.record_failure(time.monotonic(), "unreachable")
         result.attempts.append(Attempt(engine.id, f"unreachable ({exc})"))
@@ -122,7 +116,7 @@ async def _try_engine(
             result.attempts.append(Attempt(engine.id, f"status {upstream.status}", upstream.status))
             return False
         try:
-            first, rest = await _first_chunk(upstream, timeouts)
+            first, rest = await _first_chunk(upstream, exchange.timeouts)
         except (UpstreamError, trio.TooSlowError) as exc:
             engine.health.breaker.record_failure(time.monotonic(), "no first byte")
             result.attempts.append(Attempt(engine.id, f"failed before first byte ({exc or 'timeout'})"))
@@ -131,21 +125,21 @@ async def _try_engine(
         result.engine = engine
         result.status = upstream.status
         result.attempts.append(Attempt(engine.id, "ok", upstream.status))
-        await send({"type": "http.response.start", "status": upstream.status,
-                    "headers": _response_headers(upstream, route_header(engine, result.attempts))})
+        await exchange.send({"type": "http.response.start", "status": upstream.status,
+                    "headers": _response_headers(upstream, exchange.route_header(engine, result.attempts))})
         if first is not None:
-            await send({"type": "http.response.body", "body": first, "more_body": True})
+            await exchange.send({"type": "http.response.body", "body": first, "more_body": True})
         try:
             async for chunk in rest:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await exchange.send({"type": "http.response.body", "body": chunk, "more_body": True})
         except UpstreamError as exc:
             engine.health.breaker.record_failure(time.monotonic(), "broken stream")
             result.broken_after_first_byte = True
-            tail = sse_error_event(f"engine {engine.id} failed mid-stream: {exc}") if is_stream else b""
-            await send({"type": "http.response.body", "body": tail, "more_body": False})
+            tail = sse_error_event(f"engine {engine.id} failed mid-stream: {exc}") if exchange.is_stream else b""
+            await exchange.send({"type": "http.response.body", "body": tail, "more_body": False})
             return True
         engine.health.breaker.record_success(time.monotonic())
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await exchange.send({"type": "http.response.body", "body": b"", "more_body": False})
         return True
     finally:
         await upstream.aclose()

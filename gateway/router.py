@@ -19,7 +19,7 @@ from gateway.gatekeeper import Gatekeeper
 from gateway.mesh_link import build_mesh_node, follow_mesh, registry_state
 from gateway.metrics import RouterMetrics
 from gateway.openai_errors import ApiError
-from gateway.proxy import Attempt, Timeouts, forward
+from gateway.proxy import Attempt, Exchange, Timeouts, forward
 from gateway.request_body import Kind, parse_request
 from gateway.route_planner import RoutePlanner
 
@@ -211,8 +211,9 @@ class Router:
 
             result = await _forward_until_disconnect(
                 receive, send,
-                lambda send_: forward(plan.engines, "POST", scope["path"], plan.body(), upstream_headers, send_,
-                                      self.timeouts, self.config.max_attempts, route_header, parsed.stream),
+                lambda send_: forward(plan.engines, Exchange("POST", scope["path"], plan.body(), upstream_headers,
+                                                             send_, self.timeouts, route_header, parsed.stream),
+                                      self.config.max_attempts),
             )
             if result is None:
                 log.info("client disconnected", extra={"request_id": request_id})
