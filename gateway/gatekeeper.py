@@ -68,8 +68,16 @@ class Gatekeeper:
             raise verdict.error()
 
     async def share_limits(self, mesh) -> None:
-        """Publish this replica's windowed counts into the mesh and take in the others'."""
+        """Publish this replica's windowed counts into the mesh and take in the others'.
+
+        A replica the membership no longer lists (it left or was declared dead) is forgotten at once: left
+        as a stale peer it would halve this replica's share of every budget until ``peer_forget_after_s``.
+        """
         mesh.on_peer_limits(lambda replica, payload: self.limiter.merge_peer_counts(replica, payload, time.time()))
         while True:
+            live = set(mesh.live_members())
+            for replica in self.limiter.peer_ids():
+                if replica not in live:
+                    self.limiter.forget_peer(replica)
             mesh.store.set_limits(self.limiter.export(time.time()))
             await trio.sleep(PUBLISH_INTERVAL_S)

@@ -222,6 +222,10 @@ class RateLimiter:
         """The membership says this replica is gone: its share of every budget returns to the others."""
         self._peers.pop(replica_id, None)
 
+    def peer_ids(self) -> list[str]:
+        """Replicas whose counts this limiter holds (fresh or stale)."""
+        return list(self._peers)
+
     def _parse(self, payload: Any, now: float) -> _Peer | None:
         if not isinstance(payload, dict) or payload.get("v") != PAYLOAD_VERSION:
             return None

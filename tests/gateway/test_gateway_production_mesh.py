@@ -38,7 +38,7 @@ def free_udp_port() -> int:
 
 @pytest.fixture(scope="module")
 def keys() -> dict[str, str]:
-    return new_keys("admin", "metered", "free")
+    return new_keys("admin", "metered", "solo", "free")
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,8 @@ def replicas(fleet, keys, tmp_path_factory):
     folder = tmp_path_factory.mktemp("mesh")
     secret = folder / "mesh.secret"
     secret.write_text(os.urandom(24).hex())
-    tenants = [{"name": "metered", "requests_per_second": RATE}, {"name": "free"}]
+    tenants = [{"name": "metered", "requests_per_second": RATE}, {"name": "solo", "requests_per_second": RATE},
+               {"name": "free"}]
     config = write_config(folder / "router.toml", keys, tenants,
                           admission={"request_window_s": WINDOW_S, "request_slots": SLOTS,
                                      "request_burst_s": BURST_S})
@@ -75,38 +76,40 @@ def replicas(fleet, keys, tmp_path_factory):
             router.stop()
 
 
-def test_tenant_rate_limit_holds_across_replicas(replicas, keys):
+def hammer(urls: list[str], key: str, seconds: float) -> tuple[list[int], list[dict]]:
+    """Three client threads per replica, each far above the limit; returns (admitting replica per 200,
+    headers per 429)."""
     admitted: list[int] = []
     limited: list[dict] = []
     lock = threading.Lock()
-    deadline = time.monotonic() + LOAD_S
+    deadline = time.monotonic() + seconds
 
-    def hammer(url: str, worker: int) -> None:
-        client = Http(url)
+    def worker(replica: int, worker: int) -> None:
+        client = Http(urls[replica])
         i = 0
         while time.monotonic() < deadline:
-            status, head, _ = client.request("POST", "/v1/chat/completions", chat(f"metered {worker} {i}"),
-                                             bearer(keys["metered"]))
+            status, head, _ = client.request("POST", "/v1/chat/completions", chat(f"limited {worker} {i}"),
+                                             bearer(key))
+            assert status in (200, 429), status
             with lock:
-                if status == 200:
-                    admitted.append(worker)
-                elif status == 429:
-                    limited.append(head)
-                else:
-                    raise AssertionError(f"unexpected status {status}")
+                (admitted.append(replica) if status == 200 else limited.append(head))
             i += 1
             time.sleep(0.05)
 
-    threads = [threading.Thread(target=hammer, args=(r.url, w)) for w, r in enumerate(replicas * 3)]
+    threads = [threading.Thread(target=worker, args=(w % len(urls), w)) for w in range(3 * len(urls))]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(LOAD_S + 30)
+        thread.join(seconds + 30)
+    return admitted, limited
+
+
+def test_tenant_rate_limit_holds_across_replicas(replicas, keys):
+    admitted, limited = hammer([r.url for r in replicas], keys["metered"], LOAD_S)
     assert len(limited) > PER_REPLICA_ONLY, "the offered load was too small to test the limit"
     assert 0 < len(admitted) <= CLUSTER_BOUND, (len(admitted), CLUSTER_BOUND)
     assert all(int(head["retry-after"]) >= 1 for head in limited)
-    by_replica = [sum(1 for w in admitted if w % 2 == i) for i in range(2)]
-    assert all(by_replica), f"one replica admitted nothing: {by_replica}"
+    assert set(admitted) == {0, 1}, "one replica admitted nothing"
 
 
 def test_unlimited_tenant_is_not_limited(replicas, keys):
@@ -138,3 +141,20 @@ def test_drain_on_one_replica_is_applied_by_the_other(replicas, keys, fleet):
     finally:
         Http(first.url).json("POST", f"/admin/engines/{drained}/drain", {"enabled": False}, admin)
     assert wait_until(lambda: not draining_on_second(), 5)
+
+
+def test_a_departed_replica_returns_its_share_at_once(replicas, keys):
+    """Last in this module. With a replica gone, the survivor may use the whole budget: its own bucket
+    (RATE * LOAD_S + capacity = 25) is then the bound, not half the window's budget (16), which is what a
+    stale, never-forgotten peer would leave it."""
+    survivor, leaving = replicas
+    leaving.stop()
+
+    def alone() -> bool:
+        members = Http(survivor.url).json("GET", "/admin/mesh", headers=bearer(keys["admin"]))[2]["members"]
+        return [m["state"] for m in members if m["state"] in ("alive", "suspect")] == ["alive"]
+
+    assert wait_until(alone, 10)
+    time.sleep(3.5)  # past peer_stale_after_s: the departed replica's last counts are stale by now
+    admitted, _ = hammer([survivor.url], keys["solo"], LOAD_S)
+    assert len(admitted) > RATE * WINDOW_S / 2 + 2, len(admitted)
