@@ -18,7 +18,8 @@ from bench.runner import FleetSpec, MeasureOptions, compare_policies, measure_ta
 from bench.workloads import WORKLOAD_NAMES
 
 # Measurements that live beside the code they measure: name -> module with main(argv) -> int.
-DELEGATED = {"tokenize": "tokenization.measure", "index": "index.measure"}
+DELEGATED = {"tokenize": "tokenization.measure", "index": "index.measure", "admission": "bench.admission",
+             "tenants": "bench.tenants"}
 
 SMALL_CACHE_BLOCKS = 256
 """Blocks per engine for workload d, so its working set is a few times the fleet's capacity."""
