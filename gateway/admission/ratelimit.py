@@ -102,11 +102,23 @@ class RateLimiter:
 
     def admit(self, tenant: Tenant, now: float, prompt_tokens: int = 0) -> Decision:
         """Charge one request and ``prompt_tokens`` if both limits allow it; otherwise charge nothing."""
+        return self._decide(tenant, now, float(max(0, prompt_tokens)), charge=True)
+
+    def check(self, tenant: Tenant, now: float) -> Decision:
+        """Whether the smallest request (one request, one prompt token) fits now; charges nothing.
+
+        For the router to call before the costly part of a request (tokenizing it): a tenant flooding far
+        above its limit is then turned away without using the tokenizer capacity all tenants share.
+        ``admit`` remains the authoritative, charging check.
+        """
+        return self._decide(tenant, now, 1.0, charge=False)
+
+    def _decide(self, tenant: Tenant, now: float, prompt_tokens: float, charge: bool) -> Decision:
         state = self._state(tenant, now)
         if state is None:
             return ADMIT
         self._prune_peers(now)
-        costs = {REQUESTS: 1.0, TOKENS: float(max(0, prompt_tokens))}
+        costs = {REQUESTS: 1.0, TOKENS: prompt_tokens}
         waits: dict[str, float | None] = {}
         for name, dim in state.dims.items():
             if costs[name] > 0:
@@ -117,6 +129,8 @@ class RateLimiter:
             if any(wait is None for wait in blocked.values()):
                 return Reject(None, f"request exceeds {reason}")
             return Reject(max(w for w in blocked.values() if w is not None), reason)
+        if not charge:
+            return ADMIT
         for name in waits:
             dim = state.dims[name]
             dim.bucket.take(costs[name], now)
