@@ -63,9 +63,15 @@ class EngineFeed:
             REPLAYS.labels(engine=self.engine, outcome="requested").inc()
         return decision.replay_from
 
-    def catch_up(self) -> int | None:
-        """The seq to replay from when a subscription (re)starts after batches were already applied."""
-        return self.tracker.catch_up().replay_from
+    def catch_up(self, now: float) -> int | None:
+        """The seq to replay from when a subscription (re)starts; clears the engine first when the
+        publisher was lost (it may have restarted)."""
+        decision = self.tracker.catch_up()
+        self._act(decision, now)
+        return decision.replay_from
+
+    def on_publisher_lost(self) -> None:
+        self.tracker.publisher_lost()
 
     def on_replay(self, frames: Sequence[bytes], now: float) -> bool:
         """One replay reply; returns True when the replay is finished (end marker)."""

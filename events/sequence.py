@@ -39,6 +39,7 @@ class SequenceTracker(Generic[T]):
         self._held: list[tuple[int, T]] = []
         self._max_buffered = max_buffered
         self._backfill = backfill
+        self._reset_next = False
 
     def live(self, seq: int, item: T) -> Decision[T]:
         """A batch from the PUB socket."""
@@ -82,6 +83,15 @@ class SequenceTracker(Generic[T]):
             return self.replay_failed()
         return Decision()
 
+    def publisher_lost(self) -> None:
+        """The publisher's connection dropped: it may be a new process whose seqs start over at 0 and can
+        equal ours (a restart is otherwise only seen as a seq going backwards). Forget the position; the
+        next catch-up clears the engine's blocks and rebuilds them from the replay buffer."""
+        self.last_seq = None
+        self.replaying = False
+        self._held = []
+        self._reset_next = True
+
     def catch_up(self) -> Decision[T]:
         """(Re)subscribing: replay whatever was published since the last applied seq (from 0 when none,
         to learn blocks stored before we listened), without waiting for the next live batch to reveal
@@ -90,7 +100,8 @@ class SequenceTracker(Generic[T]):
             return Decision()
         self.replaying = True
         self._held = []
-        return Decision(replay_from=0 if self.last_seq is None else self.last_seq + 1)
+        reset, self._reset_next = self._reset_next, False
+        return Decision(replay_from=0 if self.last_seq is None else self.last_seq + 1, reset=reset)
 
     def replayed(self, seq: int, item: T) -> Decision[T]:
         """A batch from the replay socket (only meaningful while a replay runs)."""

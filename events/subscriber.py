@@ -60,6 +60,7 @@ async def run_subscriber(feed: EngineFeed, source: EventSource, *, context: zmq.
             SUBSCRIBER_RESTARTS.labels(engine=feed.engine, reason="socket_error").inc()
         except* PublisherDisconnected:
             SUBSCRIBER_RESTARTS.labels(engine=feed.engine, reason="disconnected").inc()
+            feed.on_publisher_lost()
         if trio.current_time() - started > config.backoff_max_s:
             backoff = config.backoff_initial_s
         await trio.sleep(backoff)
@@ -79,7 +80,7 @@ async def _session(feed: EngineFeed, source: EventSource, context: zmq.Context, 
             sub.connect(source.endpoint)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_disconnect, monitor)
-            start = feed.catch_up()
+            start = feed.catch_up(clock())
             if start is not None:
                 nursery.start_soon(_replay, feed, source, start, context, config, clock)
             while True:

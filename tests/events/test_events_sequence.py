@@ -144,3 +144,15 @@ def test_catch_up_replays_from_the_last_applied_seq():
     assert tracker.replayed(3, "d").apply == ["d"]
     assert tracker.replay_done().apply == ["e"]
     assert tracker.last_seq == 4 and not tracker.replaying
+
+
+def test_a_lost_publisher_is_rebuilt_from_scratch():
+    """After a disconnect the engine may be a new process whose seq 0 equals our last seq."""
+    tracker = SequenceTracker()
+    tracker.live(0, "old")
+    tracker.publisher_lost()
+    decision = tracker.catch_up()
+    assert decision.replay_from == 0 and decision.reset
+    assert tracker.replayed(0, "new").apply == ["new"]
+    assert tracker.replay_done().apply == []
+    assert not tracker.catch_up().reset
