@@ -95,3 +95,12 @@ def parse_request(raw: bytes, kind: Kind) -> ParsedRequest:
     if salt is not None and not isinstance(salt, str):
         raise _bad("'cache_salt' must be a string", "cache_salt")
     return ParsedRequest(kind, body, raw, model, stream, max_tokens, user, salt)
+
+
+def debug_route_kind(raw: bytes) -> Kind:
+    """``POST /debug/route`` takes either body: a chat body has ``messages``, anything else is a completion."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return "chat"
+    return "chat" if not isinstance(body, dict) or "messages" in body else "completion"

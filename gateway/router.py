@@ -20,7 +20,7 @@ from gateway.mesh_link import build_mesh_node, follow_mesh, registry_state
 from gateway.metrics import RouterMetrics
 from gateway.openai_errors import ApiError
 from gateway.proxy import Attempt, Exchange, Timeouts, forward
-from gateway.request_body import Kind, parse_request
+from gateway.request_body import Kind, debug_route_kind, parse_request
 from gateway.route_planner import RoutePlanner
 
 log = logging.getLogger("kvmesh.router")
@@ -165,8 +165,7 @@ class Router:
             headers = dict(_headers(scope))
             tenant = self.gate.tenant(headers)
             raw = await http_app.read_body(scope, receive, self.config.max_body_bytes)
-            kind: Kind = "completion" if b'"prompt"' in raw else "chat"
-            parsed = self.gate.isolate(tenant, parse_request(raw, kind))
+            parsed = self.gate.isolate(tenant, parse_request(raw, debug_route_kind(raw)))
             plan = await self.planner.plan(parsed, headers)
             await http_app.send_json(send, 200, plan.explain())
             return 200
