@@ -198,6 +198,7 @@ class Router:
         request_id = headers.get("x-request-id") or uuid.uuid4().hex[:16]
         self.active_requests += 1
         try:
+            self.gate.precheck(tenant, priority, self.engines.for_model(parsed.model))
             plan = await self.planner.plan(parsed, headers)
             self.gate.admit(tenant, priority, parsed, plan.prompt_tokens, plan.engines)
             self.planner.dispatched(plan)
