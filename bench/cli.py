@@ -17,6 +17,16 @@ from bench.report import Row, format_table, verdicts
 from bench.runner import FleetSpec, MeasureOptions, compare_policies, measure_target
 from bench.workloads import WORKLOAD_NAMES
 
+TARGET_PLAN: tuple[tuple[str, tuple[int, ...], tuple[str, ...], bool], ...] = (
+    ("a", (1,), ("kv_aware", "round_robin"), False),
+    ("b", (1, 32), ("kv_aware", "round_robin"), False),
+    ("d", (8,), ("kv_aware", "approximate", "round_robin"), False),
+    ("d", (8,), ("kv_aware", "approximate"), True),
+)
+"""What ``targets`` runs: (workload, concurrencies, policies, through --routers replicas). Each target
+compares the policies it names; (d) runs on one router and again on several, where each approximate
+replica only knows the requests it sent itself."""
+
 # Measurements that live beside the code they measure: name -> module with main(argv) -> int.
 DELEGATED = {"tokenize": "tokenization.measure", "index": "index.measure", "admission": "bench.admission",
              "tenants": "bench.tenants"}
@@ -44,7 +54,7 @@ def _measure_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, help="scale the workload (default: the workload's own size)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
-    p.add_argument("--tokenizer", help="passed to the router")
+    p.add_argument("--tokenizer", help="the engines' tokenizer: for the router and for counting shared prefixes")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -57,10 +67,11 @@ def parser() -> argparse.ArgumentParser:
     routing.add_argument("--target", help="drive this OpenAI URL instead of starting routers")
     routing.add_argument("--label", default="target", help="row name for --target")
     routing.add_argument("--engine-metrics", nargs="*", default=[], help="engine URLs whose /metrics to diff")
+    routing.add_argument("--routers", type=int, default=1, help="router replicas per policy (kv_aware meshed)")
     _fleet_args(routing, "a40-qwen1.5b")
     _measure_args(routing)
     targets = sub.add_parser("targets", help="run workloads a, b and d and judge the issue's targets")
-    targets.add_argument("--policies", default="kv_aware,round_robin,approximate")
+    targets.add_argument("--routers", type=int, default=2, help="router replicas for the multi-router (d) rows")
     _fleet_args(targets, "a40-qwen1.5b")
     _measure_args(targets)
     overhead = sub.add_parser("overhead", help="router vs direct engine: req/s and added latency")
@@ -83,7 +94,10 @@ def _spec(args: argparse.Namespace, workload: str, engines: int | None = None) -
 
 
 def _options(args: argparse.Namespace, workload: str) -> MeasureOptions:
-    return MeasureOptions(workload, args.seed, args.requests, args.max_tokens, args.timeout)
+    return MeasureOptions(
+        workload, args.seed, args.requests, args.max_tokens, args.timeout,
+        block_size=args.block_size, tokenizer=args.tokenizer,
+    )  # fmt: skip
 
 
 async def _routing(args: argparse.Namespace, log_dir: Path) -> list[Row]:
@@ -94,15 +108,20 @@ async def _routing(args: argparse.Namespace, log_dir: Path) -> list[Row]:
             args.target, args.label, args.engine_metrics, args.concurrency, options, spec.capacity_tokens
         )
     policies = [p for p in args.policies.split(",") if p]
-    return await compare_policies(spec, policies, args.concurrency, options, log_dir, args.tokenizer)
+    return await compare_policies(
+        spec, policies, args.concurrency, options, log_dir, args.tokenizer, args.routers
+    )
 
 
 async def _targets(args: argparse.Namespace, log_dir: Path) -> list[Row]:
-    policies = [p for p in args.policies.split(",") if p]
     rows: list[Row] = []
-    for workload, concurrencies in (("a", [1]), ("b", [1, 32]), ("d", [8])):
-        spec = _spec(args, workload)
-        rows += await compare_policies(spec, policies, concurrencies, _options(args, workload), log_dir, args.tokenizer)
+    for workload, concurrencies, policies, replicated in TARGET_PLAN:
+        if replicated and args.routers < 2:
+            continue
+        rows += await compare_policies(
+            _spec(args, workload), list(policies), list(concurrencies), _options(args, workload), log_dir,
+            args.tokenizer, args.routers if replicated else 1,
+        )  # fmt: skip
     return rows
 
 

@@ -6,17 +6,18 @@ generator the bottleneck; a keep-alive pool of h11 connections keeps the client'
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections import defaultdict, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import h11
 import trio
 
-from bench.sse import SseSplitter, StreamedAnswer
+from bench.sse import SseSplitter, StreamedAnswer, usage_counts
 from bench.stats import RequestResult
 from bench.workloads import Conversation
 
@@ -192,6 +193,7 @@ async def completion(
 def _finish_stream(result: RequestResult, answer: StreamedAnswer) -> None:
     result.content = answer.text
     result.output_tokens = answer.output_tokens
+    result.prompt_tokens, result.cached_tokens = answer.prompt_tokens, answer.cached_tokens
     if result.status == 200 and answer.error:
         result.error = "error event"
     elif result.status == 200 and not answer.done:
@@ -203,8 +205,9 @@ def _finish_plain(result: RequestResult, raw: bytes) -> None:
         data = json.loads(raw)
         choice = data["choices"][0]
         result.content = choice["message"]["content"] if "message" in choice else choice["text"]
-        result.output_tokens = int(data.get("usage", {}).get("completion_tokens", 0))
-    except (ValueError, KeyError, IndexError, TypeError):
+        completion_tokens, result.prompt_tokens, result.cached_tokens = usage_counts(data.get("usage") or {})
+        result.output_tokens = completion_tokens or 0
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         result.error = "malformed body"
 
 
@@ -216,7 +219,7 @@ async def model_name(client: HttpClient, base_url: str) -> str:
 
 async def run_closed_loop(
     client: HttpClient,
-    base_url: str,
+    base_url: str | Sequence[str],
     conversations: list[Conversation],
     concurrency: int,
     model: str,
@@ -227,9 +230,11 @@ async def run_closed_loop(
     """``concurrency`` workers each send their next request as soon as the previous one ends.
 
     Conversations rotate through one queue so a chat's turns stay in order while others interleave.
+    Several base URLs (router replicas) take requests in turn, as a client-side round robin would.
     Returns the results and the wall time.
     """
-    url = base_url.rstrip("/") + "/v1/chat/completions"
+    bases = [base_url] if isinstance(base_url, str) else list(base_url)
+    urls = itertools.cycle([b.rstrip("/") + "/v1/chat/completions" for b in bases])
     pending = deque(conversations)
     results: list[RequestResult] = []
     t0 = trio.current_time()
@@ -238,8 +243,9 @@ async def run_closed_loop(
         while pending:
             conv = pending.popleft()
             result = await completion(
-                client, url, conv.body(model, stream), timeout, route_header, trio.current_time() - t0
+                client, next(urls), conv.body(model, stream), timeout, route_header, trio.current_time() - t0
             )
+            result.key, result.turn = conv.key, conv.sent
             conv.record_answer(result.content)
             results.append(result)
             if not conv.done:

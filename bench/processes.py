@@ -50,6 +50,13 @@ def free_port_range(
     raise StartFailed(f"no run of {count} free ports found")
 
 
+def free_udp_port() -> int:
+    """A UDP port on loopback nobody holds right now (for a router's gossip socket)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def python_module(module: str, *args: str) -> list[str]:
     """argv that runs a project module with the current interpreter."""
     return [sys.executable, "-m", module, *args]

@@ -21,6 +21,15 @@ class Row:
     hit_rate: float
     route_share: list[float] = field(default_factory=list)
     engine_share: list[float] = field(default_factory=list)
+    routers: int = 1
+    """Router replicas that shared the requests (client-side round robin)."""
+    ttft_floor: float = math.nan
+    """Median perfect-cache TTFT of the same prompts under the simulated engines' cost model."""
+
+    @property
+    def cell(self) -> tuple[str, int, int]:
+        """Rows of one cell saw the same workload at the same concurrency through as many routers."""
+        return (self.workload, self.concurrency, self.routers)
 
 
 @dataclass(frozen=True)
@@ -29,9 +38,11 @@ class Verdict:
     value: float
     bound: str
     passed: bool
+    note: str = ""
 
     def line(self) -> str:
-        return f"{'PASS' if self.passed else 'FAIL'}  {self.target}: {_num(self.value, 3)} (needs {self.bound})"
+        text = f"{'PASS' if self.passed else 'FAIL'}  {self.target}: {_num(self.value, 3)} (needs {self.bound})"
+        return f"{text}; {self.note}" if self.note else text
 
 
 def _num(value: float, digits: int = 1) -> str:
@@ -43,19 +54,23 @@ def _share(values: list[float]) -> str:
 
 
 def baseline_for(rows: list[Row], row: Row, baseline: str = BASELINE) -> Row | None:
-    """The baseline row measured on the same workload and concurrency, if the run had one."""
+    """The baseline row measured in the same cell, if the run had one."""
     for other in rows:
-        key = (other.workload, other.concurrency)
-        if other.label == baseline and key == (row.workload, row.concurrency):
+        if other.label == baseline and other.cell == row.cell:
             return other
     return None
 
 
 def format_table(rows: list[Row], baseline: str = BASELINE) -> str:
-    """Fixed-width table; ratios compare with the baseline row of the same workload and concurrency."""
+    """Fixed-width table; ratios compare with the baseline row of the same cell.
+
+    ``tok hit`` is the engines' token-level prefix-cache hit rate (hits over queried prompt tokens);
+    ``req hit`` the share of requests whose shared prefix the engine served from cache (bench.prefix).
+    """
     head = (
-        f"{'workload':>8} {'c':>3} {'policy':<14} {'reqs':>5} {'errs':>4} {'ttft p50':>8} {'ttft p95':>8} "
-        f"{'req/s':>7} {'tok/s':>7} {'hit':>6} {'ttft x':>6} {'rps x':>6}  {'routes %':<12} {'engine reqs %'}"
+        f"{'workload':>8} {'c':>3} {'rtr':>3} {'policy':<14} {'reqs':>5} {'errs':>4} {'ttft p50':>8} "
+        f"{'ttft p95':>8} {'req/s':>7} {'tok/s':>7} {'tok hit':>7} {'req hit':>7} {'ttft x':>6} {'rps x':>6}  "
+        f"{'routes %':<12} {'engine reqs %'}"
     )
     lines = [head, "-" * len(head)]
     for row in rows:
@@ -64,37 +79,68 @@ def format_table(rows: list[Row], baseline: str = BASELINE) -> str:
         ttft_x = ratio(s.ttft_p50, base.summary.ttft_p50) if base else math.nan
         rps_x = ratio(s.req_per_s, base.summary.req_per_s) if base else math.nan
         lines.append(
-            f"{row.workload:>8} {row.concurrency:>3} {row.label:<14} {s.requests:>5} {s.errors:>4} "
-            f"{_num(s.ttft_p50 * 1000):>8} {_num(s.ttft_p95 * 1000):>8} {_num(s.req_per_s):>7} "
-            f"{_num(s.out_tok_per_s):>7} {_num(row.hit_rate * 100):>6} {_num(ttft_x, 2):>6} {_num(rps_x, 2):>6}  "
-            f"{_share(row.route_share):<12} {_share(row.engine_share)}"
+            f"{row.workload:>8} {row.concurrency:>3} {row.routers:>3} {row.label:<14} {s.requests:>5} "
+            f"{s.errors:>4} {_num(s.ttft_p50 * 1000):>8} {_num(s.ttft_p95 * 1000):>8} {_num(s.req_per_s):>7} "
+            f"{_num(s.out_tok_per_s):>7} {_num(row.hit_rate * 100):>7} {_num(s.request_hit_rate * 100):>7} "
+            f"{_num(ttft_x, 2):>6} {_num(rps_x, 2):>6}  {_share(row.route_share):<12} {_share(row.engine_share)}"
         )
     return "\n".join(lines)
 
 
-def _find(rows: list[Row], label: str, workload: str, concurrency: int | None = None) -> Row | None:
+def _find(rows: list[Row], label: str, workload: str, concurrency: int | None = None, routers: int = 1) -> Row | None:
     for row in rows:
-        if (row.label, row.workload) == (label, workload) and concurrency in (None, row.concurrency):
+        if (row.label, row.workload, row.routers) == (label, workload, routers) and concurrency in (
+            None,
+            row.concurrency,
+        ):
             return row
     return None
 
 
+def _hit_rate_a(rows: list[Row], subject: str) -> Verdict | None:
+    """(a) is judged per request, as the published 99.3% is; the token-level rate is shown beside it."""
+    a = _find(rows, subject, "a")
+    if a is None:
+        return None
+    rate = a.summary.request_hit_rate
+    note = f"per request (engine cached_tokens); token-level {_num(a.hit_rate, 3)}, not judged: questions and "
+    note += "last partial blocks are never cached"
+    if base := _find(rows, BASELINE, "a", a.concurrency):
+        note += f"; {BASELINE} per request {_num(base.summary.request_hit_rate, 3)}"
+    passed = not math.isnan(rate) and rate >= 0.99
+    return Verdict(f"(a) {subject} request hit rate", rate, ">= 0.99", passed, note)
+
+
+def _ttft_c1(rows: list[Row], subject: str, workload: str) -> Verdict | None:
+    """c=1 TTFT against round robin, with the best ratio the engines' cost model allows."""
+    mine, base = _find(rows, subject, workload, 1), _find(rows, BASELINE, workload, 1)
+    if not (mine and base):
+        return None
+    x = ratio(mine.summary.ttft_p50, base.summary.ttft_p50)
+    floor = ratio(mine.ttft_floor, base.summary.ttft_p50)
+    note = ""
+    if not math.isnan(floor):
+        reach = "unattainable on this workload" if floor > 0.55 else "attainable"
+        note = f"bound {floor:.3f} = perfect-cache TTFT p50 of the cost model / {BASELINE}'s: {reach}"
+    return Verdict(f"({workload}) c=1 TTFT p50 vs {BASELINE}", x, "<= 0.55", x <= 0.55, note)
+
+
 def verdicts(rows: list[Row], subject: str = "kv_aware") -> list[Verdict]:
-    """The issue's targets that this run has the rows for; a target without its rows is not judged."""
-    out = []
-    if a := _find(rows, subject, "a"):
-        out.append(Verdict(f"(a) {subject} engine hit rate", a.hit_rate, ">= 0.99", a.hit_rate >= 0.99))
-    for workload in ("a", "b"):
-        mine, base = _find(rows, subject, workload, 1), _find(rows, BASELINE, workload, 1)
-        if mine and base:
-            x = ratio(mine.summary.ttft_p50, base.summary.ttft_p50)
-            out.append(Verdict(f"({workload}) c=1 TTFT p50 vs {BASELINE}", x, "<= 0.55", x <= 0.55))
+    """The issue's targets that this run has the rows for; a target without its rows is not judged.
+
+    (d) is judged with the most router replicas measured: each ``approximate`` replica only knows what
+    it sent itself, which is the deployment the issue is about.
+    """
+    out = [v for v in (_hit_rate_a(rows, subject), _ttft_c1(rows, subject, "a"), _ttft_c1(rows, subject, "b")) if v]
     mine, base = _find(rows, subject, "b", 32), _find(rows, BASELINE, "b", 32)
     if mine and base:
         x = ratio(mine.summary.req_per_s, base.summary.req_per_s)
         out.append(Verdict(f"(b) c=32 req/s vs {BASELINE}", x, ">= 0.95", x >= 0.95))
-    mine, approx = _find(rows, subject, "d"), _find(rows, "approximate", "d")
+    replicas = max((r.routers for r in rows if r.workload == "d" and r.label == subject), default=0)
+    mine, approx = _find(rows, subject, "d", routers=replicas), _find(rows, "approximate", "d", routers=replicas)
     if mine and approx:
         gain = mine.hit_rate - approx.hit_rate
-        out.append(Verdict("(d) hit rate minus approximate's", gain, "> 0", gain > 0))
+        note = f"token-level; per request {_num(mine.summary.request_hit_rate, 3)} vs "
+        note += f"{_num(approx.summary.request_hit_rate, 3)}"
+        out.append(Verdict(f"(d) {replicas} router(s): hit rate minus approximate's", gain, "> 0", gain > 0, note))
     return out

@@ -6,20 +6,31 @@ the policies of one concurrency run one after the other on the same noisy machin
 
 from __future__ import annotations
 
+import math
+import os
 import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import trio
+
 from bench import engine_stats, workloads
-from bench.client import ROUTE_HEADER, HttpClient, model_name, run_closed_loop
-from bench.processes import free_port_range, python_module, spawned, wait_ready
+from bench.client import ROUTE_HEADER, TRANSPORT_ERRORS, HttpClient, model_name, run_closed_loop
+from bench.cost_floor import perfect_cache_ttft
+from bench.prefix import PrefixMeter
+from bench.processes import StartFailed, free_port_range, free_udp_port, python_module, spawned, wait_ready
 from bench.report import Row
-from bench.stats import shares, summarize
+from bench.stats import percentile, shares, summarize
+from sim.profiles import get_profile
+from tokenization.registry import DEFAULT_TOKENIZER_DIR, load_tokenizer
 
 PRIMED_WORKLOADS = ("a",)
+MESHED_POLICIES = ("kv_aware",)
+"""Policies whose replicas share one index through the mesh; the others keep per-replica state, as a
+peer router's replicas would."""
 SIM_PORT_OFFSETS = (0, 1000, 2000)
 """HTTP, KV-event and replay ports of simulated engine i sit at base+i plus these (sim/cli.py)."""
 
@@ -58,6 +69,10 @@ class MeasureOptions:
     timeout: float = 120.0
     warmup: int = 6
     route_header: str = ROUTE_HEADER
+    block_size: int = 16
+    """The engines' KV block size, for judging request-level hits (a simulated fleet's own wins)."""
+    tokenizer: str | None = None
+    """The engines' tokenizer, for counting shared prefixes (default: the embedded one the sims use)."""
 
 
 @asynccontextmanager
@@ -74,11 +89,16 @@ async def sim_fleet(client: HttpClient, spec: FleetSpec, log_dir: Path) -> Async
 
 @asynccontextmanager
 async def router(
-    client: HttpClient, engine_urls: list[str], policy: str, log_dir: Path, tokenizer: str | None = None
+    client: HttpClient,
+    engine_urls: list[str],
+    policy: str,
+    log_dir: Path,
+    tokenizer: str | None = None,
+    extra_args: Sequence[str] = (),
 ) -> AsyncIterator[str]:
     """Start one kvmesh router with ``policy`` in front of the engines; yields its base URL."""
     port = free_port_range(1)
-    args = ["router", "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
+    args = ["router", "--host", "127.0.0.1", "--port", str(port), "--policy", policy, *extra_args]
     for url in engine_urls:
         args += ["--engine", url]
     if tokenizer:
@@ -90,35 +110,96 @@ async def router(
         yield url
 
 
+def _mesh_args(log_dir: Path, count: int) -> list[list[str]]:
+    """Flags that mesh ``count`` replicas on loopback: gossip ports, each other as seeds, one secret."""
+    secret = log_dir / f"mesh-{os.getpid()}-{free_udp_port()}.secret"
+    secret.write_text(os.urandom(24).hex())
+    ports = [free_udp_port() for _ in range(count)]
+    return [
+        ["--mesh-bind", f"127.0.0.1:{port}", "--mesh-secret-file", str(secret),
+         "--seeds", ",".join(f"127.0.0.1:{p}" for p in ports if p != port)]
+        for port in ports
+    ]  # fmt: skip
+
+
+async def wait_meshed(client: HttpClient, urls: list[str], timeout: float = 30.0) -> None:
+    """Wait until every replica's membership lists all of them."""
+    with trio.move_on_after(timeout):
+        while True:
+            try:
+                views = [await client.get_json(u + "/admin/mesh") for u in urls]
+                if all(len(v["members"]) == len(urls) for v in views):  # type: ignore[index]
+                    return
+            except (*TRANSPORT_ERRORS, trio.TooSlowError, ValueError, KeyError, TypeError):
+                pass
+            await trio.sleep(0.2)
+    raise StartFailed(f"router replicas {urls} did not see each other within {timeout:.0f} s")
+
+
+@asynccontextmanager
+async def routers(
+    client: HttpClient, engine_urls: list[str], policy: str, count: int, log_dir: Path, tokenizer: str | None = None
+) -> AsyncIterator[list[str]]:
+    """``count`` router replicas with ``policy``; meshed when the policy shares an index (see
+    ``MESHED_POLICIES``), independent otherwise. Yields their base URLs."""
+    meshed = count > 1 and policy in MESHED_POLICIES
+    extra = _mesh_args(log_dir, count) if meshed else [[] for _ in range(count)]
+    async with AsyncExitStack() as stack:
+        urls = [
+            await stack.enter_async_context(router(client, engine_urls, policy, log_dir, tokenizer, args))
+            for args in extra
+        ]
+        if meshed:
+            await wait_meshed(client, urls)
+        yield urls
+
+
 def engine_of(route: str) -> str:
     """The engine named by a route header: its first field (``host:port`` or an engine id)."""
     return route.replace(",", ";").split(";")[0].strip().removeprefix("engine=")
 
 
+def ttft_floor(spec: FleetSpec, prompt_tokens: list[int]) -> float:
+    """Median TTFT the fleet's cost model gives these prompts if each found all its full blocks cached
+    on an idle engine: no routing policy can do better on this workload."""
+    profile = get_profile(spec.profile)
+    return percentile([perfect_cache_ttft(profile, p, spec.block_size, spec.time_scale) for p in prompt_tokens], 50)
+
+
 async def measure(
     client: HttpClient,
     label: str,
-    url: str,
+    url: str | Sequence[str],
     engine_urls: list[str],
     concurrency: int,
     options: MeasureOptions,
     capacity_tokens: int = 0,
+    fleet: FleetSpec | None = None,
 ) -> Row:
-    """Warm up, prime if the workload asks for it, then run the workload between two metric scrapes."""
-    model = await model_name(client, url)
+    """Warm up, prime if the workload asks for it, then run the workload between two metric scrapes.
+
+    Several router URLs share the requests in turn. With the ``fleet`` that serves them, the row also
+    carries the cost model's perfect-cache TTFT for the same prompts.
+    """
+    urls = [url] if isinstance(url, str) else list(url)
+    model = await model_name(client, urls[0])
     convs = workloads.build(options.workload, options.seed, options.requests, capacity_tokens, options.max_tokens)
     warm = workloads.unique_prompts(options.seed, options.warmup)
     if options.workload in PRIMED_WORKLOADS:
         warm += workloads.primers(convs, options.seed)
-    await run_closed_loop(client, url, warm, max(1, len(engine_urls)), model, True, options.timeout)
+    await run_closed_loop(client, urls, warm, max(1, len(engine_urls)), model, True, options.timeout)
     before = await engine_stats.scrape(client, engine_urls)
     results, wall = await run_closed_loop(
-        client, url, convs, concurrency, model, True, options.timeout, options.route_header
+        client, urls, convs, concurrency, model, True, options.timeout, options.route_header
     )
     after = await engine_stats.scrape(client, engine_urls)
     deltas = engine_stats.deltas(before, after)
     ids = [urlsplit(u).netloc for u in engine_urls]
+    block_size = fleet.block_size if fleet else options.block_size
+    tokenizer = load_tokenizer(options.tokenizer or str(DEFAULT_TOKENIZER_DIR))
+    PrefixMeter(tokenizer, block_size).assign(results, convs)
     summary = summarize(results, wall)
+    prompts = [r.prompt_tokens for r in results if r.ok and r.prompt_tokens]
     routed: dict[str, float] = {}
     for route, count in summary.routes.items():
         routed[engine_of(route)] = routed.get(engine_of(route), 0) + count
@@ -131,14 +212,16 @@ async def measure(
         hit_rate=engine_stats.fleet_hit_rate(deltas),
         route_share=shares(routed, ids) if routed else [],
         engine_share=shares(served, ids),
+        routers=len(urls),
+        ttft_floor=ttft_floor(fleet, prompts) if fleet else math.nan,
     )
 
 
 def _progress(row: Row) -> None:
     s = row.summary
     print(
-        f"  {row.workload} c={row.concurrency} {row.label}: {s.requests} requests, {s.errors} errors, "
-        f"{s.req_per_s:.1f} req/s, hit {row.hit_rate:.3f}",
+        f"  {row.workload} c={row.concurrency} {row.label} x{row.routers}: {s.requests} requests, "
+        f"{s.errors} errors, {s.req_per_s:.1f} req/s, hit {row.hit_rate:.3f} (requests {s.request_hit_rate:.3f})",
         file=sys.stderr,
         flush=True,
     )
@@ -151,8 +234,10 @@ async def compare_policies(
     options: MeasureOptions,
     log_dir: Path,
     tokenizer: str | None = None,
+    replicas: int = 1,
 ) -> list[Row]:
-    """One row per (concurrency, policy), each on a fresh fleet, policies back to back."""
+    """One row per (concurrency, policy), each on a fresh fleet, policies back to back; ``replicas``
+    routers per policy share the requests in turn."""
     client = HttpClient()
     rows = []
     try:
@@ -160,9 +245,11 @@ async def compare_policies(
             for policy in policies:
                 async with (
                     sim_fleet(client, spec, log_dir) as engines,
-                    router(client, engines, policy, log_dir, tokenizer) as url,
+                    routers(client, engines, policy, replicas, log_dir, tokenizer) as urls,
                 ):
-                    row = await measure(client, policy, url, engines, concurrency, options, spec.capacity_tokens)
+                    row = await measure(
+                        client, policy, urls, engines, concurrency, options, spec.capacity_tokens, spec
+                    )
                 rows.append(row)
                 _progress(row)
                 await client.aclose()

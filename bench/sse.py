@@ -30,6 +30,9 @@ class StreamedAnswer:
     content: list[str] = field(default_factory=list)
     content_chunks: int = 0
     usage_tokens: int | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    """Prompt tokens the engine served from its prefix cache (``usage.prompt_tokens_details``)."""
     done: bool = False
     malformed: int = 0
     error: str = ""
@@ -58,8 +61,8 @@ class StreamedAnswer:
         if isinstance(event.get("error"), dict | str):
             self.error = str(event["error"])[:200]
         usage = event.get("usage")
-        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-            self.usage_tokens = usage["completion_tokens"]
+        if isinstance(usage, dict):
+            self.usage_tokens, self.prompt_tokens, self.cached_tokens = usage_counts(usage)
         piece = _content_of(event)
         if not piece:
             return False
@@ -67,6 +70,21 @@ class StreamedAnswer:
         self.content.append(piece)
         self.content_chunks += 1
         return first
+
+
+def _count(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def usage_counts(usage: dict) -> tuple[int | None, int | None, int | None]:
+    """(completion, prompt, cached prompt) tokens of an OpenAI ``usage`` object; None where absent.
+
+    vLLM reports ``prompt_tokens_details.cached_tokens`` per request (with
+    ``--enable-prompt-tokens-details``; the simulated engine always does).
+    """
+    details = usage.get("prompt_tokens_details")
+    cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
+    return _count(usage.get("completion_tokens")), _count(usage.get("prompt_tokens")), cached
 
 
 def _content_of(event: dict) -> str:

@@ -11,7 +11,10 @@ from dataclasses import dataclass, field
 class RequestResult:
     """What one request did, in seconds since it was started; ``error`` is empty on success.
 
-    ``started`` is the start time relative to the beginning of the run, for timelines.
+    ``started`` is the start time relative to the beginning of the run, for timelines. ``key`` and
+    ``turn`` name the conversation turn that was sent. ``prompt_tokens`` and ``cached_tokens`` are the
+    engine's own usage report; ``reusable_tokens`` is the request's shared prefix in whole blocks (see
+    ``bench.prefix``), 0 when it has none worth judging.
     """
 
     started: float = 0.0
@@ -22,10 +25,23 @@ class RequestResult:
     route: str = ""
     error: str = ""
     content: str = ""
+    key: str = ""
+    turn: int = 0
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    reusable_tokens: int = 0
 
     @property
     def ok(self) -> bool:
         return not self.error and 200 <= self.status < 300
+
+    @property
+    def prefix_hit(self) -> bool | None:
+        """Whether the engine served the whole shared prefix from its cache; None when not judged
+        (failed request, no shared prefix of a full block, or no ``cached_tokens`` in the answer)."""
+        if not self.ok or self.reusable_tokens <= 0 or self.cached_tokens is None:
+            return None
+        return self.cached_tokens >= self.reusable_tokens
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -54,6 +70,14 @@ class Summary:
     out_tok_per_s: float
     routes: dict[str, int] = field(default_factory=dict)
     error_kinds: dict[str, int] = field(default_factory=dict)
+    prefix_hits: int = 0
+    prefix_judged: int = 0
+
+    @property
+    def request_hit_rate(self) -> float:
+        """Share of judged requests whose shared prefix the engine served from cache (a per-request
+        rate, as published gateways report it); NaN when no request could be judged."""
+        return self.prefix_hits / self.prefix_judged if self.prefix_judged else math.nan
 
 
 def summarize(results: list[RequestResult], wall: float) -> Summary:
@@ -62,6 +86,7 @@ def summarize(results: list[RequestResult], wall: float) -> Summary:
     ttfts = [r.ttft for r in good if r.ttft is not None]
     totals = [r.total for r in good]
     rate = len(good) / wall if wall > 0 else 0.0
+    judged = [r.prefix_hit for r in good if r.prefix_hit is not None]
     return Summary(
         requests=len(results),
         errors=len(results) - len(good),
@@ -74,6 +99,8 @@ def summarize(results: list[RequestResult], wall: float) -> Summary:
         out_tok_per_s=sum(r.output_tokens for r in good) / wall if wall > 0 else 0.0,
         routes=dict(Counter(r.route for r in good if r.route)),
         error_kinds=dict(Counter((r.error or f"http {r.status}") for r in results if not r.ok)),
+        prefix_hits=sum(judged),
+        prefix_judged=len(judged),
     )
 
 

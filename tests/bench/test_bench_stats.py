@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bench import engine_stats
-from bench.sse import SseSplitter, StreamedAnswer
+from bench.sse import SseSplitter, StreamedAnswer, usage_counts
 from bench.stats import RequestResult, percentile, ratio, shares, summarize
 
 
@@ -87,6 +87,45 @@ def test_streamed_answer_counts_garbage_and_reads_completions_text():
     assert answer.apply(json.dumps({"choices": [{"text": "ok"}]})) is True
     answer.apply(json.dumps({"error": {"message": "boom"}}))
     assert answer.error
+
+
+def test_streamed_answer_reads_the_engines_cached_tokens():
+    answer = StreamedAnswer()
+    usage = {"completion_tokens": 3, "prompt_tokens": 2104, "prompt_tokens_details": {"cached_tokens": 2048}}
+    answer.apply(json.dumps({"choices": [], "usage": usage}))
+    assert (answer.output_tokens, answer.prompt_tokens, answer.cached_tokens) == (3, 2104, 2048)
+
+
+@given(
+    st.one_of(st.none(), st.integers(-5, 5), st.text(max_size=3), st.booleans(), st.just([1])),
+    st.one_of(st.none(), st.just("x"), st.just([]), st.dictionaries(st.just("cached_tokens"), st.integers(-3, 3))),
+)
+def test_usage_counts_never_trusts_malformed_fields(prompt, details):
+    completion, prompt_tokens, cached = usage_counts({"prompt_tokens": prompt, "prompt_tokens_details": details})
+    assert completion is None
+    assert prompt_tokens == (prompt if isinstance(prompt, int) and not isinstance(prompt, bool) and prompt >= 0
+                             else None)
+    value = details.get("cached_tokens") if isinstance(details, dict) else None
+    assert cached == (value if isinstance(value, int) and value >= 0 else None)
+
+
+def test_request_hit_needs_the_whole_shared_prefix_in_blocks():
+    def result(**kw):
+        return RequestResult(status=200, ttft=0.1, total=0.1, **kw)
+
+    results = [
+        result(reusable_tokens=2048, cached_tokens=2048),
+        result(reusable_tokens=2048, cached_tokens=2064),
+        result(reusable_tokens=2048, cached_tokens=2032),
+        result(reusable_tokens=0, cached_tokens=0),
+        result(reusable_tokens=2048),
+        RequestResult(status=503, reusable_tokens=2048, cached_tokens=2048),
+    ]
+    assert [r.prefix_hit for r in results] == [True, True, False, None, None, None]
+    s = summarize(results, wall=1.0)
+    assert (s.prefix_hits, s.prefix_judged) == (2, 3)
+    assert s.request_hit_rate == 2 / 3
+    assert math.isnan(summarize(results[3:5], wall=1.0).request_hit_rate)
 
 
 METRICS = """# HELP vllm:prefix_cache_queries Prefix cache queries
