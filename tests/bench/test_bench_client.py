@@ -94,7 +94,8 @@ class FakeOpenAI:
             chunks.append(self.hold_first_token)
         words = [f"w{len(self.requests)}", " two", " three"]
         chunks += [f"data: {json.dumps({'choices': [{'delta': {'content': w}}]})}\r\n\r\n".encode() for w in words]
-        chunks.append(b'data: {"choices":[],"usage":{"completion_tokens":3}}\n\ndata: [DONE]\n\n')
+        usage = {"completion_tokens": 3, "prompt_tokens": 40, "prompt_tokens_details": {"cached_tokens": 32}}
+        chunks.append(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
         await self._send(conn, stream, 200, [*route, ("transfer-encoding", "chunked")], chunks)
 
 
@@ -124,6 +125,7 @@ async def test_streaming_completion_measures_ttft_tokens_and_route(server):
     (r,) = result
     assert r.ok, r
     assert (r.status, r.route, r.output_tokens, r.content) == (200, "engine-1", 3, "w1 two three")
+    assert (r.prompt_tokens, r.cached_tokens) == (40, 32)
     # The first content chunk was held back at least 0.2 s after the role-only chunk arrived.
     assert r.ttft is not None and 0.2 <= r.ttft <= r.total
     await client.aclose()
@@ -174,6 +176,20 @@ async def test_closed_loop_keeps_turn_order_and_feeds_answers(server):
         answers = [m["content"] for m in sent[-1]["messages"] if m["role"] == "assistant"]
         assert answers == [r.content for r in results if r.content in answers]
         assert all(a.endswith(" two three") for a in answers)
+
+
+async def test_closed_loop_takes_router_replicas_in_turn_and_names_each_turn(nursery):
+    fakes = [FakeOpenAI(), FakeOpenAI()]
+    urls = []
+    for fake in fakes:
+        listeners = await nursery.start(partial(trio.serve_tcp, fake.handle, 0, host="127.0.0.1"))
+        urls.append(f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}")
+    client = HttpClient()
+    convs = multi_turn(seed=5, conversations=3, turns=2, system_tokens=5)
+    results, _ = await run_closed_loop(client, urls, convs, concurrency=1, model="tiny")
+    await client.aclose()
+    assert [len(f.requests) for f in fakes] == [3, 3]
+    assert sorted((r.key, r.turn) for r in results) == sorted((c.key, t) for c in convs for t in range(2))
 
 
 async def test_open_loop_starts_at_the_rate_and_caps_in_flight(autojump_clock):
