@@ -7,6 +7,13 @@ token. The coefficients are fitted by exponentially weighted ridge regression pu
 directions the data never exercise (depth at c=1, say) keep their priors instead of drifting, old data
 fade as engines change, and residuals beyond a few robust deviations lose weight quadratically, so a
 stalled request barely moves the fit.
+
+Engines of one fleet share most of their behaviour, so each engine's fit is pulled toward the fit of
+the other engines' data (partial pooling) rather than toward the fixed priors: an engine's own difference
+from the fleet counts only once its own observations back it (``engine_weight``). Without this, a router
+replica that sees a fraction of the traffic (one of N behind a balancer) learns each engine from a
+handful of TTFTs, and the noise of one slow response makes one engine look milliseconds "faster" than
+its twins, which outweighs the cache of a short multi-turn history and sends the turn elsewhere.
 """
 
 from __future__ import annotations
@@ -21,13 +28,18 @@ _MAX_TTFT_S = 3600.0
 
 @dataclass(frozen=True, slots=True)
 class TTFTPrior:
-    """Before-data beliefs, sized for an A40-class GPU serving a ~1.5B model, plus the learner's settings."""
+    """Before-data beliefs, sized for an A40-class GPU serving a ~1.5B model, plus the learner's settings.
+
+    ``weight``: how many observations the fixed priors are worth; ``engine_weight``: how many the fleet's
+    fit is worth as the prior of one engine.
+    """
 
     overhead_s: float = 0.015
     prefill_s_per_token: float = 1 / 20_000
     batch_s_per_request: float = 0.004
     service_s: float = 2.0
     weight: float = 1.0
+    engine_weight: float = 8.0
     decay: float = 0.995
     huber_k: float = 3.0
     scale_rate: float = 0.1
@@ -77,9 +89,30 @@ def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
     return x
 
 
+_FEATURE_SCALES = (1.0, 1.0, 4.0, 1.0)
+"""Typical sizes of the features (1, 1k tokens, 4 requests in the batch, 1 slot release)."""
+
+
+def _inverse(matrix: list[list[float]]) -> list[list[float]]:
+    """Inverse of a small positive definite matrix, column by column."""
+    n = len(matrix)
+    columns = [_solve(matrix, [1.0 if r == c else 0.0 for r in range(n)]) for c in range(n)]
+    return [[columns[c][r] for c in range(n)] for r in range(n)]
+
+
+def _coefficients(params: TTFTParams) -> list[float]:
+    return [params.overhead_s, params.prefill_s_per_token * _TOKEN_UNIT, params.batch_s_per_request,
+            params.slot_wait_s_per_request]
+
+
+def _precision(weight: float) -> list[float]:
+    """A prior worth ``weight`` observations at a typical size of each feature."""
+    return [weight * s * s for s in _FEATURE_SCALES]
+
+
 @dataclass
 class EngineTTFTModel:
-    """Sufficient statistics and the current fit for one engine."""
+    """Sufficient statistics for one engine, and its fit around a given prior mean."""
 
     prior: TTFTPrior
     max_num_seqs: int | None = None
@@ -93,28 +126,24 @@ class EngineTTFTModel:
         in_batch, over = split_depth(queue_depth, self.max_num_seqs)
         return [1.0, uncached_tokens / _TOKEN_UNIT, float(in_batch), float(over)]
 
-    def _prior_mean(self) -> list[float]:
+    def prior_params(self) -> TTFTParams:
+        """The fixed priors, with the slot wait of this engine's ``max_num_seqs``."""
         p = self.prior
         slot_wait = p.service_s / self.max_num_seqs if self.max_num_seqs else 0.0
-        return [p.overhead_s, p.prefill_s_per_token * _TOKEN_UNIT, p.batch_s_per_request, slot_wait]
-
-    def _prior_precision(self) -> list[float]:
-        """Worth ``weight`` observations at a typical size of each feature (1, 1k tokens, 4 and 1 requests)."""
-        return [self.prior.weight * s * s for s in (1.0, 1.0, 4.0, 1.0)]
+        return TTFTParams(p.overhead_s, p.prefill_s_per_token, p.batch_s_per_request, slot_wait)
 
     @property
     def params(self) -> TTFTParams:
+        """The last fit (see ``refit``); the fixed priors before the first one."""
         if self._params is None:
-            self._params = self._fit()
+            self._params = self.prior_params()
         return self._params
 
-    def _fit(self) -> TTFTParams:
-        mean, precision = self._prior_mean(), self._prior_precision()
-        matrix = [row[:] for row in self._xtx]
-        rhs = self._xty[:]
-        for i in range(4):
-            matrix[i][i] += precision[i]
-            rhs[i] += precision[i] * mean[i]
+    def refit(self, xtx: list[list[float]], xty: list[float], mean: list[float],
+              precision: list[list[float]]) -> TTFTParams:
+        """Fit ``xtx``/``xty`` (this engine's own statistics) around a prior ``mean`` of the given ``precision``."""
+        matrix = [[xtx[i][j] + precision[i][j] for j in range(4)] for i in range(4)]
+        rhs = [xty[i] + sum(precision[i][j] * mean[j] for j in range(4)) for i in range(4)]
         a, b, c, d = _solve(matrix, rhs)
         return TTFTParams(
             overhead_s=max(0.0, a),
@@ -155,11 +184,14 @@ class EngineTTFTModel:
             for j in range(4):
                 row[j] = keep * row[j] + weight * x[i] * x[j]
         self.observations += 1
-        self._params = None
 
 
 class TTFTLearner:
-    """All engines' TTFT models.
+    """All engines' TTFT models, each fitted around the fleet's fit of the other engines' data.
+
+    An engine's center is the fixed priors updated with every other engine's statistics (leave-one-out,
+    so its own data is not counted twice); its own statistics then move it away from that center as far
+    as they are worth against ``engine_weight``. All fits are redone lazily after any observation.
 
     Feedback outside physical bounds (negative, NaN, more than 10M tokens, 1M queued, an hour to first
     token) is counted in ``rejected`` and dropped: one corrupt measurement must not poison the fit.
@@ -168,18 +200,44 @@ class TTFTLearner:
     def __init__(self, prior: TTFTPrior | None = None) -> None:
         self.prior = prior or TTFTPrior()
         self._models: dict[str, EngineTTFTModel] = {}
+        self._stale = True
         self.rejected = 0
 
     def model(self, engine_id: str) -> EngineTTFTModel:
         found = self._models.get(engine_id)
         if found is None:
             found = self._models[engine_id] = EngineTTFTModel(self.prior)
+            self._stale = True
         return found
 
     def params(self, engine_id: str, max_num_seqs: int | None) -> TTFTParams:
         model = self.model(engine_id)
-        model.set_slots(max_num_seqs)
+        if max_num_seqs != model.max_num_seqs:
+            model.set_slots(max_num_seqs)
+            self._stale = True
+        if self._stale:
+            self._refit()
         return model.params
+
+    def _refit(self) -> None:
+        """Per engine: the fleet's mean (priors plus the other engines' data) and how sure it is, widened by
+        how far one engine may differ from its fleet, is the prior its own data update (Gaussian pooling)."""
+        models = list(self._models.values())
+        total_xtx = [[sum(m._xtx[i][j] for m in models) for j in range(4)] for i in range(4)]
+        total_xty = [sum(m._xty[i] for m in models) for i in range(4)]
+        fleet_precision = _precision(self.prior.weight)
+        spread = [1.0 / w for w in _precision(self.prior.engine_weight)]
+        for model in models:
+            prior_mean = _coefficients(model.prior_params())
+            others = [[total_xtx[i][j] - model._xtx[i][j] + (fleet_precision[i] if i == j else 0.0)
+                       for j in range(4)] for i in range(4)]
+            rhs = [total_xty[i] - model._xty[i] + fleet_precision[i] * prior_mean[i] for i in range(4)]
+            center = _solve(others, rhs)
+            covariance = _inverse(others)
+            for i in range(4):
+                covariance[i][i] += spread[i]
+            model._params = model.refit(model._xtx, model._xty, center, _inverse(covariance))
+        self._stale = False
 
     def observe(self, engine_id: str, uncached_tokens: float, queue_depth: int, ttft_s: float) -> bool:
         valid = (
@@ -191,12 +249,17 @@ class TTFTLearner:
         if not valid:
             self.rejected += 1
             return False
-        self.model(engine_id).observe(float(uncached_tokens), int(queue_depth), float(ttft_s))
+        model = self.model(engine_id)
+        if self._stale:
+            self._refit()
+        model.observe(float(uncached_tokens), int(queue_depth), float(ttft_s))
+        self._stale = True
         return True
 
     def forget(self, engine_id: str) -> None:
         """Drop what was learned about an engine that left (a replacement may be different hardware)."""
-        self._models.pop(engine_id, None)
+        if self._models.pop(engine_id, None) is not None:
+            self._stale = True
 
 
 def _within(value: object, high: float) -> bool:

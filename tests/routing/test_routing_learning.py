@@ -103,3 +103,44 @@ def test_forgetting_an_engine_restores_the_prior():
     assert learner.params("e", None) != prior_params
     learner.forget("e")
     assert learner.params("e", None) == prior_params
+
+
+def test_an_engine_without_data_starts_from_what_its_fleet_has_learned():
+    learner = TTFTLearner()
+    rng = random.Random(5)
+    for engine in ("e0", "e1"):
+        for _ in range(300):
+            uncached = rng.randint(0, 3000)
+            learner.observe(engine, uncached, 0, 0.03 + 1e-4 * uncached)
+    fresh = learner.params("e2", None)
+    assert math.isclose(fresh.prefill_s_per_token, 1e-4, rel_tol=0.1)
+    assert math.isclose(fresh.overhead_s, 0.03, rel_tol=0.2)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 3).flatmap(
+    lambda k: st.lists(st.lists(st.floats(-0.3, 0.3), min_size=k, max_size=k), min_size=4, max_size=4)))
+def test_a_few_noisy_answers_do_not_make_twin_engines_look_different(noise_per_engine):
+    """A replica behind a balancer sees a handful of TTFTs per engine; identical engines must stay close,
+    or the noise outweighs the cache of a short history (the fleet hit rate fell with more replicas)."""
+    learner = TTFTLearner()
+    truth = 0.03
+    observed = []
+    for i, noise in enumerate(noise_per_engine):
+        for u in noise:
+            ttft = truth * (1 + u)
+            observed.append(ttft)
+            learner.observe(f"e{i}", 0, 0, ttft)
+    predicted = [learner.params(f"e{i}", None).predict(0, 0, None) for i in range(len(noise_per_engine))]
+    assert max(predicted) - min(predicted) <= 0.25 * (max(observed) - min(observed)) + 1e-9
+
+
+def test_a_really_slower_engine_still_learns_its_own_speed():
+    learner = TTFTLearner()
+    rng = random.Random(11)
+    for _ in range(300):
+        for i, speed in enumerate((1.0, 1.0, 1.0, 3.0)):
+            uncached = rng.randint(0, 3000)
+            learner.observe(f"e{i}", uncached, 0, speed * (0.01 + 5e-5 * uncached))
+    assert math.isclose(learner.params("e0", None).prefill_s_per_token, 5e-5, rel_tol=0.1)
+    assert math.isclose(learner.params("e3", None).prefill_s_per_token, 1.5e-4, rel_tol=0.1)
