@@ -46,9 +46,10 @@ def queue_depth(engine: EngineView) -> int:
 
     ``in_flight`` is this router's fresh count; ``running`` is everyone's, one poll old. Taking the larger
     of the two and adding the engine's waiting queue makes the estimate rise with every request this
-    router dispatches between polls (so a hot prefix spills) without ignoring other routers' load.
+    router dispatches between polls (so a hot prefix spills) without ignoring other routers' load. The
+    requests of this router that finished since the poll are no longer ahead of anyone.
     """
-    return max(0, engine.in_flight, engine.running) + max(0, engine.waiting)
+    return max(0, engine.in_flight, engine.running - max(0, engine.finished_since_poll)) + max(0, engine.waiting)
 
 
 def overlap_tokens(engine: EngineView, request: RouteRequest, blocks: int) -> int:

@@ -19,6 +19,9 @@ class EngineView:
     ``exact_blocks`` are leading prompt blocks confirmed by the engine's KV events; ``approx_blocks`` are
     leading blocks from speculative entries (where routers recently sent the prefix, not yet confirmed).
     ``confidence`` (0..1) is how far the index's knowledge of this engine is trusted.
+    ``finished_since_poll`` counts this router's requests that the last poll saw on the engine and that have
+    finished since: the poll still counts them in ``running``. A chat's next turn arrives right after its
+    previous turn ends, so without this its own finished turn makes the engine holding its cache look busier.
     """
 
     id: str
@@ -28,6 +31,7 @@ class EngineView:
     draining: bool = False
     in_flight: int = 0
     running: int = 0
+    finished_since_poll: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
     num_blocks: int | None = None

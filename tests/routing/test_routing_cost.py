@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from routing_strategies import fleets, requests
 
-from gateway.routing import CostModel, CostSettings, EngineView, RouteRequest, make_policy
+from gateway.routing import CostModel, CostSettings, EngineView, RouteRequest, make_policy, queue_depth
 from gateway.routing.cost import Knowledge
 from gateway.routing.hashing import rendezvous_order
 from gateway.routing.learning import TTFTParams
@@ -20,7 +20,7 @@ def reference_ttft(engine: EngineView, request: RouteRequest, p: TTFTParams, s: 
     t = p.overhead_s
     slots = engine.max_num_seqs or math.inf
     occupied = 0
-    for _ in range(max(engine.in_flight, engine.running) + engine.waiting):
+    for _ in range(max(engine.in_flight, engine.running - engine.finished_since_poll) + engine.waiting):
         if occupied < slots:
             occupied += 1
             t += p.batch_s_per_request
@@ -195,3 +195,18 @@ def test_approximate_ignores_event_knowledge():
     fleet = [EngineView("a", "u", exact_blocks=128, in_flight=1), EngineView("b", "u", approx_blocks=128, in_flight=1)]
     assert make_policy("approximate").choose(request, fleet).chosen == "b"
     assert make_policy("kv_aware").choose(request, fleet).chosen == "a"
+
+
+def test_a_turn_stays_with_its_cache_when_the_poll_still_counts_its_finished_previous_turn():
+    """The holder's last poll shows two running: this router's previous turn of the chat (finished since)
+    and one more. Counting the finished turn as ahead would spill the chat; it is not ahead of anyone."""
+    policy = make_policy("kv_aware")
+    request = RouteRequest("m", 240, 15, "chat")
+    holder = EngineView("holder", "u", running=2, exact_blocks=10)
+    other = EngineView("other", "u", running=0)
+    stale = policy.choose(request, [holder, other])
+    assert stale.table[[s.engine for s in stale.table].index("holder")].queue_depth == 2
+    corrected = EngineView("holder", "u", running=2, finished_since_poll=1, exact_blocks=10)
+    decision = policy.choose(request, [corrected, other])
+    assert decision.table[[s.engine for s in decision.table].index("holder")].queue_depth == 1
+    assert queue_depth(corrected) == 1 and queue_depth(EngineView("x", "u", running=1, finished_since_poll=5)) == 0
