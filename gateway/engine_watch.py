@@ -103,6 +103,8 @@ async def watch_engine(engine: EngineState, planner, ingest: EventIngest, interv
             engine.load.kv_usage, engine.load.polled_at = load.kv_cache_usage, now
             engine.load.num_blocks = load.num_gpu_blocks
             engine.load.block_size = load.block_size
+            engine.load.poll_generation += 1
+            engine.load.finished_since_poll = 0
             if resized:
                 planner.register_engine(engine, has_events=bool(sources))
             info = planner.cache.info(engine.id)

@@ -24,6 +24,9 @@ class EngineLoad:
     num_blocks: int | None = None
     block_size: int | None = None
     polled_at: float | None = None
+    poll_generation: int = 0
+    finished_since_poll: int = 0
+    """This router's requests to the engine that ended after the last poll (still counted as running)."""
 
 
 @dataclass

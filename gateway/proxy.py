@@ -89,10 +89,13 @@ async def forward(candidates: list[EngineState], exchange: Exchange, max_attempt
             continue
         tried += 1
         engine.in_flight += 1
+        generation = engine.load.poll_generation
         try:
             done = await _try_engine(engine, exchange, result, start)
         finally:
             engine.in_flight -= 1
+            if engine.load.poll_generation != generation:
+                engine.load.finished_since_poll += 1
         if done:
             result.total_s = time.perf_counter() - start
             return result
