@@ -211,6 +211,7 @@ class VllmEngine:
         proc, self.process = self.process, None
         if proc is None:
             return
+        segments = shared_memory_of(proc.pid)
         _signal_group(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=self.options.stop_grace)
@@ -219,6 +220,9 @@ class VllmEngine:
             proc.wait()
         # Children (EngineCore) may outlive a killed parent: make sure the group is gone.
         _signal_group(proc.pid, signal.SIGKILL)
+        # vLLM leaves its shared-memory segments behind (hundreds of MB of RAM each) even on SIGTERM.
+        for path in segments:
+            path.unlink(missing_ok=True)
 
     def restart(self) -> None:
         """Stop and start again on the same ports and core: the event seq starts over at 0."""
@@ -236,6 +240,20 @@ class VllmEngine:
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     with suppress(ProcessLookupError):
         os.killpg(pgid, sig)
+
+
+def shared_memory_of(pgid: int) -> set[Path]:
+    """The /dev/shm files that the processes of one group have mapped."""
+    paths = set()
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit() or os.getpgid(int(proc.name)) != pgid:
+                continue
+            maps = (proc / "maps").read_text()
+        except (OSError, ProcessLookupError):
+            continue
+        paths.update(Path(line.split()[-1]) for line in maps.splitlines() if " /dev/shm/" in line)
+    return paths
 
 
 def process_group_rss(pgid: int) -> int:

@@ -22,7 +22,7 @@ from vllm_router import HitMeter, Routed, RouterClient, engine_id, user, wait_un
 from vllm_wire import chat, post_json, unique_text
 
 from cluster.router_process import RouterProcess
-from cluster.vllm_engine import VllmEngine
+from cluster.vllm_engine import VllmEngine, shared_memory_of
 from gateway.security.keys import generate_key
 
 pytestmark = pytest.mark.vllm
@@ -141,28 +141,12 @@ def test_evicted_blocks_leave_the_index(tiny_engine: VllmEngine, vllm_model: Pat
         assert hits == 0, "the engine still had blocks the router had dropped"
 
 
-def shared_memory_of(pgid: int) -> set[Path]:
-    """The /dev/shm files that the processes of one group have mapped."""
-    paths = set()
-    for proc in Path("/proc").iterdir():
-        try:
-            if not proc.name.isdigit() or os.getpgid(int(proc.name)) != pgid:
-                continue
-            maps = (proc / "maps").read_text()
-        except (OSError, ProcessLookupError):
-            continue
-        paths.update(Path(line.split()[-1]) for line in maps.splitlines() if " /dev/shm/" in line)
-    return paths
-
-
 def sigkill(engine: VllmEngine) -> None:
-    """Kill the engine's whole process group (API server, EngineCore, worker) without warning, then reap it.
-
-    A killed vLLM leaves its shared-memory segments behind (hundreds of MB of RAM): remove them."""
+    """Kill the engine's whole process group (API server, EngineCore, worker) without warning, then reap it
+    and remove the shared-memory segments a killed vLLM leaves behind (hundreds of MB of RAM)."""
     assert engine.process is not None
-    pgid = engine.process.pid
-    segments = shared_memory_of(pgid)
-    os.killpg(pgid, signal.SIGKILL)
+    segments = shared_memory_of(engine.process.pid)
+    os.killpg(engine.process.pid, signal.SIGKILL)
     engine.stop()
     for path in segments:
         path.unlink(missing_ok=True)
