@@ -45,6 +45,8 @@ class ProxyResult:
     total_s: float = 0.0
     attempts: list[Attempt] = field(default_factory=list)
     broken_after_first_byte: bool = False
+    events: int = 0
+    """SSE events of a stream (about one per output token), to learn each engine's decode speed."""
 
 
 def _response_headers(upstream: UpstreamResponse, extra: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
@@ -131,9 +133,11 @@ async def _try_engine(engine: EngineState, exchange: Exchange, result: ProxyResu
         await exchange.send({"type": "http.response.start", "status": upstream.status,
                     "headers": _response_headers(upstream, exchange.route_header(engine, result.attempts))})
         if first is not None:
+            result.events += first.count(b"data: ")
             await exchange.send({"type": "http.response.body", "body": first, "more_body": True})
         try:
             async for chunk in rest:
+                result.events += chunk.count(b"data: ")
                 await exchange.send({"type": "http.response.body", "body": chunk, "more_body": True})
         except UpstreamError as exc:
             engine.health.breaker.record_failure(time.monotonic(), "broken stream")

@@ -31,6 +31,8 @@ from tokenization.service import TokenizerService
 # Policies that look at prompt blocks; the others route without tokenizing at all.
 CACHE_POLICIES = frozenset({"kv_aware", "approximate"})
 SESSION_HEADERS = ("x-session-id", "x-kvmesh-session")
+# SSE events of a stream that carry no new token: the role chunk (chat) and data: [DONE].
+STREAM_FRAMING_EVENTS = 2
 
 
 @dataclass
@@ -172,3 +174,6 @@ class RoutePlanner:
         self.metrics.predicted_cached.inc(score.cached_tokens)
         if len(result.attempts) == 1 and plan.parsed.stream:
             self.policy.observe(engine_id, score.uncached_tokens, score.queue_depth, result.ttft_s)
+            if not result.broken_after_first_byte and result.events > STREAM_FRAMING_EVENTS:
+                self.policy.observe_decode(engine_id, score.queue_depth, result.events - STREAM_FRAMING_EVENTS,
+                                           result.total_s - result.ttft_s)

@@ -69,6 +69,10 @@ class Policy(ABC):
         """Record one measured TTFT; False if the values were impossible (counted and dropped)."""
         return self.costs.learner.observe(engine_id, uncached_tokens, queue_depth, ttft_s)
 
+    def observe_decode(self, engine_id: str, queue_depth: int, output_tokens: int, decode_s: float) -> bool:
+        """Record one finished stream's decoding (tokens after the first, and how long they took)."""
+        return self.costs.decode.observe(engine_id, queue_depth, output_tokens, decode_s)
+
     @abstractmethod
     def rank(self, request: RouteRequest, pool: list[EngineView], scores: Scores) -> tuple[list[str], str]:
         """Order ``pool`` (non-empty, unique ids) best first and say why."""

@@ -2,7 +2,9 @@
 
 ttft = queue delay (requests ahead, learned per engine) + overhead + prefill of the tokens the engine
 does not already hold (overlap times the trust in that knowledge) + penalties for KV memory pressure
-and for leaving the router's island. Everything is in seconds, so cache reuse and load trade against
+and for leaving the router's island; candidates are ranked by ttft plus the request's own decode time
+at the engine's batch size (gateway/routing/decode.py), so load counts even where it hardly delays the
+first token. Everything is in seconds, so cache reuse and load trade against
 each other without a balance threshold: a hot prefix stays on its holder until the holder's queue costs
 more than recomputing the prefix elsewhere, and then it spills.
 """
@@ -13,6 +15,7 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
+from gateway.routing.decode import DecodeModel, DecodePrior
 from gateway.routing.learning import TTFTLearner, TTFTParams, TTFTPrior
 from gateway.routing.types import CandidateScore, EngineView, RouteRequest
 
@@ -59,9 +62,11 @@ def overlap_tokens(engine: EngineView, request: RouteRequest, blocks: int) -> in
 class CostModel:
     """Estimates candidates with per-engine parameters from ``learner``; holds no I/O and no clock."""
 
-    def __init__(self, settings: CostSettings | None = None, prior: TTFTPrior | None = None) -> None:
+    def __init__(self, settings: CostSettings | None = None, prior: TTFTPrior | None = None,
+                 decode_prior: DecodePrior | None = None) -> None:
         self.settings = settings or CostSettings()
         self.learner = TTFTLearner(prior)
+        self.decode = DecodeModel(decode_prior or DecodePrior())
 
     def cached_tokens(self, engine: EngineView, request: RouteRequest, knowledge: Knowledge) -> tuple[float, float]:
         """(tokens the model credits as cached, the trust applied) for one candidate."""
@@ -110,4 +115,5 @@ class CostModel:
             pressure_penalty_s=self.pressure_penalty_s(engine, request, uncached, params),
             topology_penalty_s=self.topology_penalty_s(engine, request),
             live=engine.live,
+            decode_s=self.decode.decode_s(engine.id, depth, request.max_tokens),
         )

@@ -47,6 +47,8 @@ def _row(rank: int, score: CandidateScore) -> dict[str, Any]:
         "pressure_penalty_ms": _ms(score.pressure_penalty_s),
         "topology_penalty_ms": _ms(score.topology_penalty_s),
         "est_ttft_ms": _ms(score.ttft_s),
+        "decode_ms": _ms(score.decode_s),
+        "est_done_ms": _ms(score.done_s),
     }
 
 

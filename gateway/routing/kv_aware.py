@@ -1,4 +1,4 @@
-"""Cache-and-load policies: rank candidates by estimated time to first token.
+"""Cache-and-load policies: rank candidates by estimated time to the last token (first token + decode).
 
 ``kv_aware`` counts the event-fed index (scaled by confidence) plus half-trusted speculative entries;
 ``approximate`` counts only the router-side speculative entries, like routers that never see engine
@@ -19,7 +19,7 @@ _TIE_DIGITS = 9
 def _why_not_the_cache(chosen: CandidateScore, holder: CandidateScore) -> str:
     """Name the term that made a better-cached engine lose."""
     margins = {
-        "hot-prefix-spill": holder.queue_s - chosen.queue_s,
+        "hot-prefix-spill": holder.queue_s + holder.decode_s - chosen.queue_s - chosen.decode_s,
         "kv-pressure": holder.pressure_penalty_s - chosen.pressure_penalty_s,
         "topology": holder.topology_penalty_s - chosen.topology_penalty_s,
     }
@@ -29,7 +29,7 @@ def _why_not_the_cache(chosen: CandidateScore, holder: CandidateScore) -> str:
 
 def describe(request: RouteRequest, ranked: list[str], scores: Scores) -> str:
     chosen = scores[ranked[0]]
-    holder = max(scores.values(), key=lambda s: (s.cached_tokens, -s.ttft_s))
+    holder = max(scores.values(), key=lambda s: (s.cached_tokens, -s.done_s))
     if holder.cached_tokens <= 0:
         return "least-loaded"
     if chosen.cached_tokens >= holder.cached_tokens:
@@ -48,7 +48,7 @@ class KvAwarePolicy(Policy):
         def order(engine: EngineView) -> tuple[float, int, int, int]:
             score = scores[engine.id]
             return (
-                round(score.ttft_s, _TIE_DIGITS),
+                round(score.done_s, _TIE_DIGITS),
                 score.queue_depth,
                 max(0, engine.in_flight),
                 -rendezvous_weight(h, engine.id),

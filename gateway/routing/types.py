@@ -84,6 +84,7 @@ class CandidateScore:
     pressure_penalty_s: float
     topology_penalty_s: float
     live: bool = True
+    decode_s: float = 0.0
 
     @property
     def penalties_s(self) -> float:
@@ -93,6 +94,11 @@ class CandidateScore:
     def ttft_s(self) -> float:
         """Estimated time to first token: queue + prefill of the uncached suffix + penalties."""
         return self.queue_s + self.prefill_s + self.penalties_s
+
+    @property
+    def done_s(self) -> float:
+        """Estimated time to the last token: the first token plus this request's own decoding there."""
+        return self.ttft_s + self.decode_s
 
     @property
     def overlap_tokens(self) -> int:

@@ -1,0 +1,102 @@
+"""What a request's own decoding will cost on each engine: output tokens x time per token at that batch size.
+
+Time to first token alone is the wrong objective under load. On an engine that admits new requests into
+its running batch at once, piling requests onto the engine that holds a hot prefix barely delays their
+first token, but every request in that batch then decodes more slowly. Closed-loop clients see that as
+throughput collapse: a published cache-aware router fell to 0.44x of round robin exactly this way. So
+the cost model adds the decode time the request itself will see, learned per engine as
+``time per token = base + per_request * requests in the batch``, and ranks by time to the last token.
+At low concurrency every engine's batch is empty, this term is equal everywhere, and cache reuse decides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_MAX_TPOT_S = 10.0
+_MAX_TOKENS = 1_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePrior:
+    """Before-data beliefs (A40-class engine, ~1.5B model) and how fast observations replace them."""
+
+    base_s: float = 0.010
+    per_request_s: float = 0.0005
+    output_tokens: float = 128.0
+    weight: float = 4.0
+    decay: float = 0.98
+    output_decay: float = 0.95
+
+
+@dataclass(slots=True)
+class _Fit:
+    """Exponentially weighted least squares of tpot on batch depth, started from the prior as pseudo-data."""
+
+    n: float
+    sx: float
+    sy: float
+    sxx: float
+    sxy: float
+
+    def add(self, x: float, y: float, decay: float) -> None:
+        self.n, self.sx, self.sy = self.n * decay + 1, self.sx * decay + x, self.sy * decay + y
+        self.sxx, self.sxy = self.sxx * decay + x * x, self.sxy * decay + x * y
+
+    def line(self, prior: DecodePrior) -> tuple[float, float]:
+        var = self.n * self.sxx - self.sx * self.sx
+        if var <= 1e-12:
+            return max(0.0, self.sy / self.n), prior.per_request_s
+        slope = (self.n * self.sxy - self.sx * self.sy) / var
+        slope = max(0.0, slope)
+        return max(0.0, (self.sy - slope * self.sx) / self.n), slope
+
+
+@dataclass
+class DecodeModel:
+    prior: DecodePrior = field(default_factory=DecodePrior)
+    _fits: dict[str, _Fit] = field(default_factory=dict)
+    _output_tokens: float | None = None
+    rejected: int = 0
+
+    def _fit(self, engine_id: str) -> _Fit:
+        fit = self._fits.get(engine_id)
+        if fit is None:
+            p = self.prior
+            w = p.weight
+            # Pseudo-observations at depth 0 and at depth 8 on the prior's line.
+            y0, y8 = p.base_s, p.base_s + 8 * p.per_request_s
+            fit = self._fits[engine_id] = _Fit(w, w / 2 * 8, w / 2 * (y0 + y8), w / 2 * 64, w / 2 * 8 * y8)
+        return fit
+
+    def time_per_token_s(self, engine_id: str, batch_depth: int) -> float:
+        base, slope = self._fit(engine_id).line(self.prior)
+        return base + slope * max(0, batch_depth)
+
+    def expected_output_tokens(self, max_tokens: int | None) -> float:
+        """The request's cap when given, else the recent average answer length (or the prior's)."""
+        typical = self._output_tokens if self._output_tokens is not None else self.prior.output_tokens
+        return float(min(max_tokens, typical)) if max_tokens is not None else typical
+
+    def decode_s(self, engine_id: str, batch_depth: int, max_tokens: int | None) -> float:
+        """Time from the first token to the last for a request joining a batch of ``batch_depth``."""
+        return max(0.0, self.expected_output_tokens(max_tokens) - 1) * self.time_per_token_s(engine_id, batch_depth)
+
+    def observe(self, engine_id: str, batch_depth: int, output_tokens: int, decode_s: float) -> bool:
+        """One finished stream: ``output_tokens`` events in ``decode_s`` after the first. Impossible values
+        are counted and dropped."""
+        valid = (isinstance(batch_depth, int) and batch_depth >= 0 and isinstance(output_tokens, int)
+                 and 1 <= output_tokens <= _MAX_TOKENS and isinstance(decode_s, int | float)
+                 and 0.0 <= decode_s <= _MAX_TPOT_S * output_tokens)
+        if not valid:
+            self.rejected += 1
+            return False
+        p = self.prior
+        self._output_tokens = (output_tokens if self._output_tokens is None
+                               else p.output_decay * self._output_tokens + (1 - p.output_decay) * output_tokens)
+        if output_tokens >= 2:
+            self._fit(engine_id).add(float(batch_depth), decode_s / (output_tokens - 1), p.decay)
+        return True
+
+    def forget(self, engine_id: str) -> None:
+        self._fits.pop(engine_id, None)

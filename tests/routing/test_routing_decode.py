@@ -1,0 +1,53 @@
+"""The decode term: learned time per token against batch depth, and what it does to ranking under load."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.routing import EngineView, RouteRequest, make_policy
+from gateway.routing.decode import DecodeModel
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.floats(0.002, 0.05), st.floats(0.0, 0.01), st.integers(0, 1000))
+def test_learns_time_per_token_against_batch_depth(base, slope, seed):
+    model = DecodeModel()
+    for i in range(300):
+        depth = (i * 7 + seed) % 40
+        model.observe("e", depth, 51, 50 * (base + slope * depth))
+    for depth in (0, 10, 39):
+        assert abs(model.time_per_token_s("e", depth) - (base + slope * depth)) <= 0.05 * (base + slope * depth) + 1e-4
+
+
+def test_impossible_observations_are_dropped():
+    model = DecodeModel()
+    assert not model.observe("e", -1, 10, 0.1)
+    assert not model.observe("e", 1, 0, 0.1)
+    assert not model.observe("e", 1, 10, -0.1)
+    assert not model.observe("e", 1, 10, float("nan"))
+    assert model.rejected == 4
+
+
+def test_expected_output_follows_answers_but_respects_the_cap():
+    model = DecodeModel()
+    for _ in range(200):
+        model.observe("e", 0, 20, 0.2)
+    assert 19 < model.expected_output_tokens(None) < 21
+    assert model.expected_output_tokens(8) == 8
+
+
+def busy_fleet(holder_depth: int) -> list[EngineView]:
+    return [EngineView("holder", "u", in_flight=holder_depth, exact_blocks=12, block_size=16, confidence=1.0),
+            EngineView("idle", "u")]
+
+
+def test_a_hot_prefix_spills_once_its_holder_is_busy_but_not_at_low_load():
+    policy = make_policy("kv_aware")
+    for _ in range(100):
+        policy.observe_decode("holder", 30, 64, 63 * (0.01 + 0.002 * 30))
+        policy.observe_decode("idle", 0, 64, 63 * 0.01)
+    request = RouteRequest("m", prompt_tokens=200, total_blocks=12, max_tokens=64)
+    assert policy.choose(request, busy_fleet(0)).chosen == "holder"
+    spilled = policy.choose(request, busy_fleet(30))
+    assert spilled.chosen == "idle" and spilled.reason == "hot-prefix-spill"
