@@ -95,9 +95,11 @@ def run_policy(policy: str, args: argparse.Namespace, state_dir: Path) -> list[C
         profile=args.profile,
         time_scale=args.time_scale,
         state_dir=state_dir,
+        redis=True,
     )
     print(
-        f"starting {args.routers} {policy} routers + {args.engines} engines behind HAProxy", file=sys.stderr
+        f"starting {args.routers} {policy} routers + {args.engines} engines behind HAProxy, with Redis",
+        file=sys.stderr,
     )
     up(options)
     try:
