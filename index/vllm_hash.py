@@ -40,13 +40,19 @@ def hash_block(parent: bytes, token_ids: Sequence[int], extra_keys: tuple[Any, .
 
 
 def salt_extra_keys(block_index: int, cache_salt: str | None) -> tuple[Any, ...] | None:
-    """vLLM's `generate_block_hash_extra_keys` for text requests: the salt enters block 0 only.
-
-    vLLM appends the bare salt string (not a ("cache_salt", salt) pair), so block 0's extra keys
-    are the 1-tuple `(salt,)`; an empty salt counts as none.
-    """
+    """What BlockStored's ``extra_keys`` carries for a salted text request: block 0's is the bare salt,
+    ``(salt,)``; an empty salt counts as none. (Checked against a real engine.)"""
     if block_index == 0 and cache_salt:
         return (cache_salt,)
+    return None
+
+
+def salt_hash_keys(block_index: int, cache_salt: str | None) -> tuple[Any, ...] | None:
+    """What block 0's hash is computed over for a salted request: the tagged pair
+    ``(("cache_salt", salt),)``, although the event then publishes the salt untagged (real engine, vLLM
+    0.32 CPU: the published hashes match this recipe and not the untagged one)."""
+    if block_index == 0 and cache_salt:
+        return (("cache_salt", cache_salt),)
     return None
 
 
@@ -78,7 +84,7 @@ class BlockHasher:
         while start + bs <= len(token_ids):
             index = len(self.hashes)
             parent = self.hashes[-1] if self.hashes else self._root
-            h = hash_block(parent, token_ids[start : start + bs], salt_extra_keys(index, self.cache_salt))
+            h = hash_block(parent, token_ids[start : start + bs], salt_hash_keys(index, self.cache_salt))
             self.hashes.append(h)
             new.append(h)
             start += bs

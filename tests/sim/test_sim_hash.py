@@ -6,7 +6,7 @@ import pickle
 from hypothesis import given
 from hypothesis import strategies as st
 
-from index.vllm_hash import BlockHasher, block_hashes, none_hash, salt_extra_keys, to_u64
+from index.vllm_hash import BlockHasher, block_hashes, none_hash, salt_extra_keys, salt_hash_keys, to_u64
 
 
 def test_sha256_test_vector_from_facts():
@@ -22,15 +22,17 @@ def test_recipe_matches_an_independent_recomputation():
     p = H("s")
     want = []
     for i in range(3):
-        p = H((p, tuple(tokens[i * 16:(i + 1) * 16]), ("salty",) if i == 0 else None))
+        p = H((p, tuple(tokens[i * 16:(i + 1) * 16]), (("cache_salt", "salty"),) if i == 0 else None))
         want.append(p)
     assert block_hashes(tokens, 16, cache_salt="salty", seed="s") == want
 
 
-def test_salt_enters_first_block_only_as_bare_string():
+def test_salt_is_hashed_tagged_but_published_bare_in_the_first_block_only():
     assert salt_extra_keys(0, "t1") == ("t1",)
     assert salt_extra_keys(1, "t1") is None
     assert salt_extra_keys(0, None) is None
+    assert salt_hash_keys(0, "t1") == (("cache_salt", "t1"),)
+    assert salt_hash_keys(1, "t1") is None and salt_hash_keys(0, "") is None
 
 
 def test_seed_changes_every_hash():
