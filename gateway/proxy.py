@@ -7,6 +7,7 @@ After the first byte a broken engine ends the stream with an SSE error event the
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from gateway.upstream import UpstreamError, UpstreamResponse
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
+_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+_TAIL_BYTES = 4096
 _DROPPED_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "host", "server", "date"})
 
 
@@ -47,11 +50,23 @@ class ProxyResult:
     broken_after_first_byte: bool = False
     events: int = 0
     """SSE events of a stream (about one per output token), to learn each engine's decode speed."""
+    tail: bytes = b""
+    """The last bytes of the answer, where the engine's usage (cached prompt tokens) is."""
+
+    def cached_tokens(self) -> int | None:
+        """``usage.prompt_tokens_details.cached_tokens`` as the engine reported it, if it did."""
+        found = _CACHED_TOKENS.findall(self.tail)
+        return int(found[-1]) if found else None
 
 
 def _response_headers(upstream: UpstreamResponse, extra: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     out = [(k.encode(), v.encode("latin-1")) for k, v in upstream.headers if k not in _DROPPED_HEADERS]
     return out + extra
+
+
+def _note_chunk(result: ProxyResult, chunk: bytes) -> None:
+    result.events += chunk.count(b"data: ")
+    result.tail = (result.tail + chunk)[-_TAIL_BYTES:]
 
 
 async def _first_chunk(upstream: UpstreamResponse, timeouts: Timeouts) -> tuple[bytes | None, Any]:
@@ -133,11 +148,11 @@ async def _try_engine(engine: EngineState, exchange: Exchange, result: ProxyResu
         await exchange.send({"type": "http.response.start", "status": upstream.status,
                     "headers": _response_headers(upstream, exchange.route_header(engine, result.attempts))})
         if first is not None:
-            result.events += first.count(b"data: ")
+            _note_chunk(result, first)
             await exchange.send({"type": "http.response.body", "body": first, "more_body": True})
         try:
             async for chunk in rest:
-                result.events += chunk.count(b"data: ")
+                _note_chunk(result, chunk)
                 await exchange.send({"type": "http.response.body", "body": chunk, "more_body": True})
         except UpstreamError as exc:
             engine.health.breaker.record_failure(time.monotonic(), "broken stream")

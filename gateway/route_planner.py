@@ -172,6 +172,9 @@ class RoutePlanner:
         if score is None:
             return
         self.metrics.predicted_cached.inc(score.cached_tokens)
+        reported = result.cached_tokens()
+        if reported is not None:
+            self.metrics.reported_cached.inc(reported)
         if len(result.attempts) == 1 and plan.parsed.stream:
             self.policy.observe(engine_id, score.uncached_tokens, score.queue_depth, result.ttft_s)
             if not result.broken_after_first_byte and result.events > STREAM_FRAMING_EVENTS:

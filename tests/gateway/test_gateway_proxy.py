@@ -195,3 +195,27 @@ def test_admin_drain_removes_engine_from_rotation(fleet):
         assert client.json("POST", "/admin/engines", {"url": "ftp://nope"})[0] == 400
         status, _, row = client.json("POST", "/admin/engines", {"url": fleet.urls[0]})
         assert status == 201 and row["id"] == drained
+
+
+def test_predicted_and_reported_cached_tokens_are_exported(client):
+    """The router counts the cached tokens it predicted and those the engines reported in usage."""
+    document = "Every good boy deserves fudge, said the music teacher again. " * 30
+
+    def counters() -> tuple[float, float]:
+        text = client.request("GET", "/metrics")[2].decode()
+        values = {}
+        for line in text.splitlines():
+            for name in ("kvmesh_predicted_cached_tokens_total", "kvmesh_reported_cached_tokens_total"):
+                if line.startswith(name + " "):
+                    values[name] = float(line.split()[1])
+        return values["kvmesh_predicted_cached_tokens_total"], values["kvmesh_reported_cached_tokens_total"]
+
+    client.json("POST", "/v1/chat/completions", chat(document + "first?"))
+    time.sleep(0.3)
+    predicted, reported = counters()
+    body = chat(document + "second?", stream=True, stream_options={"include_usage": True})
+    status, _, _ = client.request("POST", "/v1/chat/completions", body)
+    assert status == 200
+    predicted_after, reported_after = counters()
+    assert predicted_after - predicted >= 300
+    assert reported_after - reported >= 300
