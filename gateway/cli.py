@@ -33,6 +33,8 @@ def router_parser() -> argparse.ArgumentParser:
     p.add_argument("--island", help="this router's topology island")
     p.add_argument("--log-level", dest="log_level", choices=("debug", "info", "warning", "error"))
     p.add_argument("--metrics-interval", dest="metrics_interval_s", type=float)
+    p.add_argument("--tracing", dest="tracing_exporter", choices=("none", "console", "otlp"),
+                   help="OpenTelemetry span exporter (default none)")
     p.add_argument("--mesh-bind", dest="mesh_bind", help="host:port for gossip (UDP)")
     p.add_argument("--mesh-advertise", dest="mesh_advertise", help="host:port peers use to reach this replica "
                    "(default: the bind address, or this host's address when binding 0.0.0.0)")
@@ -50,6 +52,8 @@ def parse_router_args(argv: list[str]):
     mesh = {k[len("mesh_"):]: v for k, v in flat.items() if k.startswith("mesh_")}
     if mesh:
         cli["mesh"] = mesh
+    if "tracing_exporter" in cli:
+        cli["tracing"] = {"exporter": cli.pop("tracing_exporter")}
     return load_config(args.config, cli=cli, extra_engines=args.engine)
 
 

@@ -21,7 +21,7 @@ from gateway.config_errors import ConfigError
 from gateway.security.config import AuthConfig, TenantConfig, validate_security
 
 __all__ = ["AdmissionConfig", "AuthConfig", "ConfigError", "EngineConfig", "MeshConfig", "RouterConfig",
-           "TenantConfig", "load_config"]
+           "TenantConfig", "TracingConfig", "load_config"]
 
 POLICIES = ("kv_aware", "approximate", "prefix_hash", "session", "least_loaded", "round_robin", "random")
 
@@ -62,6 +62,17 @@ class MeshConfig:
 
 
 @dataclass
+class TracingConfig:
+    exporter: str = "none"
+    endpoint: str | None = None
+    service_name: str = "kvmesh-router"
+
+    def validate(self) -> None:
+        if self.exporter not in ("none", "console", "otlp"):
+            raise ConfigError(f"tracing.exporter: {self.exporter!r} is not none | console | otlp")
+
+
+@dataclass
 class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -82,6 +93,7 @@ class RouterConfig:
     auth: AuthConfig = field(default_factory=AuthConfig)
     tenants: list[TenantConfig] = field(default_factory=list)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -106,6 +118,7 @@ class RouterConfig:
             raise ConfigError("mesh.redundancy: must be at least 1")
         validate_security(self.auth, self.tenants)
         self.admission.validate("admission")
+        self.tracing.validate()
 
 
 def _coerce(value: Any, hint: Any, where: str) -> Any:

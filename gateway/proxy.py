@@ -15,6 +15,7 @@ from typing import Any
 
 import trio
 
+from gateway import tracing
 from gateway.engines import EngineState
 from gateway.openai_errors import ApiError, sse_error_event
 from gateway.upstream import UpstreamError, UpstreamResponse
@@ -108,7 +109,9 @@ async def forward(candidates: list[EngineState], exchange: Exchange, max_attempt
         engine.in_flight += 1
         generation = engine.load.poll_generation
         try:
-            done = await _try_engine(engine, exchange, result, start)
+            with tracing.upstream_span(engine.id, engine.url) as span:
+                done = await _try_engine(engine, exchange, result, start)
+                span.set_attribute("kvmesh.outcome", result.attempts[-1].outcome if result.attempts else "")
         finally:
             engine.in_flight -= 1
             if engine.load.poll_generation != generation:
@@ -123,7 +126,8 @@ async def forward(candidates: list[EngineState], exchange: Exchange, max_attempt
 async def _try_engine(engine: EngineState, exchange: Exchange, result: ProxyResult, start: float) -> bool:
     """One attempt; True when the client got a response (success or a final error)."""
     try:
-        upstream = await engine.pool.request(exchange.method, exchange.target, exchange.body, exchange.headers,
+        headers = tracing.inject(exchange.headers)
+        upstream = await engine.pool.request(exchange.method, exchange.target, exchange.body, headers,
                                              exchange.timeouts.connect, exchange.timeouts.first_byte)
     except UpstreamError as exc:
         engine.health.breaker.record_failure(time.monotonic(), "unreachable")

@@ -13,6 +13,7 @@ from typing import Any
 
 import trio
 
+from gateway import tracing
 from gateway.config import RouterConfig
 from gateway.engines import EngineRegistry, EngineState
 from gateway.metrics import RouterMetrics
@@ -125,9 +126,28 @@ class RoutePlanner:
         chains: dict[int, list[int]] = {}
         now = trio.current_time()
         if self.policy.name in CACHE_POLICIES:
-            token_ids = await self._token_ids(parsed)
-            chains = self._chains(parsed, token_ids, ids)
-        overlaps = self.cache.overlaps(chains, ids, now) if chains else {}
+            with tracing.step("tokenize") as span:
+                token_ids = await self._token_ids(parsed)
+                chains = self._chains(parsed, token_ids, ids)
+                span.set_attribute("gen_ai.usage.input_tokens", len(token_ids))
+        with tracing.step("route") as span:
+            decision = self._decide(parsed, headers, candidates, token_ids, chains, now)
+            span.set_attribute("kvmesh.route.policy", decision.policy)
+            span.set_attribute("kvmesh.route.reason", decision.reason)
+            if decision.table:
+                span.set_attribute("kvmesh.route.engine", decision.table[0].engine)
+                span.set_attribute("kvmesh.route.overlap_tokens", decision.table[0].overlap_tokens)
+        by_id = {e.id: e for e in candidates}
+        ranked = [by_id[i] for i in decision.ranked]
+        if not ranked:
+            raise ApiError(503, f"no engine is available for model `{parsed.model}`", code="no_engine_available")
+        self.metrics.decisions.labels(decision.policy, decision.reason.split(" ")[0]).inc()
+        self.metrics.decision_latency.observe(time.perf_counter() - started)
+        return Plan(parsed, decision, ranked, chains, len(token_ids))
+
+    def _decide(self, parsed: ParsedRequest, headers: Mapping[str, str], candidates: list[EngineState],
+                token_ids: list[int], chains: dict[int, list[int]], now: float) -> Decision:
+        overlaps = self.cache.overlaps(chains, [e.id for e in candidates], now) if chains else {}
         views = []
         for engine in candidates:
             found = overlaps.get(engine.id)
@@ -145,14 +165,7 @@ class RoutePlanner:
         request = RouteRequest(model=parsed.model, prompt_tokens=len(token_ids),
                                total_blocks=len(token_ids) // block_size, prefix_key=request_prefix_key(parsed),
                                session_key=session, router_island=self.config.island, max_tokens=parsed.max_tokens)
-        decision = self.policy.choose(request, views)
-        by_id = {e.id: e for e in candidates}
-        ranked = [by_id[i] for i in decision.ranked]
-        if not ranked:
-            raise ApiError(503, f"no engine is available for model `{parsed.model}`", code="no_engine_available")
-        self.metrics.decisions.labels(decision.policy, decision.reason.split(" ")[0]).inc()
-        self.metrics.decision_latency.observe(time.perf_counter() - started)
-        return Plan(parsed, decision, ranked, chains, len(token_ids))
+        return self.policy.choose(request, views)
 
     def dispatched(self, plan: Plan) -> None:
         """The request passed admission and goes to its first choice: remember the prompt's blocks there

@@ -9,7 +9,7 @@ from typing import Any
 
 import trio
 
-from gateway import http_app
+from gateway import http_app, tracing
 from gateway.admin import ADMIN_STATE_KEYS, handle_admin
 from gateway.config import EngineConfig, RouterConfig
 from gateway.engine_watch import watch_engine
@@ -188,18 +188,31 @@ class Router:
         raise ApiError(404, f"no route for {method} {path}", code="not_found")
 
     async def _inference(self, kind: Kind, scope: dict, receive, send) -> int:
+        headers = dict(_headers(scope))
+        with tracing.request_span(kind, headers) as span:
+            try:
+                status = await self._serve_inference(kind, scope, receive, send, headers, span)
+            except ApiError as error:
+                tracing.record_error(span, error.status, error.message)
+                raise
+            tracing.record_error(span, status, "upstream failed")
+            return status
+
+    async def _serve_inference(self, kind: Kind, scope: dict, receive, send, headers: dict[str, str], span) -> int:
         if self.shutting_down:
             raise ApiError(503, "router is shutting down", code="shutting_down")
-        headers = dict(_headers(scope))
-        tenant = self.gate.tenant(headers)
-        raw = await http_app.read_body(scope, receive, self.config.max_body_bytes)
-        parsed = self.gate.isolate(tenant, parse_request(raw, kind))
-        priority = self.gate.priority(tenant, headers)
+        with tracing.step("parse"):
+            tenant = self.gate.tenant(headers)
+            raw = await http_app.read_body(scope, receive, self.config.max_body_bytes)
+            parsed = self.gate.isolate(tenant, parse_request(raw, kind))
+            priority = self.gate.priority(tenant, headers)
+        tracing.name_request(span, kind, parsed.model, parsed.max_tokens, tenant.name)
         request_id = headers.get("x-request-id") or uuid.uuid4().hex[:16]
         self.active_requests += 1
         try:
             self.gate.precheck(tenant, priority, self.engines.for_model(parsed.model))
             plan = await self.planner.plan(parsed, headers)
+            span.set_attribute("gen_ai.usage.input_tokens", plan.prompt_tokens)
             self.gate.admit(tenant, priority, parsed, plan.prompt_tokens, plan.engines)
             self.planner.dispatched(plan)
             upstream_headers = [(k, v) for k, v in headers.items() if k in FORWARDED_HEADERS]

@@ -20,6 +20,7 @@ from hypercorn.trio import serve
 from gateway.config import ConfigError, RouterConfig
 from gateway.logs import setup_logging
 from gateway.router import Router
+from gateway.tracing import setup_tracing
 
 log = logging.getLogger("kvmesh.server")
 GRACE_S = 10.0
@@ -68,6 +69,7 @@ async def serve_router(config: RouterConfig, task_status: trio.TaskStatus = trio
 def main(config: RouterConfig) -> int:
     setup_logging(config.log_level)
     try:
+        setup_tracing(config.tracing)
         trio.run(serve_router, config)
     except ConfigError as exc:
         print(f"kvmesh router: configuration error: {exc}", file=sys.stderr)
