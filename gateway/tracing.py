@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
+from contextlib import nullcontext
 
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -20,10 +21,14 @@ from gateway.config_errors import ConfigError
 
 TRACER_NAME = "kvmesh"
 OPERATION = {"chat": "chat", "completion": "text_completion"}
+_OFF = nullcontext(trace.INVALID_SPAN)
+"""Without an exporter every span is this shared no-op: no span objects or context switches per request."""
+_enabled = False
 
 
 def setup_tracing(config: TracingConfig) -> None:
     """Install a tracer provider for the configured exporter; ``none`` keeps the no-op default."""
+    global _enabled
     if config.exporter == "none":
         return
     from opentelemetry.sdk.resources import Resource
@@ -41,6 +46,7 @@ def setup_tracing(config: TracingConfig) -> None:
         exporter = OTLPSpanExporter(endpoint=config.endpoint) if config.endpoint else OTLPSpanExporter()
     provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=500))
     trace.set_tracer_provider(provider)
+    _enabled = True
 
 
 def tracer() -> trace.Tracer:
@@ -49,6 +55,8 @@ def tracer() -> trace.Tracer:
 
 def request_span(kind: str, headers: Mapping[str, str]):
     """The server span of one inference request, continuing the caller's trace if it sent one."""
+    if not _enabled:
+        return _OFF
     parent = propagate.extract(headers)
     return tracer().start_as_current_span(OPERATION.get(kind, kind), context=parent, kind=SpanKind.SERVER,
                                           attributes={"gen_ai.operation.name": OPERATION.get(kind, kind)},
@@ -65,16 +73,22 @@ def name_request(span: trace.Span, kind: str, model: str, max_tokens: int | None
 
 def step(name: str):
     """A child span for one step of the request path (parse, tokenize, route)."""
+    if not _enabled:
+        return _OFF
     return tracer().start_as_current_span(f"kvmesh.{name}")
 
 
 def upstream_span(engine: str, url: str):
+    if not _enabled:
+        return _OFF
     return tracer().start_as_current_span("kvmesh.upstream", kind=SpanKind.CLIENT,
                                           attributes={"kvmesh.engine": engine, "server.address": url})
 
 
 def inject(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """Upstream headers carrying the current span as ``traceparent`` (replacing the client's)."""
+    if not _enabled:
+        return headers
     carrier: dict[str, str] = {}
     propagate.inject(carrier)
     return [(k, v) for k, v in headers if k not in carrier] + list(carrier.items())
