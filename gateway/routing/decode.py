@@ -19,58 +19,78 @@ _MAX_TOKENS = 1_000_000
 
 @dataclass(frozen=True, slots=True)
 class DecodePrior:
-    """Before-data beliefs (A40-class engine, ~1.5B model) and how fast observations replace them."""
+    """Before-data beliefs (A40-class engine, ~1.5B model) and how fast observations replace them.
+
+    ``weight``: what the fixed prior is worth in observations; ``engine_weight``: what the fleet's fit is
+    worth as the prior of one engine. An engine is judged by the fleet's speed until its own streams say
+    otherwise: an engine that has served nothing yet (new, or restarted) must not look slower than its
+    twins because only they have data, or it would never get the traffic that teaches otherwise.
+    """
 
     base_s: float = 0.010
     per_request_s: float = 0.0005
     output_tokens: float = 128.0
-    weight: float = 4.0
+    weight: float = 1.0
+    engine_weight: float = 4.0
     decay: float = 0.98
     output_decay: float = 0.95
 
 
-@dataclass(slots=True)
-class _Fit:
-    """Exponentially weighted least squares of tpot on batch depth, started from the prior as pseudo-data."""
+PSEUDO_DEPTH = 8.0
 
-    n: float
-    sx: float
-    sy: float
-    sxx: float
-    sxy: float
+
+@dataclass(slots=True)
+class _Stats:
+    """Exponentially weighted sums for a least-squares line of time per token against batch depth."""
+
+    n: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
 
     def add(self, x: float, y: float, decay: float) -> None:
         self.n, self.sx, self.sy = self.n * decay + 1, self.sx * decay + x, self.sy * decay + y
         self.sxx, self.sxy = self.sxx * decay + x * x, self.sxy * decay + x * y
 
-    def line(self, prior: DecodePrior) -> tuple[float, float]:
+    def plus(self, other: _Stats) -> _Stats:
+        return _Stats(self.n + other.n, self.sx + other.sx, self.sy + other.sy, self.sxx + other.sxx,
+                      self.sxy + other.sxy)
+
+    @staticmethod
+    def line_as_data(base: float, slope: float, weight: float) -> _Stats:
+        """``weight`` pseudo-observations split between depth 0 and PSEUDO_DEPTH on a given line."""
+        half, y8 = weight / 2, base + slope * PSEUDO_DEPTH
+        return _Stats(weight, half * PSEUDO_DEPTH, half * (base + y8), half * PSEUDO_DEPTH ** 2,
+                      half * PSEUDO_DEPTH * y8)
+
+    def line(self) -> tuple[float, float]:
         var = self.n * self.sxx - self.sx * self.sx
-        if var <= 1e-12:
-            return max(0.0, self.sy / self.n), prior.per_request_s
-        slope = (self.n * self.sxy - self.sx * self.sy) / var
-        slope = max(0.0, slope)
+        slope = max(0.0, (self.n * self.sxy - self.sx * self.sy) / var) if var > 1e-12 else 0.0
         return max(0.0, (self.sy - slope * self.sx) / self.n), slope
 
 
 @dataclass
 class DecodeModel:
     prior: DecodePrior = field(default_factory=DecodePrior)
-    _fits: dict[str, _Fit] = field(default_factory=dict)
+    _stats: dict[str, _Stats] = field(default_factory=dict)
+    _lines: dict[str, tuple[float, float]] = field(default_factory=dict)
     _output_tokens: float | None = None
     rejected: int = 0
 
-    def _fit(self, engine_id: str) -> _Fit:
-        fit = self._fits.get(engine_id)
-        if fit is None:
+    def _line(self, engine_id: str) -> tuple[float, float]:
+        line = self._lines.get(engine_id)
+        if line is None:
             p = self.prior
-            w = p.weight
-            # Pseudo-observations at depth 0 and at depth 8 on the prior's line.
-            y0, y8 = p.base_s, p.base_s + 8 * p.per_request_s
-            fit = self._fits[engine_id] = _Fit(w, w / 2 * 8, w / 2 * (y0 + y8), w / 2 * 64, w / 2 * 8 * y8)
-        return fit
+            fleet = _Stats.line_as_data(p.base_s, p.per_request_s, p.weight)
+            for stats in self._stats.values():
+                fleet = fleet.plus(stats)
+            own = self._stats.get(engine_id, _Stats())
+            line = self._lines[engine_id] = own.plus(_Stats.line_as_data(*fleet.line(), p.engine_weight)).line()
+        return line
 
     def time_per_token_s(self, engine_id: str, batch_depth: int) -> float:
-        base, slope = self._fit(engine_id).line(self.prior)
+        base, slope = self._line(engine_id)
         return base + slope * max(0, batch_depth)
 
     def expected_output_tokens(self, max_tokens: int | None) -> float:
@@ -95,8 +115,11 @@ class DecodeModel:
         self._output_tokens = (output_tokens if self._output_tokens is None
                                else p.output_decay * self._output_tokens + (1 - p.output_decay) * output_tokens)
         if output_tokens >= 2:
-            self._fit(engine_id).add(float(batch_depth), decode_s / (output_tokens - 1), p.decay)
+            self._stats.setdefault(engine_id, _Stats()).add(float(batch_depth), decode_s / (output_tokens - 1),
+                                                            p.decay)
+            self._lines.clear()
         return True
 
     def forget(self, engine_id: str) -> None:
-        self._fits.pop(engine_id, None)
+        self._stats.pop(engine_id, None)
+        self._lines.clear()
