@@ -128,6 +128,8 @@ class EngineHealth:
         self.metric_failures_down = metric_failures_down
         self.event_silence_s = event_silence_s
         self.health_checked = False
+        self.was_down = False
+        """The last successful poll ended a down period (a restart, a pause): what was learned is stale."""
         self.health_failures = 0
         self.metric_failures = 0
         self.last_error = ""
@@ -137,7 +139,8 @@ class EngineHealth:
         """A /health poll. When it comes back after the engine was down, an open breaker moves to half-open
         at once: a restarted engine must rejoin within a second, not after the breaker's backoff."""
         if ok:
-            if self.health_failures >= self.health_failures_down and now is not None:
+            self.was_down = self.health_failures >= self.health_failures_down
+            if self.was_down and now is not None:
                 self.breaker.probe_now(now)
             self.health_checked = True
             self.health_failures = 0

@@ -53,7 +53,7 @@ class Discovery:
             return []
 
 
-async def _health_loop(engine: EngineState, interval_s: float) -> None:
+async def _health_loop(engine: EngineState, planner, interval_s: float) -> None:
     while True:
         try:
             status, _ = await engine.pool.get("/health", timeout=min(2.0, interval_s * 2))
@@ -65,6 +65,8 @@ async def _health_loop(engine: EngineState, interval_s: float) -> None:
         if engine.healthy != was_healthy:
             log.info("engine healthy" if engine.healthy else "engine unhealthy",
                      extra={"engine": engine.id, "reason": engine.health.reason(time.monotonic())})
+            if engine.healthy and engine.health.was_down:
+                planner.engine_recovered(engine.id)
         await trio.sleep(interval_s if engine.healthy else DOWN_POLL_S)
 
 
@@ -90,7 +92,7 @@ async def watch_engine(engine: EngineState, planner, ingest: EventIngest, interv
     """Own every task that keeps ``engine``'s state current; cancelled when the engine is removed."""
     discovery = Discovery(engine)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_health_loop, engine, interval_s)
+        nursery.start_soon(_health_loop, engine, planner, interval_s)
         models, sources = await _discover(discovery)
         engine.models = models or engine.models
         model = engine.config.model or (sorted(engine.models)[0] if engine.models else "")

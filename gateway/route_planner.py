@@ -167,6 +167,12 @@ class RoutePlanner:
                                session_key=session, router_island=self.config.island, max_tokens=parsed.max_tokens)
         return self.policy.choose(request, views)
 
+    def engine_recovered(self, engine_id: str) -> None:
+        """An engine is back after being down (restarted, paused, replaced): its learned speed is stale and
+        may be the slowness of the fault itself; judge it by the fleet until it has served again."""
+        self.policy.costs.learner.forget(engine_id)
+        self.policy.costs.decode.forget(engine_id)
+
     def dispatched(self, plan: Plan) -> None:
         """The request passed admission and goes to its first choice: remember the prompt's blocks there
         until the engine's events confirm them, so a burst of siblings does not race ahead of the events."""
