@@ -37,6 +37,7 @@ class EngineState:
     models: set[str] = field(default_factory=set)
     load: EngineLoad = field(default_factory=EngineLoad)
     in_flight: int = 0
+    rejoining: bool = False
     health: EngineHealth = field(default_factory=EngineHealth)
     draining: bool = False
     maintenance: bool = False

@@ -155,7 +155,7 @@ class RoutePlanner:
                 id=engine.id, url=engine.url, island=engine.config.island,
                 healthy=engine.healthy and not engine.maintenance, draining=engine.draining,
                 in_flight=engine.in_flight, running=engine.load.running,
-                finished_since_poll=engine.load.finished_since_poll,
+                finished_since_poll=engine.load.finished_since_poll, rejoining=engine.rejoining,
                 waiting=engine.load.waiting, kv_usage=engine.load.kv_usage, num_blocks=engine.load.num_blocks,
                 block_size=engine.block_size, exact_blocks=found.exact_blocks if found else 0,
                 approx_blocks=found.approx_blocks if found else 0, confidence=found.confidence if found else 0.0,
@@ -172,6 +172,9 @@ class RoutePlanner:
         may be the slowness of the fault itself; judge it by the fleet until it has served again."""
         self.policy.costs.learner.forget(engine_id)
         self.policy.costs.decode.forget(engine_id)
+        engine = self.engines.get(engine_id)
+        if engine is not None:
+            engine.rejoining = True
 
     def dispatched(self, plan: Plan) -> None:
         """The request passed admission and goes to its first choice: remember the prompt's blocks there
@@ -185,6 +188,7 @@ class RoutePlanner:
         Only streamed, first-attempt answers teach the model: a non-streamed first byte includes decoding."""
         if result.engine is None or result.ttft_s is None:
             return
+        result.engine.rejoining = False
         engine_id = result.engine.id
         self.metrics.ttft.labels(engine_id).observe(result.ttft_s)
         score = next((s for s in plan.decision.table if s.engine == engine_id), None)

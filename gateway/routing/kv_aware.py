@@ -14,6 +14,10 @@ from gateway.routing.hashing import key_hash, rendezvous_weight
 from gateway.routing.types import CandidateScore, EngineView, RouteRequest
 
 _TIE_DIGITS = 9
+# An engine back from being down gets the next request that no engine holds much of: its learned speed
+# was forgotten and its cache is cold, so the cost model alone could leave it idle at low load for good
+# (peers measured here took ~30 s, or never, to send to a restarted engine again).
+REJOIN_PROBE_MAX_CACHED_SHARE = 0.5
 
 
 def _why_not_the_cache(chosen: CandidateScore, holder: CandidateScore) -> str:
@@ -55,6 +59,10 @@ class KvAwarePolicy(Policy):
             )
 
         ranked = [e.id for e in sorted(pool, key=order)]
+        probe = next((e.id for e in pool if e.rejoining and e.id != ranked[0]), None)
+        chosen = scores[ranked[0]]
+        if probe is not None and chosen.cached_tokens < REJOIN_PROBE_MAX_CACHED_SHARE * request.prompt_tokens:
+            return [probe, *(i for i in ranked if i != probe)], "rejoin-probe"
         return ranked, describe(request, ranked, scores)
 
 

@@ -40,6 +40,8 @@ class EngineView:
     approx_blocks: int = 0
     confidence: float = 1.0
     max_num_seqs: int | None = None
+    rejoining: bool = False
+    """Back from being down and not yet served again by this router (see KvAwarePolicy's rejoin probe)."""
 
     @property
     def live(self) -> bool:

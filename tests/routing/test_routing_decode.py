@@ -62,3 +62,15 @@ def test_an_engine_without_streams_is_judged_by_the_fleet_not_the_prior():
     for _ in range(50):
         model.observe("slow", 0, 41, 40 * 0.02)
     assert model.time_per_token_s("slow", 0) > 3 * model.time_per_token_s("busy", 0)
+
+
+def test_a_rejoining_engine_gets_the_next_cold_request_but_not_a_cached_one():
+    policy = make_policy("kv_aware")
+    for _ in range(50):
+        policy.observe_decode("warm", 0, 16, 15 * 0.001)
+    fleet = [EngineView("warm", "u", exact_blocks=12, block_size=16), EngineView("back", "u", rejoining=True)]
+    cold = policy.choose(RouteRequest("m", prompt_tokens=200, total_blocks=12, max_tokens=16),
+                         [EngineView("warm", "u"), EngineView("back", "u", rejoining=True)])
+    assert cold.chosen == "back" and cold.reason == "rejoin-probe"
+    cached = policy.choose(RouteRequest("m", prompt_tokens=200, total_blocks=12, max_tokens=16), fleet)
+    assert cached.chosen == "warm"
