@@ -4,7 +4,7 @@ import socket
 import time
 
 import pytest
-from conftest import Http, chat
+from gateway_http import Http, chat
 
 from cluster.router_process import RouterProcess
 from sim.process import SimFleetProcess

@@ -2,7 +2,7 @@
 
 import openai
 import pytest
-from conftest import MODEL
+from gateway_http import MODEL
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ import time
 
 import openai
 import pytest
-from conftest import MODEL, Http, chat
+from gateway_http import MODEL, Http, chat
 from gateway_production_helpers import (
     SUCCESSES,
     breaker_state,

@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from conftest import Http, chat
+from gateway_http import Http, chat
 from gateway_production_helpers import bearer, engine_id, new_keys, served_by, wait_until, write_config
 
 from cluster.router_process import RouterProcess

@@ -4,7 +4,7 @@ isolation seen through the engine's own prefix-cache counters, priority shedding
 import json
 
 import pytest
-from conftest import Http, chat
+from gateway_http import Http, chat
 from gateway_production_helpers import (
     HITS,
     RUNNING,

@@ -5,7 +5,7 @@ import socket
 import time
 
 import pytest
-from conftest import MODEL, Http, chat
+from gateway_http import MODEL, Http, chat
 
 pytestmark = pytest.mark.integration
 

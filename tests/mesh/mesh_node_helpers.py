@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -70,3 +71,10 @@ async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> No
     with trio.fail_after(timeout):
         while not predicate():
             await trio.sleep(0.02)
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now (bound, read, released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

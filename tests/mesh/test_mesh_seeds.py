@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import redis
@@ -24,35 +21,6 @@ def test_parse_seeds_accepts_lists_and_ipv6_and_rejects_garbage():
     for bad in ("127.0.0.1", "host:", ":80", "h:99999", "h:x"):
         with pytest.raises(ValueError):
             parse_seeds(bad)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def redis_server() -> Iterator[tuple[str, subprocess.Popen]]:
-    binary = shutil.which("redis-server")
-    assert binary, "redis-server is required (apt-get install -y redis-server)"
-    port = free_port()
-    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url, socket_timeout=0.5)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            assert time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.05)
-    client.close()
-    yield url, process
-    process.kill()
-    process.wait()
 
 
 @pytest.mark.integration

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import time
-from collections.abc import Iterator
-
 import pytest
 import redis
 import trio
 from hypothesis import given
 from hypothesis import strategies as st
-from mesh_node_helpers import settings, start_mesh, start_node, wait_until
+from mesh_node_helpers import free_port, settings, start_mesh, start_node, wait_until
 
 from index.replicated import ReplicatedIndex
 from mesh.crdt_doc import Epoch
@@ -62,36 +56,6 @@ def test_snapshot_of_a_document_restores_it_in_a_fresh_replica():
     assert SyncProtocol(fresh.doc).load_snapshot(snapshot.epoch, snapshot.base, snapshot.full)
     assert fresh.pairs("engine-1") == source.pairs("engine-1")
     assert fresh.seq("engine-1") == 9
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def redis_server(tmp_path) -> Iterator[tuple[str, subprocess.Popen]]:
-    binary = shutil.which("redis-server")
-    assert binary, "redis-server is required (apt-get install -y redis-server)"
-    port = free_port()
-    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-            "--dir", str(tmp_path)]
-    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url, socket_timeout=0.5)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            assert time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.05)
-    client.close()
-    yield url, process
-    process.kill()
-    process.wait()
 
 
 def stored_snapshot(url: str, cluster: str) -> Snapshot | None:
