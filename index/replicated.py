@@ -111,21 +111,6 @@ class ReplicatedIndex:
     def registry(self) -> dict[str, dict[str, Any]]:
         return self._decoded(self.doc.content["registry"].items())
 
-    def set_approx(self, engine: str, payload: Any) -> None:
-        """Set (or with None, drop) this replica's approximate/speculative entries for ``engine``."""
-        _check_engine(engine)
-        key = f"{self.doc.replica_id}{SEP}{engine}"
-        self.doc.write([("approx", key, None if payload is None else json.dumps(payload, sort_keys=True))])
-
-    def approx(self, engine: str) -> dict[str, Any]:
-        """Every replica's approximate entries for ``engine``, by replica id."""
-        suffix = f"{SEP}{engine}"
-        return self._decoded(
-            (key[: -len(suffix)], text)
-            for key, text in self.doc.content["approx"].items()
-            if key.endswith(suffix)
-        )
-
     def set_limits(self, payload: Any) -> None:
         """Publish this replica's rate-limit counts (gateway/admission/ratelimit.py export format)."""
         self.doc.write([("limits", self.doc.replica_id, json.dumps(payload, sort_keys=True))])

@@ -1,11 +1,10 @@
 """The replicated index document (sans-IO): layout, local-op log and compaction epochs.
 
-Layout: five flat root maps of string keys to string values.
+Layout: four flat root maps of string keys to string values.
 
 - ``blocks``:   ``"<engine>\\x1f<engine_hash>"`` -> own key (decimal)
 - ``seq``:      ``"<engine>"`` -> last applied event seq (decimal)
 - ``registry``: ``"<engine>"`` -> JSON admin state (drain, maintenance, island)
-- ``approx``:   ``"<replica>\\x1f<engine>"`` -> JSON payload of approximate/speculative entries
 - ``limits``:   ``"<replica>"`` -> JSON of that replica's windowed request/token counts per tenant
 
 Flat root maps (not nested maps) because two replicas creating the same nested map concurrently is a
@@ -27,7 +26,7 @@ from functools import partial
 
 from pycrdt import Doc, Map, MapEvent, Subscription, TransactionEvent, merge_updates
 
-MAPS = ("blocks", "seq", "registry", "approx", "limits")
+MAPS = ("blocks", "seq", "registry", "limits")
 SEP = "\x1f"
 
 Change = tuple[str, str, str | None, str | None]
