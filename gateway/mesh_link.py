@@ -1,13 +1,16 @@
 """The router's side of the mesh: build the node from config, and keep local state in step with it.
 
 What flows from the mesh into this replica: admin state of engines (drain, maintenance, island, added
-and removed engines), event progress of engines other replicas ingest (freshness), and whether each
-engine's stream still has a live owner (confidence decays when not).
+and removed engines), event progress of engines other replicas ingest (freshness), whether each
+engine's stream still has a live owner (confidence decays when not), and the blocks other replicas just
+sent to engines (speculative entries; for engines without events, the approximate index itself).
 """
 
 from __future__ import annotations
 
 import socket
+import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -85,8 +88,18 @@ def follow_mesh(router: Router, node: MeshNode) -> None:
         if info is not None:
             info.freshness.on_owner(trio.current_time(), present)
 
+    def on_dispatch(engine_id: str, own_key: int, expires_at: float) -> None:
+        router.planner.cache.record_remote_dispatch(engine_id, own_key, trio.current_time(),
+                                                    expires_at - time.time())
+
+    def share_dispatch(engine_id: str, own_keys: Sequence[int], ttl_s: float) -> None:
+        now = time.time()
+        node.store.publish_dispatch(engine_id, own_keys, now + ttl_s, now + ttl_s / 2)
+
     node.on_registry(on_registry)
     node.on_seq(on_seq)
     node.on_owner_presence(on_presence)
+    node.on_dispatch(on_dispatch)
+    router.planner.share_dispatch = share_dispatch
     for engine_id, state in node.engine_states().items():
         on_registry(engine_id, state)

@@ -7,7 +7,7 @@ it gathers what they need, calls them once per request, and feeds measured TTFTs
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +86,8 @@ class RoutePlanner:
         self.cache = CacheView(store if store is not None else PrefixIndex())
         self.tokenizer_registry = TokenizerRegistry(config.tokenizers, config.tokenizer or str(DEFAULT_TOKENIZER_DIR))
         self.tokenizers: TokenizerService | None = None
+        self.share_dispatch: Callable[[str, Sequence[int], float], None] | None = None
+        """Set in a mesh: shares speculative and approximate entries with the other replicas."""
 
     async def run(self, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         """Load tokenizers and start their workers; they live as long as the router."""
@@ -180,7 +182,10 @@ class RoutePlanner:
         """The request passed admission and goes to its first choice: remember the prompt's blocks there
         until the engine's events confirm them, so a burst of siblings does not race ahead of the events."""
         if plan.chains:
-            self.cache.record_dispatch(plan.engines[0].id, plan.chains, trio.current_time())
+            engine = plan.engines[0].id
+            keys, ttl = self.cache.record_dispatch(engine, plan.chains, trio.current_time())
+            if keys and self.share_dispatch is not None:
+                self.share_dispatch(engine, keys, ttl)
 
     def observe(self, plan: Plan, result: ProxyResult) -> None:
         """Feed the measured time to first byte back into the cost model of the engine that served it.

@@ -19,6 +19,24 @@ def _block_key(engine: str, engine_hash: int) -> str:
     return f"{engine}{SEP}{engine_hash}"
 
 
+def _expiry(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return 0.0
+
+
+def parse_dispatch(key: str, text: str | None) -> tuple[str, int, float] | None:
+    """(engine, own key, expiry) of an ``approx`` entry, or None when malformed or deleted."""
+    engine, _, own = key.rpartition(SEP)
+    if not engine or text is None:
+        return None
+    try:
+        return engine, int(own), float(text)
+    except ValueError:
+        return None
+
+
 def _check_engine(engine: str) -> None:
     if SEP in engine:
         raise ValueError(f"engine id {engine!r} contains the key separator")
@@ -110,6 +128,27 @@ class ReplicatedIndex:
 
     def registry(self) -> dict[str, dict[str, Any]]:
         return self._decoded(self.doc.content["registry"].items())
+
+    def publish_dispatch(self, engine: str, own_keys: Iterable[int], expires_at: float,
+                         refresh_before: float) -> int:
+        """Share blocks this replica just sent to ``engine`` (until ``expires_at``, unix seconds).
+
+        Only keys missing from the document, or due to expire before ``refresh_before``, are written, so
+        a hot prefix costs one write per half TTL rather than one per request."""
+        _check_engine(engine)
+        current = self.doc.content["approx"]
+        ops = []
+        for own_key in own_keys:
+            key = f"{engine}{SEP}{own_key}"
+            old = current.get(key)
+            if old is None or _expiry(old) < refresh_before:
+                ops.append(("approx", key, f"{expires_at:.3f}"))
+        return len(self.doc.write(ops)) if ops else 0
+
+    def sweep_dispatches(self, now: float) -> int:
+        """Delete expired dispatch entries (one replica does this, see MeshNode)."""
+        expired = [key for key, text in self.doc.content["approx"].items() if _expiry(text) <= now]
+        return len(self.doc.write(("approx", key, None) for key in expired)) if expired else 0
 
     def set_limits(self, payload: Any) -> None:
         """Publish this replica's rate-limit counts (gateway/admission/ratelimit.py export format)."""

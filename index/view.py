@@ -85,15 +85,23 @@ class CacheView:
         return result
 
     def record_dispatch(self, engine: str, chains_by_block_size: Mapping[int, Sequence[int]],
-                        now: float) -> None:
-        """The router sent a prompt to `engine`: remember its blocks until events (or TTL) say more."""
+                        now: float) -> tuple[Sequence[int], float]:
+        """The router sent a prompt to `engine`: remember its blocks until events (or TTL) say more.
+        Returns the blocks and their TTL, for a mesh to share."""
         info = self._engines.get(engine)
         if info is None:
-            return
+            return (), 0.0
         chain = chains_by_block_size.get(info.block_size)
-        if chain:
-            ttl = self.speculative_ttl_s if info.has_events else self.approximate_ttl_s
-            self.approximate.record(engine, chain, now, ttl)
+        if not chain:
+            return (), 0.0
+        ttl = self.speculative_ttl_s if info.has_events else self.approximate_ttl_s
+        self.approximate.record(engine, chain, now, ttl)
+        return chain, ttl
+
+    def record_remote_dispatch(self, engine: str, own_key: int, now: float, remaining_s: float) -> None:
+        """Another replica sent this block to `engine` (shared through the mesh)."""
+        if remaining_s > 0 and engine in self._engines:
+            self.approximate.record(engine, (own_key,), now, remaining_s)
 
     def on_ingest(self, engine: str, stats: IngestStats) -> None:
         """Real events arrived: speculative entries for those blocks are no longer needed."""

@@ -1,10 +1,12 @@
 """The replicated index document (sans-IO): layout, local-op log and compaction epochs.
 
-Layout: four flat root maps of string keys to string values.
+Layout: five flat root maps of string keys to string values.
 
 - ``blocks``:   ``"<engine>\\x1f<engine_hash>"`` -> own key (decimal)
 - ``seq``:      ``"<engine>"`` -> last applied event seq (decimal)
 - ``registry``: ``"<engine>"`` -> JSON admin state (drain, maintenance, island)
+- ``approx``:   ``"<engine>\\x1f<own_key>"`` -> expiry (unix seconds) of a block some replica sent there
+                (approximate entries of engines without events, speculative entries of the others)
 - ``limits``:   ``"<replica>"`` -> JSON of that replica's windowed request/token counts per tenant
 
 Flat root maps (not nested maps) because two replicas creating the same nested map concurrently is a
@@ -26,7 +28,7 @@ from functools import partial
 
 from pycrdt import Doc, Map, MapEvent, Subscription, TransactionEvent, merge_updates
 
-MAPS = ("blocks", "seq", "registry", "limits")
+MAPS = ("blocks", "seq", "registry", "approx", "limits")
 SEP = "\x1f"
 
 Change = tuple[str, str, str | None, str | None]

@@ -31,7 +31,7 @@ from typing import Any
 
 import trio
 
-from index.replicated import ReplicatedIndex
+from index.replicated import ReplicatedIndex, parse_dispatch
 from mesh.auth import load_secret
 from mesh.gossip import Membership, MeshConfig
 from mesh.ownership import owned_engines, owners
@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 WILDCARDS = ("0.0.0.0", "::")
 FINAL_SNAPSHOT_TIMEOUT_S = 1.0
+DISPATCH_SWEEP_S = 5.0
 
 SeqCallback = Callable[[str, int], None]
 RegistryCallback = Callable[[str, dict[str, Any] | None], None]
@@ -111,6 +112,7 @@ class MeshNode:
         self._registry_callbacks: list[RegistryCallback] = []
         self._presence_callbacks: list[PresenceCallback] = []
         self._limits_callbacks: list[Callable[[str, Any], None]] = []
+        self._dispatch_callbacks: list[Callable[[str, int, float], None]] = []
         self._presence: dict[str, bool] = {}
         self.store.doc.subscribe(self._on_doc_changes)
 
@@ -146,6 +148,7 @@ class MeshNode:
                     )
                     nursery.start_soon(self._snapshots.run, s.snapshot_interval)
                 nursery.start_soon(self._ownership_loop, events)
+                nursery.start_soon(self._sweep_dispatches)
                 task_status.started(self)
         finally:
             for watcher in self._watchers:
@@ -307,6 +310,17 @@ class MeshNode:
         """Call ``callback(engine_id, present)`` when :meth:`owner_present` flips for a known engine."""
         self._presence_callbacks.append(callback)
 
+    def on_dispatch(self, callback: Callable[[str, int, float], None]) -> None:
+        """Call ``callback(engine, own_key, expires_at)`` for every dispatch entry any replica shares."""
+        self._dispatch_callbacks.append(callback)
+
+    async def _sweep_dispatches(self) -> None:
+        """The lowest live member deletes expired dispatch entries, so the document does not keep them."""
+        while True:
+            await trio.sleep(DISPATCH_SWEEP_S)
+            if not self._isolated and self.member_id == min(self.live_members()):
+                self.store.sweep_dispatches(time.time())
+
     def on_peer_limits(self, callback: Callable[[str, Any], None]) -> None:
         """Call ``callback(replica_id, payload)`` when another replica publishes its rate-limit counts."""
         self._limits_callbacks.append(callback)
@@ -327,6 +341,12 @@ class MeshNode:
                     self.stats["malformed_seq"] += 1
                     continue
                 self._notify(self._seq_callbacks, key, seq)
+            elif name == "approx" and new is not None:
+                dispatch = parse_dispatch(key, new)
+                if dispatch is None:
+                    self.stats["malformed_dispatch"] += 1
+                    continue
+                self._notify(self._dispatch_callbacks, *dispatch)
             elif name == "limits" and key != self.member_id and new is not None:
                 try:
                     payload = json.loads(new)
@@ -342,12 +362,12 @@ class MeshNode:
                     continue
                 self._notify(self._registry_callbacks, key, state)
 
-    def _notify(self, callbacks: list[Callable[[str, Any], None]], engine: str, value: Any) -> None:
+    def _notify(self, callbacks: list[Callable[..., None]], *args: Any) -> None:
         """Run subscriber callbacks; one that raises is logged and counted, never allowed to stop
         replication (these run inside the handling of a peer's frame)."""
         for callback in callbacks:
             try:
-                callback(engine, value)
+                callback(*args)
             except Exception:
                 self.stats["callback_errors"] += 1
                 log.exception("mesh callback %r failed", callback)

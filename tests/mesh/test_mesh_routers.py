@@ -149,3 +149,26 @@ def test_replica_with_wrong_secret_is_refused(mesh, tmp_path):
         call(intruder.url, "/admin/mesh")[0]["member_id"]]
     for router in mesh.routers[:3]:
         assert len(call(router.url, "/admin/mesh")[0]["members"]) == 3
+
+
+def test_engines_without_events_share_their_approximate_entries(secret_file):
+    """A replica learns where another replica sent a prompt, for engines that publish no KV events."""
+    with SimFleetProcess(engines=2, profile="fast", time_scale=0.2, no_events=True) as quiet:
+        mesh = Mesh(quiet.urls, secret_file, size=2)
+        try:
+            first, second = (mesh.start(port) for port in mesh.ports)
+            assert wait_until(lambda: len(call(second.url, "/admin/mesh")[0]["members"]) == 2, 10)
+            document = "nobody announces these blocks but the router that sent them " * 20
+            _, headers = call(first.url, "/v1/chat/completions", chat(document + "one"))
+            engine = headers["x-kvmesh-route"].split(";")[0].removeprefix("engine=")
+
+            def second_knows() -> bool:
+                table, _ = call(second.url, "/debug/route", chat(document + "two"))
+                row = next(c for c in table["candidates"] if c["engine"] == engine)
+                return row["overlap_exact_tokens"] == 0 and row["overlap_approx_tokens"] >= 300
+
+            assert wait_until(second_knows, 5.0)
+            _, headers = call(second.url, "/v1/chat/completions", chat(document + "three"))
+            assert headers["x-kvmesh-route"].startswith(f"engine={engine};")
+        finally:
+            mesh.stop()
