@@ -14,7 +14,7 @@ import zmq
 from sim.config import EngineConfig, FleetConfig
 from sim.fleet import describe, run_fleet
 from sim.profiles import DEFAULT_PROFILE, PROFILES
-from sim.tokenizer import DEFAULT_TOKENIZER
+from tokenization.registry import DEFAULT_TOKENIZER_DIR
 
 READY_PREFIX = "KVMESH_SIM_READY "
 
@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replay-base-port", type=int, default=None, help="default base+2000")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--model", default="kvmesh-tiny", help="served model name")
-    p.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER), help="Hugging Face tokenizer folder")
+    p.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER_DIR), help="Hugging Face tokenizer folder")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=4096, help="KV capacity per engine (incl. null block)")
     p.add_argument("--max-num-seqs", type=int, default=256)

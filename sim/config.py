@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 from sim.event_encoding import Encoding
 from sim.profiles import DEFAULT_PROFILE
-from sim.tokenizer import DEFAULT_TOKENIZER
+from tokenization.registry import DEFAULT_TOKENIZER_DIR
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,7 +19,7 @@ class EngineConfig:
     event_port: int = 0
     replay_port: int = 0
     model: str = "kvmesh-tiny"
-    tokenizer: str = str(DEFAULT_TOKENIZER)
+    tokenizer: str = str(DEFAULT_TOKENIZER_DIR)
     block_size: int = 16
     num_blocks: int = 4096
     max_num_seqs: int = 256

@@ -40,7 +40,8 @@ from sim.openai_api import (
 )
 from sim.profiles import get_profile
 from sim.publisher import EventPublisher
-from sim.tokenizer import PromptError, SimTokenizer
+from sim.tokenizer import SimTokenizer
+from tokenization.messages import RenderError
 
 log = logging.getLogger(__name__)
 
@@ -204,16 +205,13 @@ class SimEngine:
         }
 
     def _prompt_ids(self, body: dict[str, Any], chat: bool) -> list[int]:
+        prompt = body.get("prompt")
+        if not chat and isinstance(prompt, list) and not all(type(t) is int for t in prompt):
+            raise ApiError("batched prompts are not simulated; send one prompt per request", param="prompt")
         try:
-            if chat:
-                kwargs = body.get("chat_template_kwargs") or {}
-                if not isinstance(kwargs, dict):
-                    raise ApiError("chat_template_kwargs must be an object", param="chat_template_kwargs")
-                add_gen = body.get("add_generation_prompt", True)
-                return self.tok.encode_chat(body.get("messages"), bool(add_gen), **kwargs)
-            return self.tok.encode_prompt(body.get("prompt"), bool(body.get("add_special_tokens", True)))
-        except PromptError as exc:
-            raise ApiError(str(exc), param="messages" if chat else "prompt") from None
+            return self.tok.prompt_ids(body, "chat" if chat else "completion")
+        except RenderError as exc:
+            raise ApiError(exc.message, param=exc.param or ("messages" if chat else "prompt")) from None
 
     def _tokenize(self, body: dict[str, Any]) -> HttpResponse:
         model = body.get("model")
