@@ -1,4 +1,4 @@
-"""Discovery parsing, vLLM /metrics parsing, and the h11 GET + poller against a loopback server."""
+"""Discovery parsing, vLLM /metrics parsing, and the poller against a loopback server."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import trio
 from prometheus_client import REGISTRY
 
 from events.discovery import parse_kv_event_sources
-from events.http_get import HttpGetError, http_get
 from events.metrics_poller import MetricsParseError, parse_vllm_metrics, poll_metrics
+from gateway.upstream import EnginePool
 
 METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -85,25 +85,18 @@ def response(status: int, body: bytes) -> bytes:
     return b"HTTP/1.1 %d X\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (status, len(body), body)
 
 
-async def test_http_get_and_errors():
-    async with trio.open_nursery() as nursery:
-        port = await nursery.start(serve, [response(200, b"hello"), response(503, b"no"), b"garbage\r\n\r\n"])
-        assert await http_get(f"http://127.0.0.1:{port}/metrics") == b"hello"
-        with pytest.raises(HttpGetError):
-            await http_get(f"http://127.0.0.1:{port}/metrics")
-        with pytest.raises(HttpGetError):
-            await http_get(f"http://127.0.0.1:{port}/metrics")
-        nursery.cancel_scope.cancel()
-
-
 async def test_poller_reports_loads_and_counts_failures():
     loads = []
     engine = "poll-engine"
     async with trio.open_nursery() as nursery:
         port = await nursery.start(serve, [response(200, METRICS.encode()), response(200, b"nope"),
                                            response(200, METRICS.encode())])
-        url = f"http://127.0.0.1:{port}/metrics"
-        nursery.start_soon(partial(poll_metrics, engine, url, http_get, lambda load, now: loads.append(load),
+        pool = EnginePool(f"http://127.0.0.1:{port}")
+
+        async def fetch(path: str) -> bytes:
+            return (await pool.get(path))[1]
+
+        nursery.start_soon(partial(poll_metrics, engine, "/metrics", fetch, lambda load, now: loads.append(load),
                                    interval_s=0.01))
         with trio.fail_after(10):
             while len(loads) < 2:
