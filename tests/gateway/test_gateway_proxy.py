@@ -99,13 +99,21 @@ def test_oversized_body_and_wrong_method(client, router):
     assert client.request("GET", "/nowhere")[0] == 404
 
 
+def forwarded(client) -> float:
+    """Requests the router has sent to engines (every first byte it received)."""
+    text = client.request("GET", "/metrics")[2].decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("kvmesh_time_to_first_byte_seconds_count"))
+
+
 def test_bad_input_changes_nothing(client):
-    """A rejected request reaches no engine: the engines' request counters do not move."""
-    before = client.request("GET", "/metrics")[2]
-    client.request("POST", "/v1/chat/completions", b"{broken")
-    after = client.request("GET", "/metrics")[2]
-    assert before.count(b"kvmesh_time_to_first_byte_seconds_count") == after.count(
-        b"kvmesh_time_to_first_byte_seconds_count")
+    """A rejected request reaches no engine, while a good one does."""
+    before = forwarded(client)
+    for bad in (b"{broken", b'{"model": "kvmesh-tiny", "messages": []}', b'{"model": 5}'):
+        assert client.request("POST", "/v1/chat/completions", bad)[0] == 400
+    assert forwarded(client) == before
+    client.json("POST", "/v1/chat/completions", chat("a good one"))
+    assert forwarded(client) == before + 1
 
 
 def test_debug_route_scores_without_sending(client):
