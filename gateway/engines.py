@@ -55,7 +55,10 @@ class EngineState:
 
     @property
     def routable(self) -> bool:
-        return self.healthy and not self.draining and not self.maintenance
+        """Takes traffic: healthy, in rotation, and its models are known (discovered or configured), so a
+        router is not ready before it could answer a request for them."""
+        known = bool(self.models) or self.config.model is not None
+        return known and self.healthy and not self.draining and not self.maintenance
 
     @property
     def block_size(self) -> int:

@@ -60,7 +60,7 @@ def test_precheck_refuses_an_exhausted_tenant_without_charging():
 def test_precheck_sheds_like_admission():
     gate, metrics = gatekeeper(threshold=4)
     registry = EngineRegistry()
-    engine = registry.add(EngineConfig(url="http://127.0.0.1:9"))
+    engine = registry.add(EngineConfig(url="http://127.0.0.1:9", model="m"))
     engine.health.record_health(True)
     engine.in_flight = 2
     with pytest.raises(ApiError) as shed:
