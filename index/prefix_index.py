@@ -1,13 +1,16 @@
-"""Plain-Python BlockStore: per-engine alias maps plus one global own_key -> engine bitmask map.
+"""BlockStore: per-engine alias tables plus one global own_key -> engine bitmask dict.
 
-Memory is what limits this structure, so there are no per-block objects beyond the dict entries:
-engine sets are int bitmasks (one bit per engine slot) and masks are interned, so a block held by
-any number of engines costs one dict entry and one shared int.
+Memory is what limits this structure. The alias tables (engine hash -> own key, only read when events
+arrive) are packed u64 arrays; the lookup side is a dict, since routing walks it once per prompt block.
+Engine sets are int bitmasks (one bit per engine slot) and masks are interned, so a block held by any
+number of engines costs one dict entry, one own-key int and a shared mask.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+
+from index.alias_table import AliasTable
 
 # Interning only saves memory; bounding the table keeps many-engine churn from growing it forever.
 _MAX_INTERNED = 4096
@@ -17,7 +20,7 @@ class PrefixIndex:
     """Exact block index fed by KV events; lookup is a longest-prefix walk over a block chain."""
 
     def __init__(self) -> None:
-        self._aliases: dict[str, dict[int, int]] = {}
+        self._aliases: dict[str, AliasTable] = {}
         self._slot: dict[str, int] = {}
         self._slot_owner: dict[int, str] = {}
         self._free_slots: list[int] = []
@@ -33,7 +36,7 @@ class PrefixIndex:
             slot = self._free_slots.pop() if self._free_slots else len(self._slot)
             self._slot[engine] = slot
             self._slot_owner[slot] = engine
-            self._aliases[engine] = {}
+            self._aliases[engine] = AliasTable()
         return slot
 
     def _intern(self, mask: int) -> int:
@@ -173,4 +176,5 @@ class PrefixIndex:
 
     def pairs(self, engine: str) -> dict[int, int]:
         """A copy of one engine's alias map (what a replica snapshots or replicates)."""
-        return dict(self._aliases.get(engine, {}))
+        aliases = self._aliases.get(engine)
+        return {} if aliases is None else dict(aliases.items())

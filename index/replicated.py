@@ -11,6 +11,7 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from index.alias_table import storable
 from index.prefix_index import PrefixIndex
 from mesh.crdt_doc import SEP, Change, IndexDoc
 
@@ -60,7 +61,10 @@ class ReplicatedIndex:
             engine, _, hash_text = key.partition(SEP)
             try:
                 engine_hash = int(hash_text)
-                item = engine_hash if new is None else (engine_hash, int(new))
+                own = None if new is None else int(new)
+                if not storable(engine_hash, own or 0):
+                    raise ValueError("block hash out of range")
+                item = engine_hash if own is None else (engine_hash, own)
             except ValueError:
                 self.malformed += 1
                 continue
@@ -80,6 +84,8 @@ class ReplicatedIndex:
 
     def store(self, engine: str, pairs: Sequence[tuple[int, int]]) -> int:
         _check_engine(engine)
+        if not all(storable(h, own) for h, own in pairs):
+            raise ValueError("block hashes must be folded below 2**63 and own keys fit in 64 bits")
         ops = [("blocks", _block_key(engine, h), str(own)) for h, own in pairs]
         return len(self.doc.write(ops))
 

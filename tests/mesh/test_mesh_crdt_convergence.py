@@ -15,7 +15,7 @@ from index.replicated import ReplicatedIndex
 from mesh.sync_protocol import SyncProtocol
 
 ENGINES = [f"e{i}" for i in range(6)]
-HASHES = st.integers(min_value=0, max_value=40).map(lambda h: h * 0x9E3779B97F4A7C15 % 2**64)
+HASHES = st.integers(min_value=0, max_value=40).map(lambda h: h * 0x9E3779B97F4A7C15 % 2**60)
 
 
 class Cluster:

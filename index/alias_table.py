@@ -1,0 +1,154 @@
+"""A compact engine-hash -> own-key map: open addressing over one array of unsigned 64-bit words.
+
+The alias map holds one entry per block an engine caches, so it dominates the index's memory. A dict
+costs about 74 bytes per entry here (its slot plus a 32-byte int object for the key); two u64 words at
+a load factor of 0.375-0.75 cost 21-43 bytes. The map is only touched when events arrive, never on the
+routing lookup, so single operations probe in Python; growing re-inserts every entry at once with
+numpy so a million-block engine does not pause the event loop.
+
+Slots come from multiplying the key by a secret odd number chosen per table, so an engine that sends
+crafted hashes cannot pile them onto one probe chain.
+"""
+
+from __future__ import annotations
+
+import secrets
+from array import array
+from collections.abc import Iterator
+
+import numpy as np
+
+_EMPTY = 0
+_TOMBSTONE = (1 << 64) - 1
+_U64 = (1 << 64) - 1
+_MIN_BITS = 3
+_MAX_LOAD = 0.75
+"""Grow (or sweep tombstones) above this share of used slots: linear probes stay short."""
+_KEY_LIMIT = 1 << 63
+
+
+def storable(key: int, value: int) -> bool:
+    """Whether the table can hold this pair: keys below 2**63 (engine hashes are folded to 60 bits), u64 values."""
+    return 0 <= key < _KEY_LIMIT and 0 <= value <= _U64
+
+
+def _stored(key: int, value: int) -> int:
+    """Keys are shifted by one so 0 can mark an empty slot."""
+    if not storable(key, value):
+        raise ValueError(f"alias out of range: {key} -> {value}")
+    return key + 1
+
+
+class AliasTable:
+    """Mapping-like table of int keys in [0, 2**63) to int values in [0, 2**64)."""
+
+    __slots__ = ("_words", "_bits", "_live", "_used", "_multiplier")
+
+    def __init__(self) -> None:
+        self._multiplier = secrets.randbits(64) | 1
+        self._allocate(_MIN_BITS)
+
+    def _allocate(self, bits: int) -> None:
+        self._words = array("Q", bytes(16 << bits))
+        self._bits = bits
+        self._live = 0
+        self._used = 0
+
+    def __len__(self) -> int:
+        return self._live
+
+    def _home(self, stored: int) -> int:
+        return ((stored * self._multiplier) & _U64) >> (64 - self._bits)
+
+    def _find(self, stored: int) -> tuple[int, bool]:
+        """(slot, found): the key's slot, else the first reusable slot on its probe path."""
+        words, mask = self._words, (1 << self._bits) - 1
+        slot = self._home(stored)
+        reusable = -1
+        while True:
+            current = words[2 * slot]
+            if current == stored:
+                return slot, True
+            if current == _EMPTY:
+                return (slot if reusable < 0 else reusable), False
+            if current == _TOMBSTONE and reusable < 0:
+                reusable = slot
+            slot = (slot + 1) & mask
+
+    def get(self, key: int, default: int | None = None) -> int | None:
+        if not 0 <= key < _KEY_LIMIT:
+            return default
+        slot, found = self._find(key + 1)
+        return self._words[2 * slot + 1] if found else default
+
+    def __setitem__(self, key: int, value: int) -> None:
+        stored = _stored(key, value)
+        slot, found = self._find(stored)
+        words = self._words
+        if not found:
+            if words[2 * slot] == _EMPTY:
+                self._used += 1
+            words[2 * slot] = stored
+            self._live += 1
+        words[2 * slot + 1] = value
+        if self._used > _MAX_LOAD * (1 << self._bits):
+            self._rebuild()
+
+    def pop(self, key: int, default: int | None = None) -> int | None:
+        if not 0 <= key < _KEY_LIMIT:
+            return default
+        slot, found = self._find(key + 1)
+        if not found:
+            return default
+        words = self._words
+        value = words[2 * slot + 1]
+        words[2 * slot] = _TOMBSTONE
+        words[2 * slot + 1] = 0
+        self._live -= 1
+        if self._bits > _MIN_BITS and self._live < (1 << self._bits) // 8:
+            self._rebuild()
+        return value
+
+    def _pairs(self) -> np.ndarray:
+        """Live (stored key, value) rows, as a numpy view's copy."""
+        rows = np.frombuffer(self._words, dtype=np.uint64).reshape(-1, 2)
+        keys = rows[:, 0]
+        return rows[(keys != _EMPTY) & (keys != _TOMBSTONE)].copy()
+
+    def items(self) -> Iterator[tuple[int, int]]:
+        for stored, value in self._pairs().tolist():
+            yield stored - 1, value
+
+    def values(self) -> list[int]:
+        return self._pairs()[:, 1].tolist()
+
+    def _rebuild(self) -> None:
+        """Re-insert the live entries into the smallest table they fill at most half of, dropping tombstones.
+
+        Vectorised linear probing: each round, every pending entry tries its next slot; of those that
+        pick the same empty slot the first wins, the rest move on. A slot once taken stays taken, so every
+        entry still finds all slots between its home and its place occupied, as lookups expect.
+        """
+        live = self._pairs()
+        bits = _MIN_BITS
+        while (1 << bits) < 2 * len(live):
+            bits += 1
+        self._allocate(bits)
+        if not len(live):
+            return
+        table = np.frombuffer(self._words, dtype=np.uint64).reshape(-1, 2)
+        mask = np.uint64((1 << bits) - 1)
+        with np.errstate(over="ignore"):
+            slots = (live[:, 0] * np.uint64(self._multiplier)) >> np.uint64(64 - bits)
+        pending = np.arange(len(live))
+        while len(pending):
+            free = table[slots[pending], 0] == _EMPTY
+            candidates = pending[free]
+            _, first = np.unique(slots[candidates], return_index=True)
+            winners = candidates[first]
+            table[slots[winners]] = live[winners]
+            placed = np.zeros(len(live), dtype=bool)
+            placed[winners] = True
+            pending = pending[~placed[pending]]
+            slots[pending] = (slots[pending] + np.uint64(1)) & mask
+        self._live = self._used = len(live)

@@ -1,0 +1,69 @@
+"""AliasTable against a dict under random set/pop sequences that cross its grow, sweep and shrink points."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from index.alias_table import AliasTable
+
+keys = st.one_of(st.integers(0, 300), st.integers(0, (1 << 63) - 1))
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("set"), keys, st.integers(0, (1 << 64) - 1)),
+        st.tuples(st.just("pop"), keys, st.just(0)),
+        st.tuples(st.just("fill"), st.integers(0, 200), st.integers(1, 400)),
+        st.tuples(st.just("drain"), st.integers(0, 200), st.integers(1, 400)),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops)
+def test_table_behaves_as_a_dict(sequence: list[tuple[str, int, int]]) -> None:
+    table, reference = AliasTable(), {}
+    for op, key, value in sequence:
+        if op == "set":
+            table[key] = value
+            reference[key] = value
+        elif op == "pop":
+            assert table.pop(key) == reference.pop(key, None)
+        elif op == "fill":
+            for k in range(key, key + value):
+                table[k] = k * 7
+                reference[k] = k * 7
+        else:
+            for k in range(key, key + value):
+                assert table.pop(k) == reference.pop(k, None)
+        assert len(table) == len(reference)
+    assert dict(table.items()) == reference
+    assert sorted(table.values()) == sorted(reference.values())
+    for key, value in reference.items():
+        assert table.get(key) == value
+
+
+def test_out_of_range_keys_are_absent_and_refused() -> None:
+    table = AliasTable()
+    assert table.get(-1) is None and table.pop(1 << 63) is None
+    with pytest.raises(ValueError):
+        table[1 << 63] = 1
+    with pytest.raises(ValueError):
+        table[1] = -1
+    assert len(table) == 0
+
+
+def test_keys_sharing_low_bits_still_spread() -> None:
+    """Keys an engine could craft to share their low bits do not form one long probe chain."""
+    table = AliasTable()
+    crafted = [i << 40 for i in range(5000)]
+    for key in crafted:
+        table[key] = key
+    assert all(table.get(key) == key for key in crafted)
+    longest = run = 0
+    words = table._words
+    for slot in range(len(words) // 2):
+        run = run + 1 if words[2 * slot] else 0
+        longest = max(longest, run)
+    assert longest < 200
