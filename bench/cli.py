@@ -52,7 +52,7 @@ def _fleet_args(p: argparse.ArgumentParser, profile: str) -> None:
 def _measure_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--requests", type=int, help="scale the workload (default: the workload's own size)")
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, help="answer length (default: the workload's, 16; 128 for d)")
     p.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
     p.add_argument("--tokenizer", help="the engines' tokenizer: for the router and for counting shared prefixes")
 

@@ -65,7 +65,7 @@ class MeasureOptions:
     workload: str
     seed: int = 0
     requests: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = None
     timeout: float = 120.0
     warmup: int = 6
     route_header: str = ROUTE_HEADER

@@ -151,11 +151,13 @@ def oversized_working_set(
     requests: int = 240,
     exponent: float = 1.1,
     question_tokens: tuple[int, int] = (20, 60),
-    max_tokens: int = 16,
+    max_tokens: int = 128,
 ) -> list[Conversation]:
     """(d) Documents totalling ``factor`` times the fleet's KV capacity, drawn with Zipf popularity.
 
     The cache cannot hold everything, so a router must know what was evicted, not only what it sent.
+    Answers about a document run to a paragraph (``max_tokens`` 128 by default), and the engine caches
+    their blocks too, so what it evicts depends on more than the prompts a router sent it.
     """
     rng = random.Random(seed)
     documents = max(2, math.ceil(factor * capacity_tokens / doc_tokens))
@@ -178,10 +180,16 @@ def unique_prompts(seed: int, count: int, tokens: int = 24, max_tokens: int = 4)
     ]
 
 
+DEFAULT_MAX_TOKENS = {"a": 16, "b": 16, "c": 16, "d": 128}
+"""Answer length per workload when none is given: short answers where only prompts matter; (d)'s answers
+are part of what fills the cache."""
+
+
 def build(
-    name: str, seed: int, requests: int | None = None, capacity_tokens: int = 0, max_tokens: int = 16
+    name: str, seed: int, requests: int | None = None, capacity_tokens: int = 0, max_tokens: int | None = None
 ) -> list[Conversation]:
     """The named workload (a, b, c or d) with its defaults; ``requests`` scales it where that applies."""
+    max_tokens = max_tokens or DEFAULT_MAX_TOKENS.get(name, 16)
     if name == "a":
         documents = max(1, round(requests / 1.5)) if requests else 30
         return shared_documents(seed, documents=documents, max_tokens=max_tokens)

@@ -71,16 +71,18 @@ def test_ttft_target_prints_the_cost_model_bound():
     assert "bound 0.400" in verdicts(rows)[0].line() and "unattainable" not in verdicts(rows)[0].line()
 
 
-def test_d_is_judged_behind_the_most_routers():
+def test_d_is_judged_for_each_router_count():
     rows = [
         _row("kv_aware", "d", 8, 0.1, 10, 0.60),
         _row("approximate", "d", 8, 0.1, 10, 0.62),
         _row("kv_aware", "d", 8, 0.1, 10, 0.60, routers=2),
         _row("approximate", "d", 8, 0.1, 10, 0.45, routers=2),
     ]
-    (verdict,) = verdicts(rows)
-    assert verdict.target.startswith("(d) 2 router(s)") and verdict.passed
-    assert verdict.value == pytest.approx(0.15)
+    one, two = verdicts(rows)
+    assert one.target.startswith("(d) 1 router(s)") and not one.passed
+    assert one.value == pytest.approx(-0.02)
+    assert two.target.startswith("(d) 2 router(s)") and two.passed
+    assert two.value == pytest.approx(0.15)
 
 
 def test_missing_baseline_leaves_ratio_blank():
