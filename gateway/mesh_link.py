@@ -3,7 +3,8 @@
 What flows from the mesh into this replica: admin state of engines (drain, maintenance, island, added
 and removed engines), event progress of engines other replicas ingest (freshness), whether each
 engine's stream still has a live owner (confidence decays when not), and the blocks other replicas just
-sent to engines (speculative entries; for engines without events, the approximate index itself).
+sent to engines (speculative entries; for engines without events, the approximate index itself), and
+how many requests the other replicas have in flight per engine (fresher than any engine's /metrics).
 """
 
 from __future__ import annotations
@@ -101,5 +102,7 @@ def follow_mesh(router: Router, node: MeshNode) -> None:
     node.on_owner_presence(on_presence)
     node.on_dispatch(on_dispatch)
     router.planner.share_dispatch = share_dispatch
+    node.share_load(lambda: {e.id: e.in_flight for e in router.engines.all() if e.in_flight > 0})
+    router.planner.peer_in_flight = node.peer_in_flight
     for engine_id, state in node.engine_states().items():
         on_registry(engine_id, state)

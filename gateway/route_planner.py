@@ -87,6 +87,8 @@ class RoutePlanner:
         self.tokenizer_registry = TokenizerRegistry(config.tokenizers, config.tokenizer or str(DEFAULT_TOKENIZER_DIR))
         self.tokenizers: TokenizerService | None = None
         self.share_dispatch: Callable[[str, Sequence[int], float], None] | None = None
+        self.peer_in_flight: Callable[[], dict[str, int]] = dict
+        """Other replicas' in-flight requests per engine (set by the mesh link; empty without a mesh)."""
         """Set in a mesh: shares speculative and approximate entries with the other replicas."""
 
     async def run(self, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
@@ -150,13 +152,14 @@ class RoutePlanner:
     def _decide(self, parsed: ParsedRequest, headers: Mapping[str, str], candidates: list[EngineState],
                 token_ids: list[int], chains: dict[int, list[int]], now: float) -> Decision:
         overlaps = self.cache.overlaps(chains, [e.id for e in candidates], now) if chains else {}
+        peers = self.peer_in_flight()
         views = []
         for engine in candidates:
             found = overlaps.get(engine.id)
             views.append(EngineView(
                 id=engine.id, url=engine.url, island=engine.config.island,
                 healthy=engine.healthy and not engine.maintenance, draining=engine.draining,
-                in_flight=engine.in_flight, running=engine.load.running,
+                in_flight=engine.in_flight, peer_in_flight=peers.get(engine.id, 0), running=engine.load.running,
                 finished_since_poll=engine.load.finished_since_poll, rejoining=engine.rejoining,
                 waiting=engine.load.waiting, kv_usage=engine.load.kv_usage, num_blocks=engine.load.num_blocks,
                 block_size=engine.block_size, exact_blocks=found.exact_blocks if found else 0,

@@ -114,6 +114,7 @@ class MeshNode:
         self._limits_callbacks: list[Callable[[str, Any], None]] = []
         self._dispatch_callbacks: list[Callable[[str, int, float], None]] = []
         self._presence: dict[str, bool] = {}
+        self._load_source: Callable[[], dict[str, int]] | None = None
         self.store.doc.subscribe(self._on_doc_changes)
 
     # ----- lifecycle -----------------------------------------------------------------------------
@@ -137,6 +138,7 @@ class MeshNode:
                     port=port,
                     anti_entropy_interval=s.anti_entropy_interval,
                     drop=lambda _peer: self._isolated,
+                    load_source=lambda: None if self._load_source is None else self._load_source(),
                 )
                 replication_port = await nursery.start(self.replication.run)
                 membership = Membership(self._mesh_config(replication_port), member_id=self.member_id)
@@ -320,6 +322,16 @@ class MeshNode:
             await trio.sleep(DISPATCH_SWEEP_S)
             if not self._isolated and self.member_id == min(self.live_members()):
                 self.store.sweep_dispatches(time.time())
+
+    def share_load(self, source: Callable[[], dict[str, int]]) -> None:
+        """Report ``source()`` (this replica's in-flight requests per engine) to the peers from now on."""
+        self._load_source = source
+
+    def peer_in_flight(self) -> dict[str, int]:
+        """Per engine, the requests live peers have in flight there, as they last reported."""
+        if self._membership is None:
+            return {}
+        return self.protocol.peer_load.totals(trio.current_time(), self.live_members())
 
     def on_peer_limits(self, callback: Callable[[str, Any], None]) -> None:
         """Call ``callback(replica_id, payload)`` when another replica publishes its rate-limit counts."""

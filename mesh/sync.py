@@ -1,7 +1,8 @@
 """Replication transport (trio): authenticated, length-prefixed frames over TCP between replicas.
 
 Each replica dials every live peer (one outbound connection per peer) and accepts the peers' dials.
-Outbound connections carry the batched update broadcast (every ``flush_interval``) and periodic
+Outbound connections carry the batched update broadcast (every ``flush_interval``), this replica's
+in-flight requests per engine (when they change, checked every ``load_interval``) and periodic
 anti-entropy requests to one random peer; any connection carries the replies to what arrived on it.
 A slow peer never blocks the others: each connection has a bounded queue and frames that do not fit
 are dropped (anti-entropy repairs them). Frames are sealed with mesh/auth.py (HMAC with the cluster
@@ -10,6 +11,7 @@ secret); a connection that sends one bad MAC is closed.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections import Counter
@@ -25,6 +27,10 @@ FRAME_KIND = 1
 QUEUE_FRAMES = 256
 CONNECT_TIMEOUT_S = 2.0
 MAX_BACKOFF_S = 1.0
+LOAD_INTERVAL_S = 0.1
+"""How often in-flight counts are checked for a change worth reporting to peers."""
+LOAD_REFRESH_S = 0.5
+"""An unchanged report is repeated this often, well inside mesh/peer_load.MAX_AGE_S."""
 
 PeerAddresses = Callable[[], Mapping[str, tuple[str, int]]]
 """Live peers (replica id -> replication TCP address), e.g. from gossip membership."""
@@ -66,6 +72,8 @@ class SyncService:
         port: int = 0,
         flush_interval: float = 0.03,
         anti_entropy_interval: float = 1.0,
+        load_source: Callable[[], dict[str, int] | None] | None = None,
+        load_interval: float = LOAD_INTERVAL_S,
         is_compactor: Callable[[], bool] | None = None,
         drop: Callable[[str], bool] | None = None,
         wall_clock: Callable[[], float] = time.time,
@@ -80,6 +88,8 @@ class SyncService:
         self._host, self._port = host, port
         self._flush_interval = flush_interval
         self._anti_entropy_interval = anti_entropy_interval
+        self._load_source = load_source
+        self._load_interval = load_interval
         self._is_compactor = is_compactor or self._lowest_id_compacts
         self._drop = drop or (lambda _peer: False)
         self._wall_clock = wall_clock
@@ -101,6 +111,8 @@ class SyncService:
             nursery.start_soon(self._dial_loop, nursery)
             nursery.start_soon(self._flush_loop)
             nursery.start_soon(self._anti_entropy_loop)
+            if self._load_source is not None:
+                nursery.start_soon(self._load_loop, self._load_source)
             task_status.started(self.port)
 
     def _broadcast(self, packet: bytes) -> None:
@@ -125,6 +137,19 @@ class SyncService:
             packet = self.protocol.update_frame()
             if packet is not None:
                 self._broadcast(packet)
+
+    async def _load_loop(self, source: Callable[[], dict[str, int] | None]) -> None:
+        """Report this replica's in-flight requests per engine when they change, and at least every
+        LOAD_REFRESH_S so peers know the report is current (nothing while ``source`` answers None)."""
+        last: dict[str, int] | None = None
+        sent_at = -math.inf
+        while True:
+            await trio.sleep(self._load_interval)
+            loads = source()
+            now = trio.current_time()
+            if loads is not None and (loads != last or now - sent_at >= LOAD_REFRESH_S):
+                self._broadcast(self.protocol.load_frame(loads))
+                last, sent_at = loads, now
 
     async def _anti_entropy_loop(self) -> None:
         while True:

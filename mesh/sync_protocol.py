@@ -6,6 +6,8 @@ Every frame is a msgpack array ``[kind, epoch number, epoch owner, sender, *payl
 - ``sv`` ``[state]``            anti-entropy request: "here is what I have"
 - ``sd`` ``[diff, state]``      answer to ``sv``: what the requester lacks, plus my own state
 - ``ep`` ``[base, full]``       a whole epoch: full state plus the base state vector it was built from
+- ``ld`` ``[report]``           the sender's in-flight requests per engine (mesh/peer_load.py); outside the
+                                document, so accepted whatever the epoch
 
 A frame from an older epoch is answered with ``ep`` (rate-limited per peer); a non-``ep`` frame from a
 newer epoch is answered with ``sv`` so that the peer sends its ``ep``. Malformed frames are counted and
@@ -19,7 +21,9 @@ from collections.abc import Callable
 
 import msgpack
 
+from mesh import peer_load
 from mesh.crdt_doc import Epoch, IndexDoc, decode_state, encode_state
+from mesh.peer_load import PeerLoad
 
 EPOCH_RESEND_S = 1.0
 
@@ -30,6 +34,7 @@ class SyncProtocol:
     def __init__(self, doc: IndexDoc, epoch_resend_s: float = EPOCH_RESEND_S) -> None:
         self.doc = doc
         self.counters: Counter[str] = Counter()
+        self.peer_load = PeerLoad()
         self._epoch_resend_s = epoch_resend_s
         self._epoch_sent: dict[str, tuple[Epoch, float]] = {}
         self._handlers: dict[str, Callable[[str, list], list[bytes]]] = {
@@ -45,6 +50,9 @@ class SyncProtocol:
         """The batched local updates since the last call, as one ``u`` frame (None if nothing new)."""
         update = self.doc.take_update()
         return None if update is None else self._frame("u", update)
+
+    def load_frame(self, loads: dict[str, int]) -> bytes:
+        return self._frame("ld", peer_load.encode(loads))
 
     def state_frame(self) -> bytes:
         """An anti-entropy request (also sent on every new connection so a joining replica warms up)."""
@@ -90,6 +98,11 @@ class SyncProtocol:
             return []
 
     def _dispatch(self, kind: str, epoch: Epoch, sender: str, payload: list, now: float) -> list[bytes]:
+        if kind == "ld":
+            (report,) = payload
+            self.peer_load.update(sender, report, now)
+            self.counters["rx_ld"] += 1
+            return []
         mine = self.doc.epoch
         if kind == "ep":
             base, full = payload

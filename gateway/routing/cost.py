@@ -47,12 +47,15 @@ def _clamp(value: float, low: float, high: float) -> float:
 def queue_depth(engine: EngineView) -> int:
     """Requests ahead of a new one on this engine.
 
-    ``in_flight`` is this router's fresh count; ``running`` is everyone's, one poll old. Taking the larger
-    of the two and adding the engine's waiting queue makes the estimate rise with every request this
-    router dispatches between polls (so a hot prefix spills) without ignoring other routers' load. The
-    requests of this router that finished since the poll are no longer ahead of anyone.
+    ``in_flight`` is this router's fresh count, ``peer_in_flight`` the other replicas' (a report old);
+    ``running`` is everyone's, one poll old. Taking the larger of the two and adding the engine's waiting
+    queue makes the estimate rise with every request any replica dispatches between polls (so a hot
+    prefix spills, and replicas do not all pick the engine that looked idle at the last poll) without
+    ignoring traffic outside the mesh. The requests of this router that finished since the poll are no
+    longer ahead of anyone.
     """
-    return max(0, engine.in_flight, engine.running - max(0, engine.finished_since_poll)) + max(0, engine.waiting)
+    routed = max(0, engine.in_flight) + max(0, engine.peer_in_flight)
+    return max(routed, engine.running - max(0, engine.finished_since_poll)) + max(0, engine.waiting)
 
 
 def overlap_tokens(engine: EngineView, request: RouteRequest, blocks: int) -> int:

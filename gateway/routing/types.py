@@ -14,7 +14,8 @@ from dataclasses import dataclass
 class EngineView:
     """One engine as the router sees it at decision time.
 
-    ``in_flight`` is this router's own outstanding requests (fresh); ``running``/``waiting``/``kv_usage``
+    ``in_flight`` is this router's own outstanding requests (fresh); ``peer_in_flight`` the other mesh
+    replicas', as they reported them (a tenth of a second old); ``running``/``waiting``/``kv_usage``
     come from the engine's /metrics poll (all routers' traffic, possibly one poll old).
     ``exact_blocks`` are leading prompt blocks confirmed by the engine's KV events; ``approx_blocks`` are
     leading blocks from speculative entries (where routers recently sent the prefix, not yet confirmed).
@@ -30,6 +31,7 @@ class EngineView:
     healthy: bool = True
     draining: bool = False
     in_flight: int = 0
+    peer_in_flight: int = 0
     running: int = 0
     finished_since_poll: int = 0
     waiting: int = 0

@@ -4,6 +4,7 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
 import urllib.request
 
@@ -172,3 +173,36 @@ def test_engines_without_events_share_their_approximate_entries(secret_file):
             assert headers["x-kvmesh-route"].startswith(f"engine={engine};")
         finally:
             mesh.stop()
+
+
+def test_a_replica_counts_requests_another_replica_has_in_flight(fleet, secret_file):
+    """Replica B polls engine metrics only once a minute; what it knows of A's load comes from A's reports."""
+    ports = [free_udp_port() for _ in range(2)]
+    seeds = [f"127.0.0.1:{p}" for p in ports]
+    sender = RouterProcess(fleet.urls, mesh_bind=seeds[0], seeds=seeds[1], mesh_secret_file=secret_file,
+                           metrics_interval=0.2)
+    watcher = RouterProcess(fleet.urls, mesh_bind=seeds[1], seeds=seeds[0], mesh_secret_file=secret_file,
+                            metrics_interval=60)
+    with sender, watcher:
+        assert wait_until(lambda: len(call(watcher.url, "/admin/mesh")[0]["members"]) == 2, 10)
+
+        def depth() -> int:
+            table, _ = call(watcher.url, "/debug/route", chat("how busy is everyone"))
+            return sum(row["queue_depth"] for row in table["candidates"])
+
+        assert depth() == 0
+        for url in fleet.urls:
+            call(url, "/sim/fault", {"stall": 4.0})
+        results: list[int] = []
+        threads = [threading.Thread(target=lambda i=i: results.append(
+            len(call(sender.url, "/v1/chat/completions", chat(f"held request {i}"))[0]["choices"])))
+            for i in range(4)]
+        for thread in threads:
+            thread.start()
+        try:
+            assert wait_until(lambda: depth() == 4, 3.0), depth()
+        finally:
+            for thread in threads:
+                thread.join(30)
+        assert results == [1, 1, 1, 1]
+        assert wait_until(lambda: depth() == 0, 3.0), depth()

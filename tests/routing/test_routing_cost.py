@@ -225,3 +225,16 @@ def test_a_turn_stays_with_its_cache_when_the_poll_still_counts_its_finished_pre
     decision = policy.choose(request, [corrected, other])
     assert decision.table[[s.engine for s in decision.table].index("holder")].queue_depth == 1
     assert queue_depth(corrected) == 1 and queue_depth(EngineView("x", "u", running=1, finished_since_poll=5)) == 0
+
+
+def test_other_replicas_in_flight_requests_count_before_the_next_poll():
+    """Two engines looked idle at the last poll; another replica has since sent four requests to one."""
+    policy = make_policy("kv_aware")
+    request = RouteRequest("m", 500, 31, "b", max_tokens=64)
+    idle = EngineView("idle", "u")
+    assert policy.choose(request, [EngineView("busy", "u"), idle]).chosen == "busy"  # the tie-break's pick
+    busy = EngineView("busy", "u", peer_in_flight=4)
+    decision = policy.choose(request, [busy, idle])
+    assert decision.chosen == "idle"
+    assert queue_depth(busy) == 4 and queue_depth(EngineView("x", "u", in_flight=2, peer_in_flight=3)) == 5
+    assert queue_depth(EngineView("x", "u", peer_in_flight=1, running=6)) == 6
