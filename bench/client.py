@@ -82,7 +82,7 @@ class HttpClient:
             headers += [("content-type", "application/json"), ("content-length", str(len(body)))]
         request = h11.Request(method=method, target=target, headers=headers)
         for attempt in range(2):
-            conn, reused = await self._checkout(host, port)
+            conn, reused = await self._checkout(host, port, fresh=attempt > 0)
             try:
                 await conn.send(request)
                 if body is not None:
@@ -100,9 +100,11 @@ class HttpClient:
             return await self._read_response(conn, (host, port), head, sink)
         raise AssertionError("unreachable: the second attempt either returns or raises")
 
-    async def _checkout(self, host: str, port: int) -> tuple[_Connection, bool]:
+    async def _checkout(self, host: str, port: int, fresh: bool = False) -> tuple[_Connection, bool]:
+        """A pooled connection, else a new one; ``fresh`` skips the pool, whose other connections may have
+        died with the same peer (behind an L4 balancer, with the same killed replica)."""
         idle = self._idle[(host, port)]
-        if idle:
+        if idle and not fresh:
             return idle.pop(), True
         return _Connection(await trio.open_tcp_stream(host, port)), False
 

@@ -23,6 +23,8 @@ class FakeOpenAI:
     connections: int = 0
     requests: list[dict] = field(default_factory=list)
     hold_first_token: trio.Event | None = None
+    one_request_per_connection: bool = False
+    """Close each connection after its first answer, which still offers keep-alive (a peer that died)."""
 
     async def handle(self, stream: trio.SocketStream) -> None:
         self.connections += 1
@@ -33,6 +35,8 @@ class FakeOpenAI:
                 if request is None:
                     return
                 await self._answer(conn, stream, request, body)
+                if self.one_request_per_connection:
+                    return
                 if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
                     return
                 conn.start_next_cycle()
@@ -140,6 +144,22 @@ async def test_keep_alive_reuses_one_connection(server):
     assert fake.connections == 1
     assert await model_name(client, url) == "tiny"
     assert fake.connections == 1
+    await client.aclose()
+
+
+async def test_a_stale_pooled_connection_is_retried_on_a_new_one_not_another_pooled_one(server):
+    fake, url = server
+    fake.one_request_per_connection = True
+    client = HttpClient()
+    bodies = [c.body("tiny", stream=False) for c in unique_prompts(seed=3, count=3)]
+    async with trio.open_nursery() as nursery:
+        for body in bodies[:2]:
+            nursery.start_soon(completion, client, url + "/v1/chat/completions", body)
+    assert fake.connections == 2
+    await trio.sleep(0.05)
+    r = await completion(client, url + "/v1/chat/completions", bodies[2])
+    assert r.ok, r
+    assert fake.connections == 3
     await client.aclose()
 
 
