@@ -75,6 +75,7 @@ class DecodeModel:
     prior: DecodePrior = field(default_factory=DecodePrior)
     _stats: dict[str, _Stats] = field(default_factory=dict)
     _lines: dict[str, tuple[float, float]] = field(default_factory=dict)
+    _fleet: tuple[float, float] | None = None
     _output_tokens: float | None = None
     rejected: int = 0
 
@@ -82,11 +83,13 @@ class DecodeModel:
         line = self._lines.get(engine_id)
         if line is None:
             p = self.prior
-            fleet = _Stats.line_as_data(p.base_s, p.per_request_s, p.weight)
-            for stats in self._stats.values():
-                fleet = fleet.plus(stats)
+            if self._fleet is None:
+                fleet = _Stats.line_as_data(p.base_s, p.per_request_s, p.weight)
+                for stats in self._stats.values():
+                    fleet = fleet.plus(stats)
+                self._fleet = fleet.line()
             own = self._stats.get(engine_id, _Stats())
-            line = self._lines[engine_id] = own.plus(_Stats.line_as_data(*fleet.line(), p.engine_weight)).line()
+            line = self._lines[engine_id] = own.plus(_Stats.line_as_data(*self._fleet, p.engine_weight)).line()
         return line
 
     def time_per_token_s(self, engine_id: str, batch_depth: int) -> float:
@@ -117,9 +120,14 @@ class DecodeModel:
         if output_tokens >= 2:
             self._stats.setdefault(engine_id, _Stats()).add(float(batch_depth), decode_s / (output_tokens - 1),
                                                             p.decay)
-            self._lines.clear()
+            self._invalidate()
         return True
 
     def forget(self, engine_id: str) -> None:
         self._stats.pop(engine_id, None)
+        self._invalidate()
+
+    def _invalidate(self) -> None:
+        """Every line leans on the fleet's, which any observation moves: both are recomputed on next use."""
         self._lines.clear()
+        self._fleet = None

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 _TOKEN_UNIT = 1000.0
 _MAX_TOKENS = 10_000_000
 _MAX_DEPTH = 1_000_000
@@ -72,32 +74,8 @@ def split_depth(queue_depth: int, max_num_seqs: int | None) -> tuple[int, int]:
     return min(depth, max_num_seqs), max(0, depth - max_num_seqs + 1)
 
 
-def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
-    """Gaussian elimination with partial pivoting; the ridge prior keeps the system positive definite."""
-    n = len(rhs)
-    a = [row[:] + [rhs[i]] for i, row in enumerate(matrix)]
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
-        a[col], a[pivot] = a[pivot], a[col]
-        for r in range(col + 1, n):
-            f = a[r][col] / a[col][col]
-            for c in range(col, n + 1):
-                a[r][c] -= f * a[col][c]
-    x = [0.0] * n
-    for r in range(n - 1, -1, -1):
-        x[r] = (a[r][n] - sum(a[r][c] * x[c] for c in range(r + 1, n))) / a[r][r]
-    return x
-
-
 _FEATURE_SCALES = (1.0, 1.0, 4.0, 1.0)
 """Typical sizes of the features (1, 1k tokens, 4 requests in the batch, 1 slot release)."""
-
-
-def _inverse(matrix: list[list[float]]) -> list[list[float]]:
-    """Inverse of a small positive definite matrix, column by column."""
-    n = len(matrix)
-    columns = [_solve(matrix, [1.0 if r == c else 0.0 for r in range(n)]) for c in range(n)]
-    return [[columns[c][r] for c in range(n)] for r in range(n)]
 
 
 def _coefficients(params: TTFTParams) -> list[float]:
@@ -112,7 +90,7 @@ def _precision(weight: float) -> list[float]:
 
 @dataclass
 class EngineTTFTModel:
-    """Sufficient statistics for one engine, and its fit around a given prior mean."""
+    """Sufficient statistics for one engine and its last fit (made by ``TTFTLearner``, which pools engines)."""
 
     prior: TTFTPrior
     max_num_seqs: int | None = None
@@ -138,19 +116,6 @@ class EngineTTFTModel:
         if self._params is None:
             self._params = self.prior_params()
         return self._params
-
-    def refit(self, xtx: list[list[float]], xty: list[float], mean: list[float],
-              precision: list[list[float]]) -> TTFTParams:
-        """Fit ``xtx``/``xty`` (this engine's own statistics) around a prior ``mean`` of the given ``precision``."""
-        matrix = [[xtx[i][j] + precision[i][j] for j in range(4)] for i in range(4)]
-        rhs = [xty[i] + sum(precision[i][j] * mean[j] for j in range(4)) for i in range(4)]
-        a, b, c, d = _solve(matrix, rhs)
-        return TTFTParams(
-            overhead_s=max(0.0, a),
-            prefill_s_per_token=max(1e-9, b / _TOKEN_UNIT),
-            batch_s_per_request=max(0.0, c),
-            slot_wait_s_per_request=max(0.0, d),
-        )
 
     def set_slots(self, max_num_seqs: int | None) -> None:
         if max_num_seqs != self.max_num_seqs:
@@ -221,22 +186,32 @@ class TTFTLearner:
 
     def _refit(self) -> None:
         """Per engine: the fleet's mean (priors plus the other engines' data) and how sure it is, widened by
-        how far one engine may differ from its fleet, is the prior its own data update (Gaussian pooling)."""
+        how far one engine may differ from its fleet, is the prior its own data update (Gaussian pooling).
+
+        All engines are solved at once with numpy: the fit is redone after every observation, and done one
+        engine at a time in Python it cost 14 ms per request in front of 100 engines.
+        """
         models = list(self._models.values())
-        total_xtx = [[sum(m._xtx[i][j] for m in models) for j in range(4)] for i in range(4)]
-        total_xty = [sum(m._xty[i] for m in models) for i in range(4)]
-        fleet_precision = _precision(self.prior.weight)
-        spread = [1.0 / w for w in _precision(self.prior.engine_weight)]
-        for model in models:
-            prior_mean = _coefficients(model.prior_params())
-            others = [[total_xtx[i][j] - model._xtx[i][j] + (fleet_precision[i] if i == j else 0.0)
-                       for j in range(4)] for i in range(4)]
-            rhs = [total_xty[i] - model._xty[i] + fleet_precision[i] * prior_mean[i] for i in range(4)]
-            center = _solve(others, rhs)
-            covariance = _inverse(others)
-            for i in range(4):
-                covariance[i][i] += spread[i]
-            model._params = model.refit(model._xtx, model._xty, center, _inverse(covariance))
+        if not models:
+            self._stale = False
+            return
+        xtx = np.array([m._xtx for m in models])
+        xty = np.array([m._xty for m in models])
+        prior_mean = np.array([_coefficients(m.prior_params()) for m in models])
+        fleet_precision = np.array(_precision(self.prior.weight))
+        spread = np.diag(1.0 / np.array(_precision(self.prior.engine_weight)))
+        others = xtx.sum(axis=0) - xtx + np.diag(fleet_precision)
+        rhs = xty.sum(axis=0) - xty + fleet_precision * prior_mean
+        center = np.linalg.solve(others, rhs[..., None])
+        precision = np.linalg.inv(np.linalg.inv(others) + spread)
+        fitted = np.linalg.solve(xtx + precision, (xty[..., None] + precision @ center))[..., 0]
+        for model, (a, b, c, d) in zip(models, fitted.tolist(), strict=True):
+            model._params = TTFTParams(
+                overhead_s=max(0.0, a),
+                prefill_s_per_token=max(1e-9, b / _TOKEN_UNIT),
+                batch_s_per_request=max(0.0, c),
+                slot_wait_s_per_request=max(0.0, d),
+            )
         self._stale = False
 
     def observe(self, engine_id: str, uncached_tokens: float, queue_depth: int, ttft_s: float) -> bool:
