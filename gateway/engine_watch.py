@@ -94,6 +94,8 @@ async def watch_engine(engine: EngineState, planner, ingest: EventIngest, interv
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_health_loop, engine, planner, interval_s)
         models, sources = await _discover(discovery)
+        if not planner.reads_events:
+            sources = []  # `approximate` stands for routers that never see events: it knows what it sent
         engine.models = models or engine.models
         model = engine.config.model or (sorted(engine.models)[0] if engine.models else "")
         engine.event_sources = [s.endpoint for s in sources]

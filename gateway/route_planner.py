@@ -21,6 +21,7 @@ from gateway.openai_errors import ApiError
 from gateway.proxy import ProxyResult
 from gateway.request_body import ParsedRequest
 from gateway.routing import Decision, EngineView, RouteRequest, make_policy, prefix_key, route_header, route_table
+from gateway.routing.cost import Knowledge
 from index.block_hash import chain, root_seed
 from index.prefix_index import PrefixIndex
 from index.store import BlockStore
@@ -103,6 +104,11 @@ class RoutePlanner:
 
     async def leave(self) -> None:
         """Nothing to hand over on a single replica; the mesh replaces this with a graceful leave."""
+
+    @property
+    def reads_events(self) -> bool:
+        """Whether KV events feed this router's index (every policy but ``approximate``)."""
+        return self.policy.knowledge is not Knowledge.ROUTER_ONLY
 
     def register_engine(self, engine: EngineState, has_events: bool) -> None:
         self.cache.register(engine.id, block_size=engine.block_size, has_events=has_events,
