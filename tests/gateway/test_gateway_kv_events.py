@@ -86,6 +86,20 @@ def test_cleared_cache_drops_the_engines_blocks(small):
     assert wait_for(lambda: overlap(client, body, engine) == 0)
 
 
+def test_approximate_knows_only_what_it_sent(small_fleet):
+    """The ``approximate`` baseline stands for routers without events: a cleared cache goes unnoticed."""
+    with RouterProcess(small_fleet.urls, metrics_interval=0.2, policy="approximate") as proc:
+        client, engine = Http(proc.url), small_fleet.urls[0].removeprefix("http://")
+        body = document("unseen")
+        client.json("POST", "/v1/chat/completions", body)
+        Http(small_fleet.urls[0]).json("POST", "/reset_prefix_cache", {})
+        time.sleep(0.5)
+        table = client.json("POST", "/debug/route", body)[2]
+        row = next(c for c in table["candidates"] if c["engine"] == engine)
+        assert row["overlap_exact_tokens"] == 0 and row["overlap_approx_tokens"] >= 600
+        assert client.json("GET", "/admin/index")[2]["engines"][engine]["has_events"] is False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
