@@ -109,6 +109,7 @@ async def watch_engine(engine: EngineState, planner, ingest: EventIngest, interv
             engine.load.block_size = load.block_size
             engine.load.poll_generation += 1
             engine.load.finished_since_poll = 0
+            engine.load.reuse.record(load.prefix_cache_queries, load.prefix_cache_hits)
             if resized:
                 planner.register_engine(engine, has_events=bool(sources))
             info = planner.cache.info(engine.id)

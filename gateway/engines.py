@@ -15,6 +15,30 @@ from gateway.upstream import EnginePool
 
 
 @dataclass
+class PrefixReuse:
+    """The engine's recent prefix-cache hit ratio, from its cumulative query and hit counters.
+
+    Each poll's increments are added to sums that fade by ``fade`` per poll, so the ratio follows the last
+    dozen polls; a counter going backwards (restart) only resets the baseline.
+    """
+
+    fade: float = 0.8
+    ratio: float = 0.0
+    _last: tuple[float, float] | None = None
+    _queries: float = 0.0
+    _hits: float = 0.0
+
+    def record(self, queries: float, hits: float) -> None:
+        last, self._last = self._last, (queries, hits)
+        if last is None or queries < last[0] or hits < last[1]:
+            return
+        self._queries = self.fade * self._queries + (queries - last[0])
+        self._hits = self.fade * self._hits + (hits - last[1])
+        if self._queries > 0:
+            self.ratio = min(1.0, self._hits / self._queries)
+
+
+@dataclass
 class EngineLoad:
     """The engine's own view of its load, from its /metrics (may be up to one poll interval old)."""
 
@@ -27,6 +51,7 @@ class EngineLoad:
     poll_generation: int = 0
     finished_since_poll: int = 0
     """This router's requests to the engine that ended after the last poll (still counted as running)."""
+    reuse: PrefixReuse = field(default_factory=PrefixReuse)
 
 
 @dataclass

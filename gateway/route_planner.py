@@ -162,6 +162,7 @@ class RoutePlanner:
         views = []
         for engine in candidates:
             found = overlaps.get(engine.id)
+            held, recorded = self.cache.held_blocks(engine.id)
             views.append(EngineView(
                 id=engine.id, url=engine.url, island=engine.config.island,
                 healthy=engine.healthy and not engine.maintenance, draining=engine.draining,
@@ -170,6 +171,7 @@ class RoutePlanner:
                 waiting=engine.load.waiting, kv_usage=engine.load.kv_usage, num_blocks=engine.load.num_blocks,
                 block_size=engine.block_size, exact_blocks=found.exact_blocks if found else 0,
                 approx_blocks=found.approx_blocks if found else 0, confidence=found.confidence if found else 0.0,
+                held_blocks=held, approx_held_blocks=recorded, reuse_ratio=engine.load.reuse.ratio,
             ))
         block_size = min(chains) if chains else 16
         session = next((headers[h] for h in SESSION_HEADERS if headers.get(h)), None) or parsed.user

@@ -84,6 +84,15 @@ class CacheView:
                 result[engine] = CacheOverlap(held, approx, info.freshness.confidence(now), size)
         return result
 
+    def held_blocks(self, engine: str) -> tuple[int | None, int]:
+        """(blocks the engine holds as its events say, or as the router's record says when it has no events;
+        blocks the router's record alone says): None for an engine not registered."""
+        info = self._engines.get(engine)
+        recorded = self.approximate.size(engine)
+        if info is None:
+            return None, recorded
+        return (self.store.block_count(engine) if info.has_events else recorded), recorded
+
     def record_dispatch(self, engine: str, chains_by_block_size: Mapping[int, Sequence[int]],
                         now: float) -> tuple[Sequence[int], float]:
         """The router sent a prompt to `engine`: remember its blocks until events (or TTL) say more.

@@ -6,7 +6,9 @@ and for leaving the router's island; candidates are ranked by ttft plus the requ
 at the engine's batch size (gateway/routing/decode.py), so load counts even where it hardly delays the
 first token. Everything is in seconds, so cache reuse and load trade against
 each other without a balance threshold: a hot prefix stays on its holder until the holder's queue costs
-more than recomputing the prefix elsewhere, and then it spills.
+more than recomputing the prefix elsewhere, and then it spills. When caches are full, recomputing
+elsewhere also evicts what later requests would have read there; that expected recompute is added to
+the ranking too.
 """
 
 from __future__ import annotations
@@ -96,6 +98,25 @@ class CostModel:
         overflow = min(float(capacity), max(0.0, needed - free))
         return p.prefill_s(overflow)
 
+    def eviction_s(self, engine: EngineView, request: RouteRequest, uncached: int, p: TTFTParams,
+                   knowledge: Knowledge) -> float:
+        """Recompute that later requests can expect because this placement evicts cached blocks.
+
+        The request allocates blocks for its uncached prompt and its answer; once the engine's empty blocks
+        are used up, each one evicts a cached block, which is read again about as often as the engine's
+        cache is read at all (its own recent hit ratio). Recomputing a prefix that another engine already
+        holds therefore costs more than its own prefill when caches are full, and nothing while they have
+        room; the ratio is measured, not tuned. Unknown block counts charge nothing.
+        """
+        held = engine.held_blocks if knowledge is Knowledge.EVENTS else engine.approx_held_blocks
+        if not engine.num_blocks or held is None:
+            return 0.0
+        block = max(1, engine.block_size)
+        answer = self.decode.expected_output_tokens(request.max_tokens)
+        needed = math.ceil((uncached + answer) / block)
+        evicted = min(held, max(0, needed - max(0, engine.num_blocks - held)))
+        return _clamp(engine.reuse_ratio, 0.0, 1.0) * p.prefill_s(evicted * block)
+
     def topology_penalty_s(self, engine: EngineView, request: RouteRequest) -> float:
         crosses = request.router_island is not None and engine.island not in (None, request.router_island)
         return self.settings.cross_island_s if crosses else 0.0
@@ -119,4 +140,5 @@ class CostModel:
             topology_penalty_s=self.topology_penalty_s(engine, request),
             live=engine.live,
             decode_s=self.decode.decode_s(engine.id, depth, request.max_tokens),
+            eviction_s=self.eviction_s(engine, request, uncached, params, knowledge),
         )

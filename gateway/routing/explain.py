@@ -49,6 +49,8 @@ def _row(rank: int, score: CandidateScore) -> dict[str, Any]:
         "est_ttft_ms": _ms(score.ttft_s),
         "decode_ms": _ms(score.decode_s),
         "est_done_ms": _ms(score.done_s),
+        "eviction_ms": _ms(score.eviction_s),
+        "cost_ms": _ms(score.cost_s),
     }
 
 

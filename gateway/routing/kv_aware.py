@@ -1,4 +1,5 @@
-"""Cache-and-load policies: rank candidates by estimated time to the last token (first token + decode).
+"""Cache-and-load policies: rank candidates by estimated time to the last token (first token + decode)
+plus the recompute their placement causes later (see ``CostModel.eviction_s``).
 
 ``kv_aware`` counts the event-fed index (scaled by confidence) plus half-trusted speculative entries;
 ``approximate`` counts only the router-side speculative entries, like routers that never see engine
@@ -33,7 +34,7 @@ def _why_not_the_cache(chosen: CandidateScore, holder: CandidateScore) -> str:
 
 def describe(request: RouteRequest, ranked: list[str], scores: Scores) -> str:
     chosen = scores[ranked[0]]
-    holder = max(scores.values(), key=lambda s: (s.cached_tokens, -s.done_s))
+    holder = max(scores.values(), key=lambda s: (s.cached_tokens, -s.cost_s))
     if holder.cached_tokens <= 0:
         return "least-loaded"
     if chosen.cached_tokens >= holder.cached_tokens:
@@ -52,7 +53,7 @@ class KvAwarePolicy(Policy):
         def order(engine: EngineView) -> tuple[float, int, int, int]:
             score = scores[engine.id]
             return (
-                round(score.done_s, _TIE_DIGITS),
+                round(score.cost_s, _TIE_DIGITS),
                 score.queue_depth,
                 max(0, engine.in_flight),
                 -rendezvous_weight(h, engine.id),

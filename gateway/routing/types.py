@@ -41,6 +41,12 @@ class EngineView:
     exact_blocks: int = 0
     approx_blocks: int = 0
     confidence: float = 1.0
+    held_blocks: int | None = None
+    """Blocks the engine caches according to its KV events (None: not known)."""
+    approx_held_blocks: int | None = None
+    """Blocks the router's own record says the engine caches (what it sent there, bounded by capacity)."""
+    reuse_ratio: float = 0.0
+    """Share of recently queried prompt tokens the engine served from its prefix cache (its own counters)."""
     max_num_seqs: int | None = None
     rejoining: bool = False
     """Back from being down and not yet served again by this router (see KvAwarePolicy's rejoin probe)."""
@@ -89,6 +95,9 @@ class CandidateScore:
     topology_penalty_s: float
     live: bool = True
     decode_s: float = 0.0
+    eviction_s: float = 0.0
+    """Expected recompute, by later requests, of the cached blocks this placement pushes out (not a delay
+    of this request, so outside ``ttft_s`` and ``done_s``)."""
 
     @property
     def penalties_s(self) -> float:
@@ -103,6 +112,11 @@ class CandidateScore:
     def done_s(self) -> float:
         """Estimated time to the last token: the first token plus this request's own decoding there."""
         return self.ttft_s + self.decode_s
+
+    @property
+    def cost_s(self) -> float:
+        """What ranking minimises: this request's time to its last token plus what it costs later ones."""
+        return self.done_s + self.eviction_s
 
     @property
     def overlap_tokens(self) -> int:
