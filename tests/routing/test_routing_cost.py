@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from routing_strategies import fleets, requests
@@ -238,3 +239,38 @@ def test_other_replicas_in_flight_requests_count_before_the_next_poll():
     assert decision.chosen == "idle"
     assert queue_depth(busy) == 4 and queue_depth(EngineView("x", "u", in_flight=2, peer_in_flight=3)) == 5
     assert queue_depth(EngineView("x", "u", peer_in_flight=1, running=6)) == 6
+
+
+def test_eviction_is_charged_only_once_the_cache_is_full():
+    costs = CostModel()
+    request = RouteRequest("m", 1024, 64, "doc", max_tokens=16)
+    params = costs.learner.params("e", None)
+    roomy = EngineView("e", "u", num_blocks=1000, held_blocks=100, reuse_ratio=0.6)
+    assert costs.eviction_s(roomy, request, 1024, params, Knowledge.EVENTS) == 0.0
+    full = EngineView("e", "u", num_blocks=1000, held_blocks=1000, reuse_ratio=0.6)
+    expected = 0.6 * params.prefill_s(65 * 16)  # 1024 + 16 tokens need 65 blocks
+    assert costs.eviction_s(full, request, 1024, params, Knowledge.EVENTS) == pytest.approx(expected)
+    unread = EngineView("e", "u", num_blocks=1000, held_blocks=1000, reuse_ratio=0.0)
+    assert costs.eviction_s(unread, request, 1024, params, Knowledge.EVENTS) == 0.0
+    assert costs.eviction_s(EngineView("e", "u", held_blocks=1000, reuse_ratio=0.6), request, 1024, params,
+                            Knowledge.EVENTS) == 0.0  # capacity unknown
+    router_only = EngineView("e", "u", num_blocks=1000, held_blocks=1000, approx_held_blocks=0, reuse_ratio=0.6)
+    assert costs.eviction_s(router_only, request, 1024, params, Knowledge.ROUTER_ONLY) == 0.0
+
+
+def test_a_full_fleet_keeps_a_prefix_on_its_busier_holder_when_its_cache_is_read():
+    """Spilling a 1k-token document to an idler engine would evict another document there; how often
+    evicted blocks are read again decides whether the spill is worth it. A saturated holder still spills."""
+    request = RouteRequest("m", 1040, 65, "doc", max_tokens=16)
+
+    def fleet(reuse: float, ahead: int) -> list[EngineView]:
+        common = {"num_blocks": 256, "held_blocks": 256, "reuse_ratio": reuse, "max_num_seqs": 64}
+        return [EngineView("holder", "u", exact_blocks=64, in_flight=ahead, **common),
+                EngineView("idle", "u", in_flight=0, **common)]
+
+    assert make_policy("kv_aware").choose(request, fleet(0.0, 6)).chosen == "idle"
+    assert make_policy("kv_aware").choose(request, fleet(0.9, 12)).chosen == "idle"
+    decision = make_policy("kv_aware").choose(request, fleet(0.9, 6))
+    assert decision.chosen == "holder"
+    idle = next(s for s in decision.table if s.engine == "idle")
+    assert idle.eviction_s > 0 and idle.cost_s == pytest.approx(idle.done_s + idle.eviction_s)
