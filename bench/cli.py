@@ -63,7 +63,8 @@ def parser() -> argparse.ArgumentParser:
     routing = sub.add_parser("routing", help="policies side by side on one workload")
     routing.add_argument("--workload", choices=WORKLOAD_NAMES, default="a")
     routing.add_argument("--concurrency", type=_int_list, default=[1, 32], help="comma-separated")
-    routing.add_argument("--policies", default="kv_aware,round_robin,approximate", help="comma-separated")
+    routing.add_argument("--policies", default="kv_aware,round_robin,approximate",
+                         help="comma-separated; smg:POLICY runs that peer router (bench/peers.py) in the same run")
     routing.add_argument("--target", help="drive this OpenAI URL instead of starting routers")
     routing.add_argument("--label", default="target", help="row name for --target")
     routing.add_argument("--engine-metrics", nargs="*", default=[], help="engine URLs whose /metrics to diff")

@@ -11,7 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -70,12 +70,12 @@ def _log_tail(path: Path, lines: int = 20) -> str:
 
 
 @asynccontextmanager
-async def spawned(argv: list[str], log_path: Path) -> AsyncIterator[trio.Process]:
+async def spawned(argv: list[str], log_path: Path, env: Mapping[str, str] | None = None) -> AsyncIterator[trio.Process]:
     """Run ``argv`` from the repository root for the duration of the block, then stop it."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
         proc = await trio.lowlevel.open_process(
-            argv, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO_ROOT), start_new_session=True
+            argv, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO_ROOT), start_new_session=True, env=env
         )
     try:
         yield proc

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 import trio
 
-from bench import engine_stats, workloads
+from bench import engine_stats, peers, workloads
 from bench.client import ROUTE_HEADER, TRANSPORT_ERRORS, HttpClient, model_name, run_closed_loop
 from bench.cost_floor import perfect_cache_ttft
 from bench.prefix import PrefixMeter
@@ -141,10 +141,15 @@ async def routers(
     client: HttpClient, engine_urls: list[str], policy: str, count: int, log_dir: Path, tokenizer: str | None = None
 ) -> AsyncIterator[list[str]]:
     """``count`` router replicas with ``policy``; meshed when the policy shares an index (see
-    ``MESHED_POLICIES``), independent otherwise. Yields their base URLs."""
+    ``MESHED_POLICIES``), independent otherwise; a peer router for ``smg:POLICY`` (bench/peers.py).
+    Yields their base URLs."""
     meshed = count > 1 and policy in MESHED_POLICIES
     extra = _mesh_args(log_dir, count) if meshed else [[] for _ in range(count)]
     async with AsyncExitStack() as stack:
+        if peers.is_peer(policy):
+            yield [await stack.enter_async_context(peers.smg_router(client, engine_urls, policy, log_dir))
+                   for _ in range(count)]
+            return
         urls = [
             await stack.enter_async_context(router(client, engine_urls, policy, log_dir, tokenizer, args))
             for args in extra
