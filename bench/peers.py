@@ -42,7 +42,8 @@ def smg_argv(binary: str, policy: str, engine_urls: list[str], port: int, metric
 @asynccontextmanager
 async def smg_router(client: HttpClient, engine_urls: list[str], policy: str, log_dir: Path) -> AsyncIterator[str]:
     """One smg process in front of the engines (it reads the model from their /v1/models); yields its URL."""
-    port, metrics_port = free_port_range(1), free_port_range(1)
+    port = free_port_range(2)
+    metrics_port = port + 1
     argv = smg_argv(smg_binary(), policy, engine_urls, port, metrics_port)
     log = log_dir / f"smg-{policy.removeprefix(SMG_PREFIX)}-{port}.log"
     async with spawned(argv, log, env={**os.environ, "HF_HUB_OFFLINE": "1"}) as proc:

@@ -144,16 +144,13 @@ async def routers(
     ``MESHED_POLICIES``), independent otherwise; a peer router for ``smg:POLICY`` (bench/peers.py).
     Yields their base URLs."""
     meshed = count > 1 and policy in MESHED_POLICIES
-    extra = _mesh_args(log_dir, count) if meshed else [[] for _ in range(count)]
+    if peers.is_peer(policy):
+        starts = [peers.smg_router(client, engine_urls, policy, log_dir) for _ in range(count)]
+    else:
+        extra = _mesh_args(log_dir, count) if meshed else [[] for _ in range(count)]
+        starts = [router(client, engine_urls, policy, log_dir, tokenizer, args) for args in extra]
     async with AsyncExitStack() as stack:
-        if peers.is_peer(policy):
-            yield [await stack.enter_async_context(peers.smg_router(client, engine_urls, policy, log_dir))
-                   for _ in range(count)]
-            return
-        urls = [
-            await stack.enter_async_context(router(client, engine_urls, policy, log_dir, tokenizer, args))
-            for args in extra
-        ]
+        urls = [await stack.enter_async_context(start) for start in starts]
         if meshed:
             await wait_meshed(client, urls)
         yield urls

@@ -138,6 +138,11 @@ def multi_turn(
     ]
 
 
+DEFAULT_MAX_TOKENS = {"a": 16, "b": 16, "c": 16, "d": 128}
+"""Answer length per workload when none is given: short answers where only prompts matter; (d)'s answers
+are part of what fills the cache."""
+
+
 def zipf_weights(count: int, exponent: float) -> list[float]:
     """Cumulative Zipf weights: a few hot items and a long tail, as real document popularity."""
     return list(accumulate(1.0 / (rank + 1) ** exponent for rank in range(count)))
@@ -151,7 +156,7 @@ def oversized_working_set(
     requests: int = 240,
     exponent: float = 1.1,
     question_tokens: tuple[int, int] = (20, 60),
-    max_tokens: int = 128,
+    max_tokens: int = DEFAULT_MAX_TOKENS["d"],
 ) -> list[Conversation]:
     """(d) Documents totalling ``factor`` times the fleet's KV capacity, drawn with Zipf popularity.
 
@@ -178,11 +183,6 @@ def unique_prompts(seed: int, count: int, tokens: int = 24, max_tokens: int = 4)
     return [
         Conversation(f"u{i}", [f"Note {seed}-{i}:" + text(rng, tokens)], max_tokens) for i in range(count)
     ]
-
-
-DEFAULT_MAX_TOKENS = {"a": 16, "b": 16, "c": 16, "d": 128}
-"""Answer length per workload when none is given: short answers where only prompts matter; (d)'s answers
-are part of what fills the cache."""
 
 
 def build(

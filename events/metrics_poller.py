@@ -44,17 +44,18 @@ _SUMMED = {
 _READ = (*(name.removesuffix("_total") for name in _SUMMED), "vllm:kv_cache_usage_perc", "vllm:cache_config_info")
 """Family names: a counter's TYPE line names it without the ``_total`` its samples carry."""
 _COMMENT_PREFIXES = ("# HELP ", "# TYPE ")
+_COMMENT_LEN = len(_COMMENT_PREFIXES[0])
 
 
 def relevant_lines(text: str) -> str:
     """Only the samples and comments of the families read here.
 
-    A vLLM page is mostly histogram buckets, which prometheus_client parses at about 20 us a line: a router
-    polling 100 engines a second would spend a fifth of a core on lines it then ignores.
+    A vLLM page is mostly histogram buckets, and prometheus_client's parser is slow: the simulated
+    engine's 86-line page took 1.9 ms to parse whole and 0.49 ms filtered, once per engine per second.
     """
     return "\n".join(
         line for line in text.splitlines()
-        if line.startswith(_READ) or (line.startswith(_COMMENT_PREFIXES) and line[7:].startswith(_READ))
+        if line.startswith(_READ) or (line.startswith(_COMMENT_PREFIXES) and line[_COMMENT_LEN:].startswith(_READ))
     ) + "\n"
 
 

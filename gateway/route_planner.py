@@ -88,9 +88,9 @@ class RoutePlanner:
         self.tokenizer_registry = TokenizerRegistry(config.tokenizers, config.tokenizer or str(DEFAULT_TOKENIZER_DIR))
         self.tokenizers: TokenizerService | None = None
         self.share_dispatch: Callable[[str, Sequence[int], float], None] | None = None
+        """Set in a mesh: shares speculative and approximate entries with the other replicas."""
         self.peer_in_flight: Callable[[], dict[str, int]] = dict
         """Other replicas' in-flight requests per engine (set by the mesh link; empty without a mesh)."""
-        """Set in a mesh: shares speculative and approximate entries with the other replicas."""
 
     async def run(self, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         """Load tokenizers and start their workers; they live as long as the router."""

@@ -1,10 +1,10 @@
 """A compact engine-hash -> own-key map: open addressing over one array of unsigned 64-bit words.
 
-The alias map holds one entry per block an engine caches, so it dominates the index's memory. A dict
-costs about 74 bytes per entry here (its slot plus a 32-byte int object for the key); two u64 words at
-a load factor of 0.375-0.75 cost 21-43 bytes. The map is only touched when events arrive, never on the
-routing lookup, so single operations probe in Python; growing re-inserts every entry at once with
-numpy so a million-block engine does not pause the event loop.
+The alias map holds one entry per block an engine caches, so it dominates the index's memory: with
+dicts the index took 155 bytes per block held, with these tables 113 (``kvmesh bench index``, 1M
+blocks). Two u64 words at a load factor of 0.375-0.75 cost 21-43 bytes per entry. The map is only
+touched when events arrive, never on the routing lookup, so single operations probe in Python; growing
+re-inserts every entry at once with numpy so a million-block engine does not pause the event loop.
 
 Slots come from multiplying the key by a secret odd number chosen per table, so an engine that sends
 crafted hashes cannot pile them onto one probe chain.
@@ -18,9 +18,10 @@ from collections.abc import Iterator
 
 import numpy as np
 
-_EMPTY = 0
-_TOMBSTONE = (1 << 64) - 1
 _U64 = (1 << 64) - 1
+_EMPTY = 0
+_TOMBSTONE = _U64
+"""No stored key reaches it: keys are below 2**63 and stored shifted by one."""
 _MIN_BITS = 3
 _MAX_LOAD = 0.75
 """Grow (or sweep tombstones) above this share of used slots: linear probes stay short."""

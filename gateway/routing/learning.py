@@ -189,7 +189,7 @@ class TTFTLearner:
         how far one engine may differ from its fleet, is the prior its own data update (Gaussian pooling).
 
         All engines are solved at once with numpy: the fit is redone after every observation, and done one
-        engine at a time in Python it cost 14 ms per request in front of 100 engines.
+        engine at a time in Python it cost 13.5 ms per request in front of 100 engines (``kvmesh bench decide``).
         """
         models = list(self._models.values())
         if not models:

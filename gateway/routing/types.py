@@ -42,7 +42,8 @@ class EngineView:
     approx_blocks: int = 0
     confidence: float = 1.0
     held_blocks: int | None = None
-    """Blocks the engine caches according to its KV events (None: not known)."""
+    """Blocks the engine caches according to its KV events, or to the router's record for an engine without
+    events (None: not known)."""
     approx_held_blocks: int | None = None
     """Blocks the router's own record says the engine caches (what it sent there, bounded by capacity)."""
     reuse_ratio: float = 0.0
