@@ -2,7 +2,7 @@
 
 For 1, 2, 4 and 8 replicas behind a real HAProxy (TCP, round robin), each on a fresh local cluster:
 the engines' prefix-cache hit rate and TTFT on the multi-turn (c) and shared-document (a) workloads,
-and each replica's CPU. Then the replicated index itself (mesh/measure.py, in this process over
+and each replica's CPU. Then the replication itself (bench/mesh_measure.py, in this process over
 loopback TCP): replication lag from a write on one replica to its visibility on all others, and
 the block-op ingest rate of one replica.
 """
@@ -17,13 +17,13 @@ from pathlib import Path
 
 import trio
 
+from bench import mesh_measure as measure
 from bench.report import Verdict
 from bench.runner import MeasureOptions
 from cluster.daemon import StartError
 from cluster.local import ClusterError, UpOptions, down, up
 from cluster.state import load
 from cluster.workload_run import ClusterRun, run_workload
-from mesh import measure
 
 WORKLOADS = ("c", "a")
 HIT_RATE_POINTS = 1.0

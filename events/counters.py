@@ -14,3 +14,6 @@ METRICS_POLLS = Counter("kvmesh_metrics_polls_total", "Engine /metrics polls by 
 SUBSCRIBER_RESTARTS = Counter("kvmesh_event_subscriber_restarts_total",
                               "Event subscriber sessions rebuilt after a disconnect or socket error",
                               ["engine", "reason"])
+INGEST_DEFERRED = Counter("kvmesh_event_ingest_deferred_seconds_total",
+                          "Seconds event ingest waited because it had used its share of the event loop",
+                          ["engine"])

@@ -6,7 +6,7 @@ a replay when told to; every decision lives here so it can be tested without soc
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from events.counters import BLOCK_OPS, EVENT_BATCHES, EVENTS_DROPPED, REPLAYS
 from events.decode import DecodeError, EventBatch, ReplayEnd, decode_live, decode_replay
@@ -19,11 +19,9 @@ DEFAULT_MAX_PAYLOAD = 16 * 1024 * 1024
 
 class EngineFeed:
     def __init__(self, engine: str, model: str, view: CacheView,
-                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD, resume_seq: int | None = None,
-                 on_applied: Callable[[int], None] | None = None) -> None:
-        """`resume_seq`: the last seq applied to the (replicated) index by a previous owner of this
-        stream; the first live batch after it then replays the gap instead of re-reading from 0.
-        `on_applied(seq)` is told the last seq applied after each input, so a mesh can record it."""
+                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD, resume_seq: int | None = None) -> None:
+        """`resume_seq`: the last seq of this stream already in the index (loaded from a peer's
+        snapshot); catching up then replays from the next one instead of re-reading from 0."""
         info = view.info(engine)
         if info is None:
             raise ValueError(f"engine {engine!r} is not registered in the cache view")
@@ -34,7 +32,6 @@ class EngineFeed:
         self.tracker: SequenceTracker[EventBatch] = SequenceTracker()
         self.tracker.last_seq = resume_seq
         self.ingest.last_seq = resume_seq
-        self.on_applied = on_applied
         self.max_payload_bytes = max_payload_bytes
         self.totals = IngestStats()
 
@@ -97,6 +94,11 @@ class EngineFeed:
         self.freshness.on_replay_failed()
         self._act(self.tracker.replay_failed(), now)
 
+    def applied_seq(self) -> int | None:
+        """The last seq whose batch is in the index (None before the first)."""
+        seq = self.tracker.last_seq
+        return seq if seq is not None and seq >= 0 else None
+
     @property
     def replaying(self) -> bool:
         return self.tracker.replaying
@@ -116,8 +118,6 @@ class EngineFeed:
             self.view.on_ingest(self.engine, stats)
             self.freshness.on_events(now, batch.seq)
             self._count(batch, stats)
-        if self.on_applied is not None and (decision.apply or decision.reset):
-            self.on_applied(decision.apply[-1].seq if decision.apply else -1)
 
     def _count(self, batch: EventBatch, stats: IngestStats) -> None:
         EVENT_BATCHES.labels(engine=self.engine).inc()

@@ -1,7 +1,8 @@
 """trio task tree of one engine event publisher: ZMQ SUB for live batches, DEALER for replays.
 
-The SUB socket is driven by waiting on its (edge-triggered) FD and draining up to DRAIN_BATCH
-messages with NOBLOCK per wake-up, which measured far faster here than zmq-anyio. All decisions are
+The SUB socket is driven by waiting on its (edge-triggered) FD and draining it with NOBLOCK in slices
+of work charged to the process's IngestBudget (events/ingest_budget.py), which measured far faster here
+than zmq-anyio and keeps request handling from starving behind a busy fleet's events. All decisions are
 taken by the sans-IO EngineFeed; this module only moves frames and reconnects with backoff.
 """
 
@@ -13,11 +14,13 @@ from dataclasses import dataclass
 import trio
 import zmq
 
-from events.counters import SUBSCRIBER_RESTARTS
+from events.counters import INGEST_DEFERRED, SUBSCRIBER_RESTARTS
 from events.discovery import EventSource
 from events.feed import EngineFeed
+from events.ingest_budget import IngestBudget
 
-DRAIN_BATCH = 64
+PROCESS_BUDGET = IngestBudget()
+"""One budget for every subscriber of the process: the loop they share is one."""
 
 
 class PublisherDisconnected(Exception):
@@ -27,7 +30,8 @@ class PublisherDisconnected(Exception):
 @dataclass(frozen=True, slots=True)
 class SubscriberConfig:
     rcvhwm: int = 100_000
-    max_message_bytes: int = 64 * 1024 * 1024
+    max_message_bytes: int = 16 * 1024 * 1024
+    """As large as the feed accepts (events/feed.py DEFAULT_MAX_PAYLOAD): bigger is cut off by libzmq."""
     replay_timeout_s: float = 5.0
     backoff_initial_s: float = 0.2
     backoff_max_s: float = 10.0
@@ -47,7 +51,8 @@ async def _readable(sock: zmq.Socket) -> None:
 
 async def run_subscriber(feed: EngineFeed, source: EventSource, *, context: zmq.Context | None = None,
                          config: SubscriberConfig | None = None,
-                         clock: Callable[[], float] = trio.current_time) -> None:
+                         clock: Callable[[], float] = trio.current_time,
+                         budget: IngestBudget = PROCESS_BUDGET) -> None:
     """Run until cancelled, rebuilding the session with exponential backoff after errors/disconnects."""
     config = config or SubscriberConfig()
     context = context or zmq.Context.instance()
@@ -55,7 +60,7 @@ async def run_subscriber(feed: EngineFeed, source: EventSource, *, context: zmq.
     while True:
         started = trio.current_time()
         try:
-            await _session(feed, source, context, config, clock)
+            await _session(feed, source, context, config, clock, budget)
         except* zmq.ZMQError:
             SUBSCRIBER_RESTARTS.labels(engine=feed.engine, reason="socket_error").inc()
         except* PublisherDisconnected:
@@ -68,7 +73,7 @@ async def run_subscriber(feed: EngineFeed, source: EventSource, *, context: zmq.
 
 
 async def _session(feed: EngineFeed, source: EventSource, context: zmq.Context, config: SubscriberConfig,
-                   clock: Callable[[], float]) -> None:
+                   clock: Callable[[], float], budget: IngestBudget) -> None:
     sub = context.socket(zmq.SUB)
     monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     try:
@@ -80,24 +85,43 @@ async def _session(feed: EngineFeed, source: EventSource, context: zmq.Context, 
             sub.connect(source.endpoint)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_disconnect, monitor)
-            start = feed.catch_up(clock())
-            if start is not None:
-                nursery.start_soon(_replay, feed, source, start, context, config, clock)
+            def replay(start: int | None) -> None:
+                if start is not None:
+                    nursery.start_soon(_replay, feed, source, start, context, config, clock, budget)
+
+            replay(feed.catch_up(clock()))
             while True:
                 await _readable(sub)
-                for _ in range(DRAIN_BATCH):
-                    try:
-                        frames = sub.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    start = feed.on_live(frames, clock())
-                    if start is not None:
-                        nursery.start_soon(_replay, feed, source, start, context, config, clock)
-                await trio.lowlevel.checkpoint()
+                await _drain(sub, budget, lambda frames: replay(feed.on_live(frames, clock())), feed, clock)
     finally:
         sub.disable_monitor()
         monitor.close(linger=0)
         sub.close(linger=0)
+
+
+async def _drain(sock: zmq.Socket, budget: IngestBudget, handle: Callable[[list[bytes]], object],
+                 feed: EngineFeed, clock: Callable[[], float]) -> bool:
+    """Handle every queued message in budgeted slices; returns True when an end marker was handled
+    (``handle`` answered True), False once the socket is empty."""
+    while True:
+        wait = budget.wait_s(trio.current_time())
+        if wait > 0:
+            INGEST_DEFERRED.labels(engine=feed.engine).inc(wait)
+            feed.freshness.on_deferred(clock())
+            await trio.sleep(wait)
+        began = trio.current_time()
+        try:
+            while trio.current_time() - began < budget.slice_s:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    feed.freshness.on_caught_up()
+                    return False
+                if handle(frames) is True:
+                    return True
+        finally:
+            budget.charge(trio.current_time(), trio.current_time() - began)
+        await trio.lowlevel.checkpoint()
 
 
 async def _watch_disconnect(monitor: zmq.Socket) -> None:
@@ -106,7 +130,7 @@ async def _watch_disconnect(monitor: zmq.Socket) -> None:
 
 
 async def _replay(feed: EngineFeed, source: EventSource, start: int, context: zmq.Context,
-                  config: SubscriberConfig, clock: Callable[[], float]) -> None:
+                  config: SubscriberConfig, clock: Callable[[], float], budget: IngestBudget) -> None:
     """Ask the engine's ROUTER for batches >= start; the feed orders them with held live batches."""
     if source.replay_endpoint is None:
         feed.on_replay_failed(clock())
@@ -120,15 +144,7 @@ async def _replay(feed: EngineFeed, source: EventSource, start: int, context: zm
         with trio.move_on_after(config.replay_timeout_s):
             while not done:
                 await _readable(dealer)
-                for _ in range(DRAIN_BATCH):
-                    try:
-                        frames = dealer.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    if feed.on_replay(frames, clock()):
-                        done = True
-                        break
-                await trio.lowlevel.checkpoint()
+                done = await _drain(dealer, budget, lambda frames: feed.on_replay(frames, clock()), feed, clock)
     finally:
         dealer.close(linger=0)
         if not done:

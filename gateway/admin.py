@@ -61,7 +61,7 @@ def index_report(router: Router) -> dict[str, Any]:
             "lost_batches": fresh.lost_batches if fresh else 0,
             "resets": fresh.resets if fresh else 0,
             "speculative_blocks": cache.approximate.size(engine.id),
-            "owner_present": fresh.owner_present if fresh else None,
+            "ingest_behind": bool(fresh and fresh.behind_since is not None),
         }
     return {"engines": engines}
 

@@ -58,7 +58,6 @@ class MeshConfig:
     replication_bind: str | None = None
     redis_url: str | None = None
     cluster: str = "kvmesh"
-    redundancy: int = 2
 
 
 @dataclass
@@ -114,8 +113,6 @@ class RouterConfig:
             if engine.url in seen:
                 raise ConfigError(f"engines[{i}].url: {engine.url} is listed twice")
             seen.add(engine.url)
-        if self.mesh.redundancy < 1:
-            raise ConfigError("mesh.redundancy: must be at least 1")
         validate_security(self.auth, self.tenants)
         self.admission.validate("admission")
         self.tracing.validate()

@@ -91,5 +91,5 @@ class Gatekeeper:
             for replica in self.limiter.peer_ids():
                 if replica not in live:
                     self.limiter.forget_peer(replica)
-            mesh.store.set_limits(self.limiter.export(time.time()))
+            mesh.set_limits(self.limiter.export(time.time()))
             await trio.sleep(PUBLISH_INTERVAL_S)

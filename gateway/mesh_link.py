@@ -1,10 +1,10 @@
 """The router's side of the mesh: build the node from config, and keep local state in step with it.
 
 What flows from the mesh into this replica: admin state of engines (drain, maintenance, island, added
-and removed engines), event progress of engines other replicas ingest (freshness), whether each
-engine's stream still has a live owner (confidence decays when not), and the blocks other replicas just
-sent to engines (speculative entries; for engines without events, the approximate index itself), and
-how many requests the other replicas have in flight per engine (fresher than any engine's /metrics).
+and removed engines), the blocks other replicas just sent to engines (speculative entries; for engines
+without events, the approximate index itself), and how many requests the other replicas have in flight
+per engine (fresher than any engine's /metrics). The block index does not flow here: every replica
+ingests every engine's events itself (gateway/event_ingest.py).
 """
 
 from __future__ import annotations
@@ -19,8 +19,11 @@ import trio
 from gateway.admin import ADMIN_STATE_KEYS
 from gateway.config import ConfigError, EngineConfig, RouterConfig
 from gateway.engines import EngineState
+from gateway.mesh_state import NAMESPACES, MeshState
 from mesh.auth import load_secret
 from mesh.node import MeshNode, MeshNodeSettings
+
+DISPATCH_SWEEP_S = 5.0
 
 if TYPE_CHECKING:
     from gateway.router import Router
@@ -41,13 +44,13 @@ def build_mesh_node(config: RouterConfig) -> MeshNode | None:
         secret=secret, name=f"{socket.gethostname()}-{config.port}", bind=mesh.bind,
         advertise=mesh.advertise or _advertise_for(mesh.bind), seeds=tuple(mesh.seeds),
         replication_bind=replication, http_addr=f"http://{config.host}:{config.port}", island=config.island or "",
-        cluster=mesh.cluster, redis_url=mesh.redis_url, redundancy=mesh.redundancy,
+        cluster=mesh.cluster, redis_url=mesh.redis_url,
     )
     try:
         settings.validate()
     except ValueError as exc:
         raise ConfigError(f"mesh: {exc}") from None
-    return MeshNode(settings)
+    return MeshNode(settings, NAMESPACES)
 
 
 def _advertise_for(bind: str) -> str | None:
@@ -66,8 +69,17 @@ def registry_state(engine: EngineState) -> dict[str, Any]:
             "zone": engine.zone}
 
 
-def follow_mesh(router: Router, node: MeshNode) -> None:
-    """Subscribe the router to the node's change feeds; each callback is cheap and never awaits."""
+async def sweep_dispatches(state: MeshState) -> None:
+    """The mesh's leader deletes expired dispatch entries, so the document does not keep them."""
+    while True:
+        await trio.sleep(DISPATCH_SWEEP_S)
+        if state.node.is_leader():
+            state.sweep_dispatches(time.time())
+
+
+def follow_mesh(router: Router, state: MeshState) -> None:
+    """Subscribe the router to the mesh's change feeds; each callback is cheap and never awaits."""
+    node = state.node
 
     def on_registry(engine_id: str, state: dict[str, Any] | None) -> None:
         if state is None or state.get("removed"):
@@ -79,30 +91,18 @@ def follow_mesh(router: Router, node: MeshNode) -> None:
                               replicate=False)
         router.set_engine_state(engine_id, {k: state[k] for k in ADMIN_STATE_KEYS if k in state}, replicate=False)
 
-    def on_seq(engine_id: str, seq: int) -> None:
-        info = router.planner.cache.info(engine_id)
-        if info is not None:
-            info.freshness.on_events(trio.current_time(), seq)
-
-    def on_presence(engine_id: str, present: bool) -> None:
-        info = router.planner.cache.info(engine_id)
-        if info is not None:
-            info.freshness.on_owner(trio.current_time(), present)
-
     def on_dispatch(engine_id: str, own_key: int, expires_at: float) -> None:
         router.planner.cache.record_remote_dispatch(engine_id, own_key, trio.current_time(),
                                                     expires_at - time.time())
 
     def share_dispatch(engine_id: str, own_keys: Sequence[int], ttl_s: float) -> None:
         now = time.time()
-        node.store.publish_dispatch(engine_id, own_keys, now + ttl_s, now + ttl_s / 2)
+        state.publish_dispatch(engine_id, own_keys, now + ttl_s, now + ttl_s / 2)
 
-    node.on_registry(on_registry)
-    node.on_seq(on_seq)
-    node.on_owner_presence(on_presence)
-    node.on_dispatch(on_dispatch)
+    state.on_registry(on_registry)
+    state.on_dispatch(on_dispatch)
     router.planner.share_dispatch = share_dispatch
     node.share_load(lambda: {e.id: e.in_flight for e in router.engines.all() if e.in_flight > 0})
     router.planner.peer_in_flight = node.peer_in_flight
-    for engine_id, state in node.engine_states().items():
-        on_registry(engine_id, state)
+    for engine_id, engine_state in state.registry().items():
+        on_registry(engine_id, engine_state)

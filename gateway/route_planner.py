@@ -24,7 +24,6 @@ from gateway.routing import Decision, EngineView, RouteRequest, make_policy, pre
 from gateway.routing.cost import Knowledge
 from index.block_hash import chain, root_seed
 from index.prefix_index import PrefixIndex
-from index.store import BlockStore
 from index.view import CacheView
 from tokenization.messages import RenderError
 from tokenization.registry import DEFAULT_TOKENIZER_DIR, TokenizerRegistry
@@ -78,13 +77,12 @@ def request_prefix_key(parsed: ParsedRequest) -> str:
 
 
 class RoutePlanner:
-    def __init__(self, config: RouterConfig, engines: EngineRegistry, metrics: RouterMetrics,
-                 store: BlockStore | None = None) -> None:
+    def __init__(self, config: RouterConfig, engines: EngineRegistry, metrics: RouterMetrics) -> None:
         self.config = config
         self.engines = engines
         self.metrics = metrics
         self.policy = make_policy(config.policy)
-        self.cache = CacheView(store if store is not None else PrefixIndex())
+        self.cache = CacheView(PrefixIndex())
         self.tokenizer_registry = TokenizerRegistry(config.tokenizers, config.tokenizer or str(DEFAULT_TOKENIZER_DIR))
         self.tokenizers: TokenizerService | None = None
         self.share_dispatch: Callable[[str, Sequence[int], float], None] | None = None

@@ -16,7 +16,8 @@ from gateway.engine_watch import watch_engine
 from gateway.engines import EngineRegistry, EngineState
 from gateway.event_ingest import EventIngest
 from gateway.gatekeeper import Gatekeeper
-from gateway.mesh_link import build_mesh_node, follow_mesh, registry_state
+from gateway.mesh_link import build_mesh_node, follow_mesh, registry_state, sweep_dispatches
+from gateway.mesh_state import MeshState
 from gateway.metrics import RouterMetrics
 from gateway.openai_errors import ApiError
 from gateway.proxy import Attempt, Exchange, Timeouts, forward
@@ -38,8 +39,8 @@ class Router:
         self.metrics = RouterMetrics()
         self.metrics.on_scrape(self._export_gauges)
         self.mesh = build_mesh_node(config)
-        self.planner = RoutePlanner(config, self.engines, self.metrics,
-                                    store=self.mesh.store if self.mesh is not None else None)
+        self.mesh_state = MeshState(self.mesh) if self.mesh is not None else None
+        self.planner = RoutePlanner(config, self.engines, self.metrics)
         self.ingest = EventIngest(self.planner.cache, self.mesh)
         self.gate = Gatekeeper(config, self.metrics, self.mesh.member_id if self.mesh is not None else "local")
         self.timeouts = Timeouts(config.connect_timeout_s, config.first_byte_timeout_s, config.idle_timeout_s)
@@ -52,13 +53,14 @@ class Router:
         """Mesh, tokenizers, event ingestion and engine watchers; owned by the process nursery."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            if self.mesh is not None:
-                await nursery.start(self.mesh.run)
-                follow_mesh(self, self.mesh)
-                if self.gate.has_limits:
-                    nursery.start_soon(self.gate.share_limits, self.mesh)
-            await nursery.start(self.planner.run)
             await nursery.start(self.ingest.run)
+            if self.mesh is not None and self.mesh_state is not None:
+                await nursery.start(self.mesh.run)
+                follow_mesh(self, self.mesh_state)
+                nursery.start_soon(sweep_dispatches, self.mesh_state)
+                if self.gate.has_limits:
+                    nursery.start_soon(self.gate.share_limits, self.mesh_state)
+            await nursery.start(self.planner.run)
             for engine in self.engines.all():
                 self._watch(engine)
             task_status.started()
@@ -79,8 +81,8 @@ class Router:
         engine = self.engines.add(config)
         if engine.id not in self._watches:
             self._watch(engine)
-        if replicate and self.mesh is not None:
-            self.mesh.set_engine_state(engine.id, {**registry_state(engine), "url": engine.url})
+        if replicate and self.mesh_state is not None:
+            self.mesh_state.set_registry(engine.id, {**registry_state(engine), "url": engine.url})
         return engine.id
 
     def remove_engine(self, engine_id: str, replicate: bool = True) -> None:
@@ -90,8 +92,8 @@ class Router:
         self.ingest.remove(engine_id)
         self.engines.remove(engine_id)
         self.planner.cache.unregister(engine_id)
-        if replicate and self.mesh is not None:
-            self.mesh.set_engine_state(engine_id, {"removed": True})
+        if replicate and self.mesh_state is not None:
+            self.mesh_state.set_registry(engine_id, {"removed": True})
 
     def set_engine_state(self, engine_id: str, state: dict[str, Any], replicate: bool = True) -> None:
         engine = self.engines.get(engine_id)
@@ -102,8 +104,8 @@ class Router:
                 engine.config.island = value
             elif key in ADMIN_STATE_KEYS:
                 setattr(engine, key, value)
-        if replicate and self.mesh is not None:
-            self.mesh.set_engine_state(engine_id, {**registry_state(engine), "url": engine.url})
+        if replicate and self.mesh_state is not None:
+            self.mesh_state.set_registry(engine_id, {**registry_state(engine), "url": engine.url})
 
     def _export_gauges(self, metrics: RouterMetrics) -> None:
         now, clock = time.monotonic(), trio.current_time()

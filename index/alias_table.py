@@ -123,6 +123,11 @@ class AliasTable:
     def values(self) -> list[int]:
         return self._pairs()[:, 1].tolist()
 
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(keys, values) of every live entry as u64 arrays, without a Python object per entry."""
+        pairs = self._pairs()
+        return pairs[:, 0] - np.uint64(1), pairs[:, 1].copy()
+
     def _rebuild(self) -> None:
         """Re-insert the live entries into the smallest table they fill at most half of, dropping tombstones.
 

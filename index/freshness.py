@@ -2,8 +2,9 @@
 
 An idle engine publishes nothing, so silence only counts against an engine that its last /metrics
 poll showed busy; silence is measured from when it became busy, not from its last event. Lost
-batches (unfillable gaps) make the state partly unknown for a while; losing the replica that owns
-the engine's event stream (mesh) decays knowledge like silence does.
+batches (unfillable gaps) make the state partly unknown for a while; so does ingest that falls behind
+the engine's stream (the router deferring event work to keep serving, events/ingest_budget.py): while
+behind, knowledge decays like silence does.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ class EngineFreshness:
         self.last_poll_at: float | None = None
         self.running: int | None = None
         self.busy_since: float | None = None
-        self.owner_present = True
-        self.owner_lost_at: float | None = None
+        self.behind_since: float | None = None
+        """When ingest last started deferring this engine's events (None: caught up)."""
 
     def on_events(self, now: float, seq: int) -> None:
         self.last_event_at = now
@@ -62,10 +63,14 @@ class EngineFreshness:
         self.running = running
         self.last_poll_at = now
 
-    def on_owner(self, now: float, present: bool) -> None:
-        if self.owner_present and not present:
-            self.owner_lost_at = now
-        self.owner_present = present
+    def on_deferred(self, now: float) -> None:
+        """Ingest had to wait with this engine's events queued: the index lags the engine."""
+        if self.behind_since is None:
+            self.behind_since = now
+
+    def on_caught_up(self) -> None:
+        """Every queued event of this engine has been applied."""
+        self.behind_since = None
 
     def confidence(self, now: float) -> float:
         if self.has_events and self.last_event_at is None and self.last_poll_at is None:
@@ -79,8 +84,8 @@ class EngineFreshness:
         if self.last_loss_at is not None:
             remaining = max(0.0, 1.0 - (now - self.last_loss_at) / p.loss_recovery_s)
             value *= 1.0 - p.loss_penalty * remaining
-        if not self.owner_present and self.owner_lost_at is not None:
-            value *= 0.5 ** (max(0.0, now - self.owner_lost_at) / p.silence_half_life_s)
+        if self.behind_since is not None:
+            value *= 0.5 ** (1 + max(0.0, now - self.behind_since) / p.silence_half_life_s)
         return min(1.0, max(0.0, value))
 
     def _suspicious_silence(self, now: float) -> float:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 from index.alias_table import AliasTable
 
 # Interning only saves memory; bounding the table keeps many-engine churn from growing it forever.
@@ -173,6 +175,14 @@ class PrefixIndex:
 
     def engines(self) -> list[str]:
         return sorted(self._aliases)
+
+    def export(self, engine: str) -> tuple[np.ndarray, np.ndarray]:
+        """One engine's (engine hashes, own keys) as u64 arrays: what a starting replica is sent."""
+        aliases = self._aliases.get(engine)
+        if aliases is None:
+            empty = np.zeros(0, dtype=np.uint64)
+            return empty, empty.copy()
+        return aliases.arrays()
 
     def pairs(self, engine: str) -> dict[int, int]:
         """A copy of one engine's alias map (what a replica snapshots or replicates)."""

@@ -1,14 +1,15 @@
 """The block store interface shared by the plain index and the replicated (CRDT) backend.
 
-What is stored is, per engine, a map engine_hash -> own_key: exactly the state that replicas
-replicate (each engine's map has one writer, the replica owning that engine's event stream).
-Lookup is by own keys (see index/block_hash.py).
+What is stored is, per engine, a map engine_hash -> own_key: exactly the state a starting replica is
+sent by a peer (gateway/index_transfer.py). Lookup is by own keys (see index/block_hash.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from typing import Protocol
+
+import numpy as np
 
 
 class BlockStore(Protocol):
@@ -44,4 +45,8 @@ class BlockStore(Protocol):
 
     def engines(self) -> list[str]:
         """Engines that currently hold at least one block."""
+        ...
+
+    def export(self, engine: str) -> tuple[np.ndarray, np.ndarray]:
+        """One engine's (engine hashes, own keys) as u64 arrays."""
         ...

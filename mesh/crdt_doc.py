@@ -1,18 +1,14 @@
-"""The replicated index document (sans-IO): layout, local-op log and compaction epochs.
+"""A replicated document of named string maps (sans-IO): local-op log and compaction epochs.
 
-Layout: five flat root maps of string keys to string values.
-
-- ``blocks``:   ``"<engine>\\x1f<engine_hash>"`` -> own key (decimal)
-- ``seq``:      ``"<engine>"`` -> last applied event seq (decimal)
-- ``registry``: ``"<engine>"`` -> JSON admin state (drain, maintenance, island)
-- ``approx``:   ``"<engine>\\x1f<own_key>"`` -> expiry (unix seconds) of a block some replica sent there
-                (approximate entries of engines without events, speculative entries of the others)
-- ``limits``:   ``"<replica>"`` -> JSON of that replica's windowed request/token counts per tenant
-
-Flat root maps (not nested maps) because two replicas creating the same nested map concurrently is a
+The mesh does not know what the namespaces mean: the caller names them (the router's are listed in
+gateway/mesh_state.py). Each namespace is one flat root map of string keys to string values. Flat
+root maps (not nested maps) because two replicas creating the same nested map concurrently is a
 last-writer-wins conflict that silently drops one side. Values are strings because pycrdt encodes
-numbers as float64 (u64 hashes would lose bits). Each key has one writer (the engine's owner, or the
-replica named in the key), so concurrent writes to one key are rare.
+numbers as float64 (u64 values would lose bits).
+
+What does NOT belong here: anything written at the rate of KV events. One pycrdt item per KV block cost
+~60 us of CPU and ~1.3 KB of memory per block on every replica; the block index is not replicated
+through this document at all (see gateway/event_ingest.py).
 
 Compaction: tombstones grow without bound under churn, so a replica rebuilds a fresh document from the
 live keys under a new ``Epoch``. Peers replace their document when they see a higher epoch; local ops
@@ -28,7 +24,6 @@ from functools import partial
 
 from pycrdt import Doc, Map, MapEvent, Subscription, TransactionEvent, merge_updates
 
-MAPS = ("blocks", "seq", "registry", "approx", "limits")
 SEP = "\x1f"
 
 Change = tuple[str, str, str | None, str | None]
@@ -51,7 +46,10 @@ GENESIS = Epoch(0, "")
 
 @dataclass(frozen=True)
 class _Logged:
+    """A local write, located in the history it was made in: ``clock`` of ``client`` in ``epoch``."""
+
     value: str | None
+    epoch: Epoch
     client: int
     clock: int
 
@@ -100,21 +98,24 @@ def _put_varuint(out: bytearray, value: int) -> None:
     out.append(value)
 
 
-class IndexDoc:
-    """One replica's copy of the index document plus a plain-dict view of it.
+class ReplicatedDoc:
+    """One replica's copy of the document plus a plain-dict view of it.
 
     ``content`` mirrors every map as a dict (reads never touch pycrdt: ``Map.get`` costs 2-3 us).
     Subscribers get each batch of changes exactly once, whether it came from a local write, a remote
     update or an epoch switch.
     """
 
-    def __init__(self, replica_id: str) -> None:
+    def __init__(self, replica_id: str, namespaces: Iterable[str]) -> None:
         if SEP in replica_id:
             raise ValueError("replica id must not contain the key separator")
         self.replica_id = replica_id
+        self.namespaces = tuple(namespaces)
         self.epoch = GENESIS
+        self.base_epoch = GENESIS
+        """The epoch whose state vector ``base_state`` is written in (the history this one was built from)."""
         self.base_state: dict[int, int] = {}
-        self.content: dict[str, dict[str, str]] = {name: {} for name in MAPS}
+        self.content: dict[str, dict[str, str]] = {name: {} for name in self.namespaces}
         self.churn = 0
         self.malformed_values = 0
         self._log: dict[tuple[str, str], _Logged] = {}
@@ -130,8 +131,8 @@ class IndexDoc:
 
     def _attach(self, doc: Doc) -> None:
         self._doc = doc
-        self._maps: dict[str, Map] = {name: doc.get(name, type=Map) for name in MAPS}
-        self._subscriptions = {name: self._observe(name) for name in MAPS}
+        self._maps: dict[str, Map] = {name: doc.get(name, type=Map) for name in self.namespaces}
+        self._subscriptions = {name: self._observe(name) for name in self.namespaces}
         doc.observe(self._on_transaction)
 
     def _observe(self, name: str) -> Subscription:
@@ -208,7 +209,7 @@ class IndexDoc:
         clock = decode_state(self._doc.get_state()).get(client, 0)
         for name, key, old, value in changes:
             self.churn += old is not None
-            self._log[(name, key)] = _Logged(value, client, clock)
+            self._log[(name, key)] = _Logged(value, self.epoch, client, clock)
         self._emit(changes)
         return changes
 
@@ -254,13 +255,21 @@ class IndexDoc:
         base = decode_state(self._doc.get_state())
         fresh = Doc()
         with fresh.transaction():
-            for name in MAPS:
+            for name in self.namespaces:
                 root = fresh.get(name, type=Map)
                 for key, value in self.content[name].items():
                     root[key] = value
-        self._switch(Epoch(self.epoch.number + 1, self.replica_id), base, fresh)
+        epoch = Epoch(self.epoch.number + 1, self.replica_id)
+        # Every live value is in the fresh document, written by its one transaction: a snapshot built on
+        # this epoch covers them all, so the log is re-stated in its terms (deletes need no record there).
+        client = fresh.client_id
+        clock = decode_state(fresh.get_state()).get(client, 0)
+        self._log = {(name, key): _Logged(entry.value, epoch, client, clock)
+                     for (name, key), entry in self._log.items()
+                     if entry.value is not None and self.content[name].get(key) == entry.value}
+        self._switch(epoch, self.epoch, base, fresh)
 
-    def adopt(self, epoch: Epoch, base_state: dict[int, int], full: bytes) -> list[Change]:
+    def adopt(self, epoch: Epoch, base_epoch: Epoch, base_state: dict[int, int], full: bytes) -> list[Change]:
         """Replace the document with a higher epoch's full state, then re-write local ops it lacks.
 
         Raises ValueError (changing nothing) if ``full`` cannot be decoded.
@@ -269,34 +278,46 @@ class IndexDoc:
             raise ValueError(f"epoch {epoch} is not newer than {self.epoch}")
         fresh = Doc()
         fresh.apply_update(full)
+        if not epoch.number < 2**63 or not base_epoch.number < 2**63 or base_epoch > epoch:
+            raise ValueError(f"epoch {epoch} built on {base_epoch} is out of range")
         incoming: dict[str, dict[str, str]] = {}
-        for name in MAPS:
+        for name in self.namespaces:
             values = fresh.get(name, type=Map).to_py() or {}
             incoming[name] = {k: v for k, v in values.items() if isinstance(v, str)}
             self.malformed_values += len(values) - len(incoming[name])
         changes: list[Change] = []
-        for name in MAPS:
+        for name in self.namespaces:
             old_view, new_view = self.content[name], incoming[name]
             changes.extend((name, k, v, None) for k, v in old_view.items() if k not in new_view)
             changes.extend((name, k, old_view.get(k), v) for k, v in new_view.items() if old_view.get(k) != v)
+        missing = [(name, key, entry.value) for (name, key), entry in self._log.items()
+                   if _missing_from(entry, base_epoch, base_state)]
         self.content = incoming
-        self._switch(epoch, base_state, fresh)
+        self._switch(epoch, base_epoch, base_state, fresh)
         self._emit(changes)
-        # A set is missing if the snapshot's base state does not cover its clock. Deletes advance no
-        # clock (they live only in the delete set), so every logged delete is re-applied; write()
-        # skips keys that are already absent.
-        missing = [
-            (name, key, entry.value)
-            for (name, key), entry in self._log.items()
-            if entry.value is None or base_state.get(entry.client, 0) < entry.clock
-        ]
-        self._log = {key: entry for key, entry in self._log.items() if entry.value is not None}
+        # Only the re-written ops stay logged (under the new epoch): every other logged op is in the
+        # adopted history, and re-applying it later would overwrite newer writes by others.
+        self._log = {}
         self.write(missing)
         return changes
 
-    def _switch(self, epoch: Epoch, base_state: dict[int, int], doc: Doc) -> None:
+    def _switch(self, epoch: Epoch, base_epoch: Epoch, base_state: dict[int, int], doc: Doc) -> None:
         self.epoch = epoch
+        self.base_epoch = base_epoch
         self.base_state = base_state
         self.churn = 0
         self._pending = []
         self._attach(doc)
+
+
+def _missing_from(entry: _Logged, base_epoch: Epoch, base_state: dict[int, int]) -> bool:
+    """Whether a snapshot built on ``base_epoch`` at ``base_state`` lacks a logged local op.
+
+    The log only holds ops of this replica's current epoch (see compact and adopt), so an op of another
+    history than the base is missing (the snapshot was built on a branch this replica never joined), and
+    an op of the base history is missing when the base state does not cover its clock. Deletes advance no
+    clock (they live only in the delete set), so a logged delete is re-applied (write() skips keys that
+    are already absent)."""
+    if entry.epoch != base_epoch:
+        return True
+    return entry.value is None or base_state.get(entry.client, 0) < entry.clock

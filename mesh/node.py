@@ -1,17 +1,13 @@
-"""One router replica's whole mesh presence: membership, replication, ownership and snapshots in one object.
+"""One replica's mesh presence: membership, a replicated document of named maps, state transfer, snapshots.
 
-The router builds its index view on ``node.store`` and asks the node which engines' event streams it
-must ingest. Start it with ``node = await nursery.start(MeshNode(settings).run)``; it starts, in this
-order, a Redis snapshot load (bounded, only if ``redis_url``), the replication service, the gossip
-membership (advertising the replication address), the snapshot writer (only if ``redis_url``), and the
-ownership tracker. Everything runs in one nursery owned by :meth:`MeshNode.run`.
+The mesh is generic: it knows peers and namespaces, not what a router keeps in them (that is
+gateway/mesh_state.py). Start it with ``node = await nursery.start(MeshNode(settings, namespaces).run)``;
+it starts, in this order, a Redis snapshot load (bounded, only if ``redis_url``), the replication service,
+the gossip membership (advertising the replication address) and the snapshot writer (only if
+``redis_url``). Everything runs in one nursery owned by :meth:`MeshNode.run`.
 
-Ownership is rendezvous hashing over the live members (:mod:`mesh.ownership`). The tracker reconciles
-every ``reconcile_interval`` against ``live_members()`` and also wakes on gossip events; it does not
-rely on events alone because the event channel drops events when its reader falls behind.
-
-``python -m mesh.node`` runs one node alone and prints JSON lines (ready, owned engines, view changes);
-the multi-process tests use it.
+``python -m mesh.node`` runs one node alone and prints JSON lines (ready, then the live members whenever
+they change); the multi-process tests use it.
 """
 
 from __future__ import annotations
@@ -31,25 +27,19 @@ from typing import Any
 
 import trio
 
-from index.replicated import ReplicatedIndex, parse_dispatch
 from mesh.auth import load_secret
+from mesh.crdt_doc import Change, Op, ReplicatedDoc
 from mesh.gossip import Membership, MeshConfig
-from mesh.ownership import owned_engines, owners
 from mesh.seeds import format_hostport, parse_hostport, parse_seeds
 from mesh.snapshots import RedisSnapshotStore, SnapshotWriter, load_into
 from mesh.swim import MemberEvent, State, SwimConfig
 from mesh.sync import SyncService
-from mesh.sync_protocol import SyncProtocol
+from mesh.sync_protocol import StateProvider, SyncProtocol
 
 log = logging.getLogger(__name__)
 
 WILDCARDS = ("0.0.0.0", "::")
 FINAL_SNAPSHOT_TIMEOUT_S = 1.0
-DISPATCH_SWEEP_S = 5.0
-
-SeqCallback = Callable[[str, int], None]
-RegistryCallback = Callable[[str, dict[str, Any] | None], None]
-PresenceCallback = Callable[[str, bool], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,16 +56,12 @@ class MeshNodeSettings:
     island: str = ""
     cluster: str = "kvmesh"
     redis_url: str | None = None
-    redundancy: int = 2
     snapshot_interval: float = 5.0
-    reconcile_interval: float = 0.2
     anti_entropy_interval: float = 1.0
     swim: SwimConfig = field(default_factory=SwimConfig)
 
     def validate(self) -> None:
-        if self.redundancy < 1:
-            raise ValueError("redundancy must be at least 1")
-        for name in ("snapshot_interval", "reconcile_interval", "anti_entropy_interval"):
+        for name in ("snapshot_interval", "anti_entropy_interval"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         for bind in (self.bind, self.replication_bind):
@@ -85,37 +71,23 @@ class MeshNodeSettings:
             parse_hostport(seed)
 
 
-@dataclass(slots=True)
-class _OwnershipWatcher:
-    engine_ids: Callable[[], Iterable[str]]
-    send: trio.MemorySendChannel[set[str]]
-    delivered: set[str] | None = None
-
-
 class MeshNode:
-    """Membership + replicated index + ownership for one router replica (see the module docstring)."""
+    """Membership + replicated document + state transfer for one replica (see the module docstring)."""
 
-    def __init__(self, settings: MeshNodeSettings) -> None:
+    def __init__(self, settings: MeshNodeSettings, namespaces: Iterable[str]) -> None:
         settings.validate()
         self.settings = settings
         self.member_id = f"{settings.name}-{secrets.token_hex(4)}"
-        self.store = ReplicatedIndex(self.member_id)
-        self.protocol = SyncProtocol(self.store.doc)
+        self.doc = ReplicatedDoc(self.member_id, namespaces)
+        self.protocol = SyncProtocol(self.doc)
         self.stats: Counter[str] = Counter()
         self.replication: SyncService | None = None
         self._membership: Membership | None = None
         self._snapshots: SnapshotWriter | None = None
         self._cancel_scope: trio.CancelScope | None = None
         self._isolated = False
-        self._watchers: list[_OwnershipWatcher] = []
-        self._seq_callbacks: list[SeqCallback] = []
-        self._registry_callbacks: list[RegistryCallback] = []
-        self._presence_callbacks: list[PresenceCallback] = []
-        self._limits_callbacks: list[Callable[[str, Any], None]] = []
-        self._dispatch_callbacks: list[Callable[[str, int, float], None]] = []
-        self._presence: dict[str, bool] = {}
+        self._view_watchers: list[trio.MemorySendChannel[list[str]]] = []
         self._load_source: Callable[[], dict[str, int]] | None = None
-        self.store.doc.subscribe(self._on_doc_changes)
 
     # ----- lifecycle -----------------------------------------------------------------------------
 
@@ -146,15 +118,14 @@ class MeshNode:
                 self._membership = await nursery.start(membership.run)
                 if snapshot_store is not None:
                     self._snapshots = SnapshotWriter(
-                        snapshot_store, self.store.doc, self._is_snapshot_writer, self.stats, time.time
+                        snapshot_store, self.doc, self.is_leader, self.stats, time.time
                     )
                     nursery.start_soon(self._snapshots.run, s.snapshot_interval)
-                nursery.start_soon(self._ownership_loop, events)
-                nursery.start_soon(self._sweep_dispatches)
+                nursery.start_soon(self._view_loop, events)
                 task_status.started(self)
         finally:
-            for watcher in self._watchers:
-                watcher.send.close()
+            for watcher in self._view_watchers:
+                watcher.close()
             if snapshot_store is not None:
                 snapshot_store.close()
 
@@ -196,6 +167,49 @@ class MeshNode:
         """Ids of the live members (self included, suspects included), sorted."""
         return [m.id for m in self._running().live_members()]
 
+    def alive_members(self) -> set[str]:
+        """Ids of the members not even suspected (self included)."""
+        records = self._running().members()
+        return {self.member_id, *(m for m, r in records.items() if r.state == State.ALIVE)}
+
+    def is_leader(self) -> bool:
+        """True on exactly one connected replica: the lowest live member id (snapshots, sweeps)."""
+        return not self._isolated and self._membership is not None and self.member_id == min(self.live_members())
+
+    def watch_view(self) -> trio.MemoryReceiveChannel[list[str]]:
+        """A channel that receives the live members at once and whenever they change; it holds one value,
+        so a slow reader gets the newest view next."""
+        send, receive = trio.open_memory_channel[list[str]](1)
+        self._view_watchers.append(send)
+        if self._membership is not None:
+            send.send_nowait(self.live_members())
+        return receive
+
+    async def _view_loop(self, events: trio.MemoryReceiveChannel[MemberEvent]) -> None:
+        """Keep an isolation complete and tell view watchers; reconciles every 0.2 s too, since the event
+        channel drops events when its reader falls behind."""
+        delivered: list[str] | None = None
+        async with events:
+            while True:
+                with trio.move_on_after(0.2):
+                    try:
+                        await events.receive()
+                    except trio.EndOfChannel:
+                        return
+                if self._isolated:
+                    self._block_everyone()
+                view = self.live_members()
+                if view == delivered:
+                    continue
+                for watcher in list(self._view_watchers):
+                    try:
+                        watcher.send_nowait(view)
+                    except trio.WouldBlock:
+                        self.stats["view_updates_deferred"] += 1
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        self._view_watchers.remove(watcher)
+                delivered = view
+
     def _replication_peers(self) -> dict[str, tuple[str, int]]:
         if self._membership is None:
             return {}
@@ -209,119 +223,48 @@ class MeshNode:
                 self.stats["bad_replication_addr"] += 1
         return peers
 
-    def _is_snapshot_writer(self) -> bool:
-        return not self._isolated and self.member_id == min(self.live_members())
+    # ----- the replicated document -----------------------------------------------------------------
 
-    # ----- ownership -----------------------------------------------------------------------------
+    def subscribe(self, callback: Callable[[list[Change]], None]) -> None:
+        """Call ``callback`` with every batch of document changes, local or remote. A callback that raises
+        is logged and counted, never allowed to stop replication (it runs inside a peer frame's handling)."""
 
-    def owners(self, engine_id: str) -> list[str]:
-        """The ``redundancy`` members that ingest ``engine_id``'s events, best first."""
-        return owners(engine_id, self.live_members(), self.settings.redundancy)
-
-    def is_owner(self, engine_id: str) -> bool:
-        return self.member_id in self.owners(engine_id)
-
-    def owner_present(self, engine_id: str) -> bool:
-        """False while every owner of ``engine_id`` is suspected (probably dead but not yet replaced):
-        nobody is ingesting its events, so the confidence in its index entries must decay."""
-        return self._owner_present(engine_id, self.live_members(), self._alive_ids())
-
-    def _alive_ids(self) -> set[str]:
-        records = self._running().members()
-        return {self.member_id, *(m for m, r in records.items() if r.state == State.ALIVE)}
-
-    def _owner_present(self, engine_id: str, live: list[str], alive: set[str]) -> bool:
-        return any(owner in alive for owner in owners(engine_id, live, self.settings.redundancy))
-
-    def watch_ownership(
-        self, engine_ids: Callable[[], Iterable[str]]
-    ) -> trio.MemoryReceiveChannel[set[str]]:
-        """A channel that receives the set of engines (among ``engine_ids()``) this replica owns, at once
-        and then whenever it changes. It holds one value; a slow reader gets the newest set next."""
-        send, receive = trio.open_memory_channel[set[str]](1)
-        self._watchers.append(_OwnershipWatcher(engine_ids, send))
-        if self._membership is not None:
-            self._reconcile()
-        return receive
-
-    def known_engines(self) -> set[str]:
-        """Every engine the replicated document mentions (blocks, seqs or registry)."""
-        content = self.store.doc.content
-        return set(self.store.engines()) | set(content["seq"]) | set(content["registry"])
-
-    def resume_seq(self, engine_id: str) -> int | None:
-        """The last event seq an owner applied for ``engine_id``: a new owner replays from seq + 1."""
-        return self.store.seq(engine_id)
-
-    async def _ownership_loop(self, events: trio.MemoryReceiveChannel[MemberEvent]) -> None:
-        async with events:
-            while True:
-                with trio.move_on_after(self.settings.reconcile_interval):
-                    try:
-                        await events.receive()
-                    except trio.EndOfChannel:
-                        return
-                    while True:
-                        try:
-                            events.receive_nowait()
-                        except (trio.WouldBlock, trio.EndOfChannel):
-                            break
-                self._reconcile()
-
-    def _reconcile(self) -> None:
-        """Deliver changed ownership sets, fire presence changes, and keep an isolation complete."""
-        if self._isolated:
-            self._block_everyone()
-        live = self.live_members()
-        redundancy = self.settings.redundancy
-        watched: set[str] = set()
-        for watcher in list(self._watchers):
-            engines = set(watcher.engine_ids())
-            watched |= engines
-            owned = owned_engines(self.member_id, engines, live, redundancy)
-            if owned == watcher.delivered:
-                continue
+        def guarded(changes: list[Change]) -> None:
             try:
-                watcher.send.send_nowait(set(owned))
-            except trio.WouldBlock:
-                self.stats["ownership_updates_deferred"] += 1
-                continue
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                self._watchers.remove(watcher)
-                continue
-            watcher.delivered = owned
-        alive = self._alive_ids()
-        for engine in sorted(watched | self.known_engines()):
-            present = self._owner_present(engine, live, alive)
-            if self._presence.get(engine, True) != present:
-                self._notify(self._presence_callbacks, engine, present)
-            self._presence[engine] = present
+                callback(changes)
+            except Exception:
+                self.stats["callback_errors"] += 1
+                log.exception("mesh subscriber %r failed", callback)
 
-    # ----- replicated engine state ---------------------------------------------------------------
+        self.doc.subscribe(guarded)
 
-    def on_seq(self, callback: SeqCallback) -> None:
-        """Call ``callback(engine_id, seq)`` whenever an engine's last applied seq changes in the
-        document: from a remote owner's ingest, and from this replica's own ``store.set_seq``."""
-        self._seq_callbacks.append(callback)
+    def write(self, ops: Iterable[Op]) -> list[Change]:
+        """Write local ops into the document (replicated with the next broadcast)."""
+        return self.doc.write(ops)
 
-    def on_registry(self, callback: RegistryCallback) -> None:
-        """Call ``callback(engine_id, state or None)`` whenever an engine's admin state changes anywhere."""
-        self._registry_callbacks.append(callback)
+    # ----- state transfer ------------------------------------------------------------------------
 
-    def on_owner_presence(self, callback: PresenceCallback) -> None:
-        """Call ``callback(engine_id, present)`` when :meth:`owner_present` flips for a known engine."""
-        self._presence_callbacks.append(callback)
+    def serve_state(self, namespace: str, provider: StateProvider) -> None:
+        """Answer peers' state queries for ``namespace`` (see mesh/sync_protocol.py)."""
+        self.protocol.serve_state(namespace, provider)
 
-    def on_dispatch(self, callback: Callable[[str, int, float], None]) -> None:
-        """Call ``callback(engine, own_key, expires_at)`` for every dispatch entry any replica shares."""
-        self._dispatch_callbacks.append(callback)
-
-    async def _sweep_dispatches(self) -> None:
-        """The lowest live member deletes expired dispatch entries, so the document does not keep them."""
-        while True:
-            await trio.sleep(DISPATCH_SWEEP_S)
-            if not self._isolated and self.member_id == min(self.live_members()):
-                self.store.sweep_dispatches(time.time())
+    async def fetch_state(self, namespace: str, key: str, timeout_s: float) -> dict[str, bytes | None]:
+        """Ask every connected peer for its state of ``key``; returns the complete answers (None: the peer
+        holds nothing) once every asked peer answered, or what arrived by ``timeout_s``."""
+        if self.replication is None or self._isolated:
+            return {}
+        request_id, query = self.protocol.state_query_frame(namespace, key)
+        try:
+            asked = self.replication.send_to_all(query)
+            deadline = trio.current_time() + timeout_s
+            while asked and trio.current_time() < deadline:
+                answers = self.protocol.transfers.answers(request_id)
+                if asked <= set(answers):
+                    return answers
+                await trio.sleep(0.02)
+            return self.protocol.transfers.answers(request_id)
+        finally:
+            self.protocol.transfers.close(request_id)
 
     def share_load(self, source: Callable[[], dict[str, int]]) -> None:
         """Report ``source()`` (this replica's in-flight requests per engine) to the peers from now on."""
@@ -332,57 +275,6 @@ class MeshNode:
         if self._membership is None:
             return {}
         return self.protocol.peer_load.totals(trio.current_time(), self.live_members())
-
-    def on_peer_limits(self, callback: Callable[[str, Any], None]) -> None:
-        """Call ``callback(replica_id, payload)`` when another replica publishes its rate-limit counts."""
-        self._limits_callbacks.append(callback)
-
-    def set_engine_state(self, engine_id: str, state: dict[str, Any] | None) -> None:
-        """Set (None: remove) an engine's replicated admin state: drain, maintenance, island, ..."""
-        self.store.set_registry(engine_id, state)
-
-    def engine_states(self) -> dict[str, dict[str, Any]]:
-        return self.store.registry()
-
-    def _on_doc_changes(self, changes: list[tuple[str, str, str | None, str | None]]) -> None:
-        for name, key, _old, new in changes:
-            if name == "seq" and new is not None:
-                try:
-                    seq = int(new)
-                except ValueError:
-                    self.stats["malformed_seq"] += 1
-                    continue
-                self._notify(self._seq_callbacks, key, seq)
-            elif name == "approx" and new is not None:
-                dispatch = parse_dispatch(key, new)
-                if dispatch is None:
-                    self.stats["malformed_dispatch"] += 1
-                    continue
-                self._notify(self._dispatch_callbacks, *dispatch)
-            elif name == "limits" and key != self.member_id and new is not None:
-                try:
-                    payload = json.loads(new)
-                except ValueError:
-                    self.stats["malformed_limits"] += 1
-                    continue
-                self._notify(self._limits_callbacks, key, payload)
-            elif name == "registry":
-                try:
-                    state = None if new is None else json.loads(new)
-                except ValueError:
-                    self.stats["malformed_registry"] += 1
-                    continue
-                self._notify(self._registry_callbacks, key, state)
-
-    def _notify(self, callbacks: list[Callable[..., None]], *args: Any) -> None:
-        """Run subscriber callbacks; one that raises is logged and counted, never allowed to stop
-        replication (these run inside the handling of a peer's frame)."""
-        for callback in callbacks:
-            try:
-                callback(*args)
-            except Exception:
-                self.stats["callback_errors"] += 1
-                log.exception("mesh callback %r failed", callback)
 
     # ----- fault injection -----------------------------------------------------------------------
 
@@ -417,18 +309,13 @@ class MeshNode:
             _member_json(r.member, r.state.name.lower(), r.incarnation, now - r.since)
             for r in sorted(membership.members().values(), key=lambda r: r.member.id)
         ]
-        engines = sorted(self.known_engines() | {e for w in self._watchers for e in w.engine_ids()})
         replication = self.replication
         assert replication is not None
-        doc = self.store.doc
+        doc = self.doc
         return {
             "member_id": self.member_id,
             "isolated": self._isolated,
-            "redundancy": self.settings.redundancy,
             "members": members,
-            "owners": {e: self.owners(e) for e in engines},
-            "owned": sorted(e for e in engines if self.is_owner(e)),
-            "owner_missing": sorted(e for e in engines if not self.owner_present(e)),
             "epoch": {"number": doc.epoch.number, "owner": doc.epoch.owner},
             "live_keys": doc.live_keys(),
             "replication": {
@@ -470,8 +357,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--island", default="")
     p.add_argument("--cluster", default="kvmesh")
     p.add_argument("--redis-url")
-    p.add_argument("--redundancy", type=int, default=2)
-    p.add_argument("--engines", default="", help="comma-separated engine ids whose ownership to report")
     p.add_argument("--duration", type=float, default=math.inf, help="stop (with a leave) after this many s")
     return p
 
@@ -480,18 +365,18 @@ def _emit(**fields: object) -> None:
     print(json.dumps(fields), flush=True)
 
 
-async def _serve(settings: MeshNodeSettings, engines: list[str], duration: float) -> None:
-    node = MeshNode(settings)
+async def _serve(settings: MeshNodeSettings, duration: float) -> None:
+    node = MeshNode(settings, namespaces=())
     async with trio.open_nursery() as nursery:
         await nursery.start(node.run)
         me = node.describe()["members"][0]
         _emit(event="ready", id=node.member_id, gossip=me["gossip_addr"], replication=me["replication_addr"])
 
-        async def report(owned: trio.MemoryReceiveChannel[set[str]]) -> None:
-            async for engine_set in owned:
-                _emit(event="owned", engines=sorted(engine_set), live=node.live_members(), t=time.monotonic())
+        async def report(views: trio.MemoryReceiveChannel[list[str]]) -> None:
+            async for view in views:
+                _emit(event="view", live=view, t=time.monotonic())
 
-        nursery.start_soon(report, node.watch_ownership(lambda: engines))
+        nursery.start_soon(report, node.watch_view())
         with (
             trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals,
             trio.move_on_after(duration),
@@ -515,10 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         island=args.island,
         cluster=args.cluster,
         redis_url=args.redis_url,
-        redundancy=args.redundancy,
     )
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    trio.run(_serve, settings, engines, args.duration)
+    trio.run(_serve, settings, args.duration)
     return 0
 
 

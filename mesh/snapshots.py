@@ -1,4 +1,4 @@
-"""Optional Redis snapshots of the replicated index, so a replica starting into an empty mesh is warm.
+"""Optional Redis snapshots of the replicated document, so a replica starting into an empty mesh is warm.
 
 One replica at a time (the caller decides which: the node uses the lowest live member id) writes the
 whole document (full state, epoch and the epoch's base state vector) to one Redis hash, and only when
@@ -25,12 +25,12 @@ import redis
 import trio
 from prometheus_client import Counter as PromCounter
 
-from mesh.crdt_doc import Change, Epoch, IndexDoc, decode_state, encode_state
+from mesh.crdt_doc import Change, Epoch, ReplicatedDoc, decode_state, encode_state
 from mesh.sync_protocol import SyncProtocol
 
 log = logging.getLogger(__name__)
 
-FORMAT = b"1"
+FORMAT = b"2"
 KEY_PREFIX = "kvmesh:snapshot:"
 LOAD_TIMEOUT_S = 1.0
 
@@ -42,20 +42,23 @@ class Snapshot:
     """A whole document as stored in Redis."""
 
     epoch: Epoch
+    base_epoch: Epoch
     base: dict[int, int]
     full: bytes
     writer: str
     written_at: float
 
     @classmethod
-    def of(cls, doc: IndexDoc, written_at: float) -> Snapshot:
-        return cls(doc.epoch, dict(doc.base_state), doc.full_update(), doc.replica_id, written_at)
+    def of(cls, doc: ReplicatedDoc, written_at: float) -> Snapshot:
+        return cls(doc.epoch, doc.base_epoch, dict(doc.base_state), doc.full_update(), doc.replica_id, written_at)
 
     def to_fields(self) -> dict[str, bytes]:
         return {
             "format": FORMAT,
             "epoch_number": str(self.epoch.number).encode(),
             "epoch_owner": self.epoch.owner.encode(),
+            "base_epoch_number": str(self.base_epoch.number).encode(),
+            "base_epoch_owner": self.base_epoch.owner.encode(),
             "base": encode_state(self.base),
             "full": self.full,
             "writer": self.writer.encode(),
@@ -69,8 +72,10 @@ class Snapshot:
             if fields[b"format"] != FORMAT:
                 raise ValueError(f"unknown snapshot format {fields[b'format']!r}")
             epoch = Epoch(int(fields[b"epoch_number"]), fields[b"epoch_owner"].decode())
+            base_epoch = Epoch(int(fields[b"base_epoch_number"]), fields[b"base_epoch_owner"].decode())
             return cls(
                 epoch,
+                base_epoch,
                 decode_state(fields[b"base"]),
                 fields[b"full"],
                 fields[b"writer"].decode(),
@@ -127,7 +132,7 @@ async def load_into(
     if snapshot is None:
         _count(stats, "absent")
         return False
-    loaded = protocol.load_snapshot(snapshot.epoch, snapshot.base, snapshot.full)
+    loaded = protocol.load_snapshot(snapshot.epoch, snapshot.base_epoch, snapshot.base, snapshot.full)
     _count(stats, "loaded" if loaded else "ignored")
     return loaded
 
@@ -138,7 +143,7 @@ class SnapshotWriter:
     def __init__(
         self,
         store: RedisSnapshotStore,
-        doc: IndexDoc,
+        doc: ReplicatedDoc,
         is_writer: Callable[[], bool],
         stats: Counter[str],
         wall_clock: Callable[[], float],

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 
 import trio
 
-from mesh.auth import AuthError, FrameError, FrameReader, MeshAuth, frame
+from mesh.auth import MAX_PACKET_BYTES, AuthError, FrameError, FrameReader, MeshAuth, frame
 from mesh.sync_protocol import SyncProtocol
 
 DOMAIN = "replication"
@@ -115,20 +115,40 @@ class SyncService:
                 nursery.start_soon(self._load_loop, self._load_source)
             task_status.started(self.port)
 
+    def _sealed(self, packet: bytes) -> bytes | None:
+        """The packet sealed for sending, or None (counted) when a receiver would refuse its size."""
+        sealed = self.auth.seal(FRAME_KIND, packet, self._wall_clock())
+        if len(sealed) > MAX_PACKET_BYTES:
+            self.counters["dropped_oversized"] += 1
+            return None
+        return sealed
+
     def _broadcast(self, packet: bytes) -> None:
-        sealed = None
+        self.send_to_all(packet)
+
+    def send_to_all(self, packet: bytes) -> set[str]:
+        """Queue ``packet`` on every outbound connection; returns the peers it was queued for."""
+        sealed: bytes | None = None
+        queued = set()
         for peer_id, conn in self._outbound.items():
             if self._drop(peer_id):
                 self.counters["dropped_by_filter"] += 1
                 continue
-            sealed = sealed or self.auth.seal(FRAME_KIND, packet, self._wall_clock())
-            if not conn.send(sealed):
+            sealed = sealed or self._sealed(packet)
+            if sealed is None:
+                return queued
+            if conn.send(sealed):
+                queued.add(peer_id)
+            else:
                 self.counters["dropped_queue_full"] += 1
+        return queued
 
     def _reply(self, conn: _Connection, packet: bytes) -> None:
         if conn.peer_id is not None and self._drop(conn.peer_id):
             self.counters["dropped_by_filter"] += 1
-        elif not conn.send(self.auth.seal(FRAME_KIND, packet, self._wall_clock())):
+            return
+        sealed = self._sealed(packet)
+        if sealed is not None and not conn.send(sealed):
             self.counters["dropped_queue_full"] += 1
 
     async def _flush_loop(self) -> None:

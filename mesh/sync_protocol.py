@@ -5,9 +5,17 @@ Every frame is a msgpack array ``[kind, epoch number, epoch owner, sender, *payl
 - ``u``  ``[update]``           incremental update (the batched broadcast, or an anti-entropy answer)
 - ``sv`` ``[state]``            anti-entropy request: "here is what I have"
 - ``sd`` ``[diff, state]``      answer to ``sv``: what the requester lacks, plus my own state
-- ``ep`` ``[base, full]``       a whole epoch: full state plus the base state vector it was built from
+- ``ep`` ``[base epoch, base, full]``  a whole epoch: full state plus the epoch and state vector it was
+                                built from
 - ``ld`` ``[report]``           the sender's in-flight requests per engine (mesh/peer_load.py); outside the
                                 document, so accepted whatever the epoch
+- ``sq`` ``[request]``          state-transfer query: "send me your state of (namespace, key)"
+- ``sc`` ``[chunk header, chunk]``  one chunk of the answer; ``count`` 0 means "I hold nothing"
+
+State transfer carries what is too big or too hot for the document (a replica's block index of one
+engine) from a peer that has it to one that starts: the provider registered for the namespace turns a
+key into one blob, which travels in chunks of at most ``STATE_CHUNK_BYTES`` so no frame nears the
+transport's limit however large the state grows. ``sq``/``sc`` are outside the document's epochs too.
 
 A frame from an older epoch is answered with ``ep`` (rate-limited per peer); a non-``ep`` frame from a
 newer epoch is answered with ``sv`` so that the peer sends its ``ep``. Malformed frames are counted and
@@ -22,19 +30,27 @@ from collections.abc import Callable
 import msgpack
 
 from mesh import peer_load
-from mesh.crdt_doc import Epoch, IndexDoc, decode_state, encode_state
+from mesh.crdt_doc import Epoch, ReplicatedDoc, decode_state, encode_state
 from mesh.peer_load import PeerLoad
 
 EPOCH_RESEND_S = 1.0
+STATE_CHUNK_BYTES = 1 << 20
+MAX_STATE_CHUNKS = 4096
+"""At most 4 GiB of state per answer; a header claiming more is malformed."""
+
+StateProvider = Callable[[str], bytes | None]
+"""key -> this replica's state blob for it, or None when it holds nothing worth sending."""
 
 
 class SyncProtocol:
     """Turns received frames into document changes and reply frames for one replica."""
 
-    def __init__(self, doc: IndexDoc, epoch_resend_s: float = EPOCH_RESEND_S) -> None:
+    def __init__(self, doc: ReplicatedDoc, epoch_resend_s: float = EPOCH_RESEND_S) -> None:
         self.doc = doc
         self.counters: Counter[str] = Counter()
         self.peer_load = PeerLoad()
+        self.transfers = StateTransfers()
+        self._providers: dict[str, StateProvider] = {}
         self._epoch_resend_s = epoch_resend_s
         self._epoch_sent: dict[str, tuple[Epoch, float]] = {}
         self._handlers: dict[str, Callable[[str, list], list[bytes]]] = {
@@ -59,7 +75,17 @@ class SyncProtocol:
         return self._frame("sv", self.doc.state())
 
     def epoch_frame(self) -> bytes:
-        return self._frame("ep", encode_state(self.doc.base_state), self.doc.full_update())
+        base_epoch = msgpack.packb([self.doc.base_epoch.number, self.doc.base_epoch.owner])
+        return self._frame("ep", base_epoch, encode_state(self.doc.base_state), self.doc.full_update())
+
+    def serve_state(self, namespace: str, provider: StateProvider) -> None:
+        """Answer peers' state queries for ``namespace`` with ``provider``."""
+        self._providers[namespace] = provider
+
+    def state_query_frame(self, namespace: str, key: str) -> tuple[int, bytes]:
+        """A query to send to peers, with the request id their answers will carry."""
+        request_id = self.transfers.open(namespace, key)
+        return request_id, self._frame("sq", msgpack.packb([namespace, key, request_id]))
 
     def maybe_compact(self, is_compactor: bool, min_churn: int = 50_000, ratio: float = 1.0) -> bytes | None:
         """Compact if this replica is the designated compactor and tombstones outweigh live keys;
@@ -70,11 +96,11 @@ class SyncProtocol:
         self.counters["compactions"] += 1
         return self.epoch_frame()
 
-    def load_snapshot(self, epoch: Epoch, base: dict[int, int], full: bytes) -> bool:
+    def load_snapshot(self, epoch: Epoch, base_epoch: Epoch, base: dict[int, int], full: bytes) -> bool:
         """Start from a stored snapshot: adopt it if newer, merge it if same epoch, ignore if older."""
         try:
             if epoch > self.doc.epoch:
-                self.doc.adopt(epoch, base, full)
+                self.doc.adopt(epoch, base_epoch, base, full)
             elif epoch == self.doc.epoch:
                 self.doc.apply_update(full)
             else:
@@ -93,7 +119,7 @@ class SyncProtocol:
                     and isinstance(sender, str) and all(isinstance(p, bytes) for p in payload)):
                 raise ValueError("bad frame header")
             return self._dispatch(kind, Epoch(number, owner), sender, payload, now)
-        except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+        except (ValueError, TypeError, OverflowError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
             self.counters["malformed"] += 1
             return []
 
@@ -103,12 +129,23 @@ class SyncProtocol:
             self.peer_load.update(sender, report, now)
             self.counters["rx_ld"] += 1
             return []
+        if kind == "sq":
+            (query,) = payload
+            return self._answer_state(*_state_query(query))
+        if kind == "sc":
+            header, chunk = payload
+            self.transfers.on_chunk(sender, *_chunk_header(header), chunk)
+            self.counters["rx_sc"] += 1
+            return []
         mine = self.doc.epoch
         if kind == "ep":
-            base, full = payload
+            packed_base_epoch, base, full = payload
+            number, owner = msgpack.unpackb(packed_base_epoch)
+            if not (isinstance(number, int) and isinstance(owner, str)):
+                raise ValueError("bad base epoch")
             if epoch < mine:
                 return self._epoch_reply(sender, now)
-            if self.load_snapshot(epoch, decode_state(base), full):
+            if self.load_snapshot(epoch, Epoch(number, owner), decode_state(base), full):
                 self.counters["epochs_adopted" if epoch > mine else "epochs_merged"] += 1
             return []
         if epoch < mine:
@@ -130,6 +167,20 @@ class SyncProtocol:
         self._epoch_sent[sender] = (self.doc.epoch, now)
         return [self.epoch_frame()]
 
+    def _answer_state(self, namespace: str, key: str, request_id: int) -> list[bytes]:
+        provider = self._providers.get(namespace)
+        blob = provider(key) if provider is not None else None
+        self.counters["state_queries"] += 1
+        if not blob:
+            return [self._frame("sc", msgpack.packb([namespace, key, request_id, 0, 0]), b"")]
+        chunks = [blob[i : i + STATE_CHUNK_BYTES] for i in range(0, len(blob), STATE_CHUNK_BYTES)]
+        if len(chunks) > MAX_STATE_CHUNKS:
+            self.counters["state_too_large"] += 1
+            return [self._frame("sc", msgpack.packb([namespace, key, request_id, 0, 0]), b"")]
+        self.counters["state_chunks_sent"] += len(chunks)
+        return [self._frame("sc", msgpack.packb([namespace, key, request_id, i, len(chunks)]), chunk)
+                for i, chunk in enumerate(chunks)]
+
     def _on_update(self, _sender: str, payload: list) -> list[bytes]:
         (update,) = payload
         self.doc.apply_update(update)
@@ -143,3 +194,69 @@ class SyncProtocol:
         diff, state = payload
         self.doc.apply_update(diff)
         return [self._frame("u", self.doc.diff(state))]
+
+
+def _state_query(packed: bytes) -> tuple[str, str, int]:
+    namespace, key, request_id = msgpack.unpackb(packed)
+    if not (isinstance(namespace, str) and isinstance(key, str) and isinstance(request_id, int)):
+        raise ValueError("bad state query")
+    return namespace, key, request_id
+
+
+def _chunk_header(packed: bytes) -> tuple[str, str, int, int, int]:
+    namespace, key, request_id, index, count = msgpack.unpackb(packed)
+    if not (isinstance(namespace, str) and isinstance(key, str)
+            and all(isinstance(n, int) for n in (request_id, index, count))
+            and 0 <= count <= MAX_STATE_CHUNKS and (count == 0 or 0 <= index < count)):
+        raise ValueError("bad state chunk header")
+    return namespace, key, request_id, index, count
+
+
+class StateTransfers:
+    """Open state queries and the chunks answering them, per answering peer (sans-IO).
+
+    An answer is complete when every chunk arrived; chunks of unknown queries, of another namespace or
+    key than asked, or beyond the announced count are counted and dropped."""
+
+    def __init__(self) -> None:
+        self.counters: Counter[str] = Counter()
+        self._next_id = 1
+        self._open: dict[int, tuple[str, str]] = {}
+        self._parts: dict[int, dict[str, dict[int, bytes]]] = {}
+        self._counts: dict[int, dict[str, int]] = {}
+
+    def open(self, namespace: str, key: str) -> int:
+        request_id = self._next_id
+        self._next_id += 1
+        self._open[request_id] = (namespace, key)
+        self._parts[request_id] = {}
+        self._counts[request_id] = {}
+        return request_id
+
+    def on_chunk(self, sender: str, namespace: str, key: str, request_id: int, index: int, count: int,
+                 chunk: bytes) -> None:
+        if self._open.get(request_id) != (namespace, key):
+            self.counters["unexpected_chunk"] += 1
+            return
+        counts = self._counts[request_id]
+        if counts.setdefault(sender, count) != count:
+            self.counters["inconsistent_chunk"] += 1
+            return
+        if count:
+            self._parts[request_id].setdefault(sender, {})[index] = chunk
+
+    def answers(self, request_id: int) -> dict[str, bytes | None]:
+        """Complete answers so far, per peer: the joined blob, or None for "holds nothing"."""
+        result: dict[str, bytes | None] = {}
+        parts = self._parts.get(request_id, {})
+        for sender, count in self._counts.get(request_id, {}).items():
+            if count == 0:
+                result[sender] = None
+            elif len(chunks := parts.get(sender, {})) == count:
+                result[sender] = b"".join(chunks[i] for i in range(count))
+        return result
+
+    def close(self, request_id: int) -> None:
+        self._open.pop(request_id, None)
+        self._parts.pop(request_id, None)
+        self._counts.pop(request_id, None)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import msgpack
+from doc_replica import Replica
 from hypothesis import given
 from hypothesis import strategies as st
 
-from index.replicated import ReplicatedIndex
 from mesh.crdt_doc import Epoch, decode_state, encode_state
 from mesh.sync_protocol import SyncProtocol
 
@@ -20,7 +20,7 @@ def exchange(frames: list[bytes], receiver: SyncProtocol, sender: SyncProtocol, 
 
 
 def test_mesh_crdt_writes_racing_a_compaction_are_not_lost() -> None:
-    a, b = ReplicatedIndex("a"), ReplicatedIndex("b")
+    a, b = Replica("a"), Replica("b")
     pa, pb = SyncProtocol(a.doc), SyncProtocol(b.doc)
     b.store("eb", [(h, h + 1) for h in range(100)])
     exchange([pb.update_frame()], pa, pb)
@@ -42,7 +42,7 @@ def test_mesh_crdt_writes_racing_a_compaction_are_not_lost() -> None:
 
 
 def test_mesh_crdt_compaction_shrinks_a_churned_document() -> None:
-    index = ReplicatedIndex("a")
+    index = Replica("a")
     protocol = SyncProtocol(index.doc)
     for round_ in range(20):
         index.store("e", [(round_ * 1000 + h, h) for h in range(500)])
@@ -57,7 +57,7 @@ def test_mesh_crdt_compaction_shrinks_a_churned_document() -> None:
 
 
 def test_mesh_crdt_fresh_replica_adopts_newer_epoch_on_first_contact() -> None:
-    a, c = ReplicatedIndex("a"), ReplicatedIndex("c")
+    a, c = Replica("a"), Replica("c")
     pa, pc = SyncProtocol(a.doc), SyncProtocol(c.doc)
     a.store("e", [(h, h) for h in range(10)])
     pa.maybe_compact(True, min_churn=0, ratio=0.0)
@@ -75,7 +75,7 @@ def test_mesh_crdt_state_vector_codec_round_trips(state: dict[int, int]) -> None
 
 
 def test_mesh_crdt_state_vector_matches_pycrdt() -> None:
-    index = ReplicatedIndex("a")
+    index = Replica("a")
     index.store("e", [(1, 2), (3, 4)])
     state = decode_state(index.doc.state())
     assert state == {index.doc.client_id: 2}
@@ -84,7 +84,7 @@ def test_mesh_crdt_state_vector_matches_pycrdt() -> None:
 
 @given(st.binary(max_size=64))
 def test_mesh_crdt_garbage_frames_are_counted_and_dropped(data: bytes) -> None:
-    index = ReplicatedIndex("a")
+    index = Replica("a")
     protocol = SyncProtocol(index.doc)
     index.store("e", [(1, 2)])
     assert protocol.on_frame(data, 0.0) == []
@@ -92,7 +92,7 @@ def test_mesh_crdt_garbage_frames_are_counted_and_dropped(data: bytes) -> None:
 
 
 def test_mesh_crdt_well_formed_frames_with_bad_payloads_are_counted() -> None:
-    index = ReplicatedIndex("a")
+    index = Replica("a")
     protocol = SyncProtocol(index.doc)
     bad = [
         msgpack.packb(["u", 0, "", "x", b"\x01\x02garbage"]),
@@ -106,3 +106,43 @@ def test_mesh_crdt_well_formed_frames_with_bad_payloads_are_counted() -> None:
         assert protocol.on_frame(frame, 0.0) == []
     assert protocol.counters["malformed"] + protocol.counters["malformed_snapshot"] == len(bad)
     assert index.doc.epoch == Epoch(0, "")
+
+
+def test_mesh_crdt_compactions_never_bring_back_overwritten_values() -> None:
+    """A writes K=v1, B overwrites it with v2, C compacts twice with A and B adopting each time: K stays v2
+    everywhere, and the adopters' logs do not keep ops the adopted history already holds."""
+    a, b, c = Replica("a"), Replica("b"), Replica("c")
+    pa, pb, pc = (SyncProtocol(r.doc) for r in (a, b, c))
+    a.set_registry("engine", {"draining": True})
+    exchange([pa.update_frame()], pb, pa)
+    exchange([pa.state_frame()], pc, pa)
+    b.set_registry("engine", {"draining": False})
+    update = pb.update_frame()
+    exchange([update], pa, pb)
+    exchange([update], pc, pb)
+    for epoch in (1, 2):
+        frame = pc.maybe_compact(True, min_churn=0, ratio=0.0)
+        exchange([frame], pa, pc)
+        exchange([frame], pb, pc)
+        assert a.doc.epoch == b.doc.epoch == c.doc.epoch == Epoch(epoch, "c")
+        for p in (pa, pb, pc):
+            frame = p.update_frame()
+            if frame is not None:
+                exchange([frame], pa if p is not pa else pb, p)
+                exchange([frame], pc if p is not pc else pb, p)
+        assert [r.registry()["engine"] for r in (a, b, c)] == [{"draining": False}] * 3
+    assert len(a.doc._log) == len(b.doc._log) == 0
+
+
+def test_mesh_crdt_writes_on_an_old_epoch_survive_two_compactions_they_missed() -> None:
+    a, b = Replica("a"), Replica("b")
+    pa, pb = SyncProtocol(a.doc), SyncProtocol(b.doc)
+    a.store("ea", [(1, 2)])
+    exchange([pa.update_frame()], pb, pa)
+    pa.maybe_compact(True, min_churn=0, ratio=0.0)
+    frame = pa.maybe_compact(True, min_churn=0, ratio=0.0)
+    b.store("eb", [(3, 4)])  # still on epoch 0: both epoch frames were lost
+    exchange([frame], pb, pa)
+    exchange([pb.update_frame()], pa, pb)
+    assert a.pairs("eb") == b.pairs("eb") == {3: 4}
+    assert a.doc.content == b.doc.content

@@ -1,6 +1,7 @@
 """Shared dispatch entries: written once per half TTL, parsed defensively, swept when expired."""
 
 from index.replicated import ReplicatedIndex, parse_dispatch
+
 from mesh.sync_protocol import SyncProtocol
 
 

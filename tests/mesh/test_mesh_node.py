@@ -7,10 +7,10 @@ import json
 
 import pytest
 import trio
+from mesh.ownership import owners
 from mesh_node_helpers import settings, start_mesh, start_node, wait_until
 
 from mesh.node import MeshNode
-from mesh.ownership import owners
 
 ENGINES = [f"engine-{i}" for i in range(24)]
 

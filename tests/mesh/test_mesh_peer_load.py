@@ -6,8 +6,8 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from index.replicated import ReplicatedIndex
+
 from mesh import peer_load
 from mesh.peer_load import PeerLoad
 from mesh.sync_protocol import SyncProtocol

@@ -7,9 +7,9 @@ import redis
 import trio
 from hypothesis import given
 from hypothesis import strategies as st
+from index.replicated import ReplicatedIndex
 from mesh_node_helpers import free_port, settings, start_mesh, start_node, wait_until
 
-from index.replicated import ReplicatedIndex
 from mesh.crdt_doc import Epoch
 from mesh.snapshots import KEY_PREFIX, Snapshot
 from mesh.sync_protocol import SyncProtocol

@@ -1,4 +1,5 @@
-"""Measurements of the replicated index for ``kvmesh bench mesh``: each returns a plain dict."""
+"""Measurements for ``kvmesh bench mesh``: one replica's block index ingest, the replicated document's
+replication lag. Each returns a plain dict."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import time
 
 import trio
 
-from index.replicated import ReplicatedIndex
-from mesh.crdt_doc import Change
+from index.prefix_index import PrefixIndex
+from mesh.crdt_doc import Change, ReplicatedDoc
 from mesh.sync import SyncService
 from mesh.sync_protocol import SyncProtocol
 
@@ -20,8 +21,8 @@ def _percentile(samples: list[float], fraction: float) -> float:
 
 
 def ingest_rate(blocks: int = 100_000, batch: int = 32, churn: bool = True) -> dict[str, float]:
-    """Block ops/s into one replica's document plus mirror, in KV-event-sized batches."""
-    index = ReplicatedIndex("bench")
+    """Block ops/s into one replica's index, in KV-event-sized batches (every replica ingests for itself)."""
+    index = PrefixIndex()
     started = time.perf_counter()
     for start in range(0, blocks, batch):
         index.store("engine", [(h, h ^ 0x5A5A) for h in range(start, start + batch)])
@@ -41,56 +42,32 @@ def ingest_rate(blocks: int = 100_000, batch: int = 32, churn: bool = True) -> d
     }
 
 
-def compaction_size(live: int = 100_000, churn_ops: int = 1_000_000, batch: int = 500) -> dict[str, float]:
-    """Encoded document size after ``churn_ops`` stores+removes over ``live`` live keys, then compacted."""
-    index = ReplicatedIndex("bench")
-    protocol = SyncProtocol(index.doc)
-    index.store("engine", [(h, h) for h in range(live)])
-    next_hash, oldest = live, 0
-    for _ in range(churn_ops // (2 * batch)):
-        index.store("engine", [(h, h) for h in range(next_hash, next_hash + batch)])
-        index.remove("engine", range(oldest, oldest + batch))
-        next_hash += batch
-        oldest += batch
-    before = index.doc.encoded_size()
-    started = time.perf_counter()
-    protocol.maybe_compact(True, min_churn=0, ratio=0.0)
-    compact_s = time.perf_counter() - started
-    return {
-        "live_keys": index.block_count("engine"),
-        "churn_ops": churn_ops,
-        "bytes_before": before,
-        "bytes_after": index.doc.encoded_size(),
-        "compact_s": compact_s,
-    }
-
-
 async def replication_lag(writes: int = 300, interval: float = 0.01, replicas: int = 3) -> dict[str, float]:
-    """Time from a write on replica 0 until it shows in the others' mirrors, over real loopback TCP."""
+    """Time from a document write on replica 0 until the others see it, over real loopback TCP."""
     secret = os.urandom(32)
     addresses: dict[str, tuple[str, int]] = {}
-    indexes = [ReplicatedIndex(f"r{i}") for i in range(replicas)]
+    docs = [ReplicatedDoc(f"r{i}", ("bench",)) for i in range(replicas)]
     written: dict[int, float] = {}
     lags: list[float] = []
 
     def observer(changes: list[Change]) -> None:
         now = trio.current_time()
         for name, key, _old, new in changes:
-            if name == "blocks" and new is not None:
-                lags.append(now - written[int(key.rpartition("\x1f")[2])])
+            if name == "bench" and new is not None:
+                lags.append(now - written[int(key)])
 
-    for index in indexes[1:]:
-        index.doc.subscribe(observer)
+    for doc in docs[1:]:
+        doc.subscribe(observer)
     async with trio.open_nursery() as nursery:
-        services = [SyncService(SyncProtocol(index.doc), secret, lambda: addresses) for index in indexes]
-        for index, service in zip(indexes, services, strict=True):
-            addresses[index.doc.replica_id] = ("127.0.0.1", await nursery.start(service.run))
+        services = [SyncService(SyncProtocol(doc), secret, lambda: addresses) for doc in docs]
+        for doc, service in zip(docs, services, strict=True):
+            addresses[doc.replica_id] = ("127.0.0.1", await nursery.start(service.run))
         with trio.fail_after(10):
             while not all(len(service.connected_peers()) == replicas - 1 for service in services):
                 await trio.sleep(0.01)
         for n in range(writes):
             written[n] = trio.current_time()
-            indexes[0].store("engine", [(n, n)])
+            docs[0].write([("bench", str(n), str(n))])
             await trio.sleep(interval)
         with trio.move_on_after(5):
             while len(lags) < writes * (replicas - 1):

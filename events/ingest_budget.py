@@ -1,0 +1,53 @@
+"""How much of the event loop KV-event work may take (sans-IO: time passed in).
+
+A router replica serves requests and ingests every engine's events on one trio loop. Unbounded, a
+busy fleet's events took a whole core: requests waited seconds and the router's own health polls of
+the engines timed out, so healthy engines were marked down (an outage caused by the router being late,
+not the engine). Ingest therefore runs in short slices charged to one token bucket per process, refilled
+at ``share`` seconds of work per second. When the bucket is empty, subscribers wait: messages queue in
+ZMQ (and past its high-water mark are dropped there, which the seq tracker sees as a gap to replay or
+count lost) and the engine's confidence falls, so routing leans on load until ingest catches up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class IngestBudget:
+    share: float = 0.5
+    """Fraction of wall time event work may use, averaged over ``burst_s / share`` seconds."""
+    burst_s: float = 0.02
+    """Work allowed at once after an idle spell; also the longest a request waits behind ingest per tick."""
+    slice_s: float = 0.002
+    """Work done between two yields to the scheduler."""
+    tokens: float = 0.02
+    updated_at: float | None = None
+    deferrals: int = 0
+    deferred_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.share <= 1 or self.burst_s <= 0 or self.slice_s <= 0:
+            raise ValueError("ingest budget: share in (0, 1], positive burst and slice")
+        self.tokens = self.burst_s
+
+    def _refill(self, now: float) -> None:
+        if self.updated_at is not None and now > self.updated_at:
+            self.tokens = min(self.burst_s, self.tokens + (now - self.updated_at) * self.share)
+        self.updated_at = now if self.updated_at is None else max(now, self.updated_at)
+
+    def wait_s(self, now: float) -> float:
+        """Seconds to wait before the next slice (0: go ahead); a positive answer counts as a deferral."""
+        self._refill(now)
+        if self.tokens > 0:
+            return 0.0
+        wait = -self.tokens / self.share + 1e-4
+        self.deferrals += 1
+        self.deferred_s += wait
+        return wait
+
+    def charge(self, now: float, spent_s: float) -> None:
+        """Work of ``spent_s`` seconds was done; the bucket may go negative (a slice overran)."""
+        self._refill(now)
+        self.tokens -= max(0.0, spent_s)

@@ -1,0 +1,73 @@
+"""State transfer of one engine's block index between replicas, so a starting replica is warm.
+
+Every replica ingests every engine's KV events itself (gateway/event_ingest.py). A replica that starts
+(or adds an engine) asks its peers for their index of that engine: the engine hashes and own keys it
+holds and the last event seq applied per event source. It loads the best answer (the highest seqs) and
+resumes each source from its seq, so the engine's replay buffer fills the gap between the peer's
+snapshot and the live stream, exactly as after a reconnect. Without an answer it starts cold and
+backfills from the replay buffer.
+
+Blob: msgpack ``[FORMAT, seqs, hashes, own_keys]``: ``seqs`` one int or nil per event source, the two
+arrays little-endian u64 of equal length. The mesh sends it in 1 MiB chunks (mesh/sync_protocol.py).
+Everything from a peer is checked: a blob that does not decode, has unequal arrays or hashes out of
+the index's range is refused (counted by the caller), never half-loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+
+from index.alias_table import storable
+
+FORMAT = 1
+NAMESPACE = "index"
+MAX_SEQ = 2**63
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """What a peer knows of one engine: its blocks and where each event source stood."""
+
+    seqs: tuple[int | None, ...]
+    hashes: np.ndarray
+    own_keys: np.ndarray
+
+    @property
+    def blocks(self) -> int:
+        return len(self.hashes)
+
+    def progress(self) -> int:
+        """How far the snapshot got (to pick the freshest answer): the sum of its known seqs."""
+        return sum(s for s in self.seqs if s is not None)
+
+
+def encode(seqs: list[int | None], hashes: np.ndarray, own_keys: np.ndarray) -> bytes:
+    return msgpack.packb([FORMAT, seqs, hashes.astype("<u8").tobytes(), own_keys.astype("<u8").tobytes()])
+
+
+def decode(blob: bytes, sources: int) -> EngineSnapshot:
+    """Raises ValueError unless ``blob`` is a well-formed snapshot for an engine with ``sources`` sources."""
+    try:
+        version, seqs, hashes, own_keys = msgpack.unpackb(blob, max_bin_len=len(blob), max_array_len=4096)
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise ValueError(f"undecodable index snapshot: {exc!r}") from None
+    if version != FORMAT or not isinstance(seqs, list) or len(seqs) != sources:
+        raise ValueError("index snapshot of another format or source count")
+    if not all(s is None or (isinstance(s, int) and 0 <= s < MAX_SEQ) for s in seqs):
+        raise ValueError("index snapshot seq out of range")
+    if not (isinstance(hashes, bytes) and isinstance(own_keys, bytes)) or len(hashes) != len(own_keys) \
+            or len(hashes) % 8:
+        raise ValueError("index snapshot arrays of unequal or partial length")
+    hash_array = np.frombuffer(hashes, dtype="<u8").astype(np.uint64)
+    own_array = np.frombuffer(own_keys, dtype="<u8").astype(np.uint64)
+    if len(hash_array) and not storable(int(hash_array.max()), 0):
+        raise ValueError("index snapshot hash out of range")
+    return EngineSnapshot(tuple(seqs), hash_array, own_array)
+
+
+def best(answers: list[EngineSnapshot]) -> EngineSnapshot | None:
+    """The answer that got furthest; ties go to the larger index."""
+    return max(answers, key=lambda s: (s.progress(), s.blocks), default=None)
