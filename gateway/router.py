@@ -123,7 +123,8 @@ class Router:
     def mesh_report(self) -> dict[str, Any]:
         if self.mesh is None:
             return {"enabled": False, "members": []}
-        return {"enabled": True, **self.mesh.describe(), "ingesting": self.ingest.ingesting()}
+        return {"enabled": True, **self.mesh.describe(), "ingesting": self.ingest.ingesting(),
+                "index_transfer": dict(self.ingest.stats)}
 
     def isolate(self, isolated: bool) -> None:
         if self.mesh is None:

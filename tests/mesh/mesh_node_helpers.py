@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import trio
 
+from gateway.mesh_state import NAMESPACES, MeshState
 from mesh.node import MeshNode, MeshNodeSettings
 
 SECRET = b"node-test-secret-0123456789"
@@ -19,7 +20,6 @@ def settings(name: str, seeds: tuple[str, ...] = (), **overrides: object) -> Mes
         "name": name,
         "bind": "127.0.0.1:0",
         "seeds": seeds,
-        "reconcile_interval": 0.1,
         "anti_entropy_interval": 0.3,
     }
     values.update(overrides)
@@ -32,6 +32,7 @@ class Running:
 
     node: MeshNode
     scope: trio.CancelScope
+    state: MeshState
 
     @property
     def gossip_addr(self) -> str:
@@ -51,9 +52,10 @@ async def _host(node: MeshNode, *, task_status: trio.TaskStatus[trio.CancelScope
 
 
 async def start_node(nursery: trio.Nursery, node_settings: MeshNodeSettings) -> Running:
-    node = MeshNode(node_settings)
+    node = MeshNode(node_settings, NAMESPACES)
+    state = MeshState(node)
     scope = await nursery.start(_host, node)
-    return Running(node, scope)
+    return Running(node, scope, state)
 
 
 async def start_mesh(nursery: trio.Nursery, n: int, **overrides: object) -> list[Running]:

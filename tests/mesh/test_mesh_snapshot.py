@@ -5,12 +5,14 @@ from __future__ import annotations
 import pytest
 import redis
 import trio
+from doc_replica import Replica
 from hypothesis import given
 from hypothesis import strategies as st
-from index.replicated import ReplicatedIndex
 from mesh_node_helpers import free_port, settings, start_mesh, start_node, wait_until
 
+from gateway.mesh_state import NAMESPACES, MeshState
 from mesh.crdt_doc import Epoch
+from mesh.node import MeshNode
 from mesh.snapshots import KEY_PREFIX, Snapshot
 from mesh.sync_protocol import SyncProtocol
 
@@ -18,6 +20,7 @@ uints = st.integers(min_value=0, max_value=2**53)
 snapshots = st.builds(
     Snapshot,
     epoch=st.builds(Epoch, uints, st.text(max_size=20)),
+    base_epoch=st.builds(Epoch, uints, st.text(max_size=20)),
     base=st.dictionaries(uints, uints, max_size=8),
     full=st.binary(max_size=64),
     writer=st.text(max_size=20),
@@ -48,14 +51,14 @@ def test_damaged_snapshot_fields_raise_value_error(snapshot, field, garbage):
 
 
 def test_snapshot_of_a_document_restores_it_in_a_fresh_replica():
-    source = ReplicatedIndex("a")
+    source = Replica("a")
     source.store("engine-1", [(h, h * 7) for h in range(100)])
-    source.set_seq("engine-1", 9)
+    source.set_registry("engine-1", {"island": "x"})
     snapshot = Snapshot.from_fields(as_stored(Snapshot.of(source.doc, 123.0).to_fields()))
-    fresh = ReplicatedIndex("b")
-    assert SyncProtocol(fresh.doc).load_snapshot(snapshot.epoch, snapshot.base, snapshot.full)
+    fresh = Replica("b")
+    assert SyncProtocol(fresh.doc).load_snapshot(snapshot.epoch, snapshot.base_epoch, snapshot.base, snapshot.full)
     assert fresh.pairs("engine-1") == source.pairs("engine-1")
-    assert fresh.seq("engine-1") == 9
+    assert fresh.registry() == {"engine-1": {"island": "x"}}
 
 
 def stored_snapshot(url: str, cluster: str) -> Snapshot | None:
@@ -67,13 +70,13 @@ def stored_snapshot(url: str, cluster: str) -> Snapshot | None:
     return Snapshot.from_fields(fields) if fields else None
 
 
-def snapshot_holds(url: str, cluster: str, engine: str, blocks: int) -> bool:
+def snapshot_holds(url: str, cluster: str, engine: str, dispatches: int) -> bool:
     snapshot = stored_snapshot(url, cluster)
     if snapshot is None:
         return False
-    probe = ReplicatedIndex("probe")
-    probe.doc.apply_update(snapshot.full)
-    return probe.block_count(engine) == blocks
+    probe = MeshState(MeshNode(settings("probe"), NAMESPACES))
+    probe.node.doc.apply_update(snapshot.full)
+    return sum(key.startswith(engine) for key in probe.content["approx"]) == dispatches
 
 
 @pytest.mark.integration
@@ -83,9 +86,8 @@ async def test_fresh_node_starts_warm_from_the_snapshot_after_the_whole_mesh_sto
     options = {"redis_url": url, "cluster": "warm", "snapshot_interval": 0.2}
     async with trio.open_nursery() as nursery:
         nodes = await start_mesh(nursery, 2, **options)
-        nodes[1].node.store.store("engine-1", [(h, h + 100) for h in range(500)])
-        nodes[1].node.store.set_seq("engine-1", 77)
-        nodes[0].node.set_engine_state("engine-1", {"drain": False})
+        nodes[1].state.publish_dispatch("engine-1", range(500), expires_at=4e9, refresh_before=0.0)
+        nodes[0].state.set_registry("engine-1", {"drain": False})
         await wait_until(lambda: snapshot_holds(url, "warm", "engine-1", 500), 10)
         writers = {stored_snapshot(url, "warm").writer}
         assert writers == {min(r.node.member_id for r in nodes)}
@@ -97,9 +99,8 @@ async def test_fresh_node_starts_warm_from_the_snapshot_after_the_whole_mesh_sto
         warm_after = trio.current_time() - started
         print(f"fresh node warm after {warm_after:.3f}s")
         assert warm_after <= 2.0
-        assert fresh.node.store.block_count("engine-1") == 500
-        assert fresh.node.resume_seq("engine-1") == 77
-        assert fresh.node.engine_states() == {"engine-1": {"drain": False}}
+        assert len(fresh.state.content["approx"]) == 500
+        assert fresh.state.registry() == {"engine-1": {"drain": False}}
         assert fresh.node.stats["snapshot_loaded"] == 1
         nursery.cancel_scope.cancel()
 
@@ -110,13 +111,13 @@ async def test_nodes_keep_replicating_when_redis_dies_and_count_the_errors(redis
     url, process = redis_server
     async with trio.open_nursery() as nursery:
         nodes = await start_mesh(nursery, 3, redis_url=url, cluster="dies", snapshot_interval=0.1)
-        nodes[0].node.store.set_seq("engine-1", 1)
+        nodes[0].state.set_registry("engine-1", {"island": "a"})
         await wait_until(lambda: stored_snapshot(url, "dies") is not None)
         process.kill()
         process.wait()
         writer = next(r for r in nodes if r.node.member_id == min(x.node.member_id for x in nodes))
-        writer.node.store.store("engine-2", [(1, 2), (3, 4)])
-        await wait_until(lambda: all(r.node.store.block_count("engine-2") == 2 for r in nodes))
+        writer.state.set_registry("engine-2", {"island": "b"})
+        await wait_until(lambda: all("engine-2" in r.state.registry() for r in nodes))
         await wait_until(lambda: writer.node.stats["snapshot_error"] >= 2)
         everyone = sorted(r.node.member_id for r in nodes)
         assert all(r.node.live_members() == everyone for r in nodes)
@@ -128,7 +129,7 @@ async def test_nodes_keep_replicating_when_redis_dies_and_count_the_errors(redis
 async def test_unreachable_or_garbage_redis_never_stops_a_node_from_starting(redis_server):
     url, _ = redis_server
     client = redis.Redis.from_url(url, socket_timeout=0.5)
-    client.hset(KEY_PREFIX + "garbage", mapping={"format": b"1", "epoch_number": b"x"})
+    client.hset(KEY_PREFIX + "garbage", mapping={"format": b"2", "epoch_number": b"x"})
     client.close()
     async with trio.open_nursery() as nursery:
         damaged = await start_node(nursery, settings("damaged", redis_url=url, cluster="garbage"))
