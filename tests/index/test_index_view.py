@@ -71,7 +71,7 @@ def test_silence_only_decays_confidence_while_the_engine_is_busy():
     assert stale_poll.confidence(100.0) < 0.01
 
 
-def test_lost_batches_and_missing_owner_lower_confidence_until_recovered():
+def test_lost_batches_and_ingest_falling_behind_lower_confidence_until_recovered():
     f = EngineFreshness(policy=FreshnessPolicy(loss_penalty=0.5, loss_recovery_s=30.0, silence_grace_s=1e9))
     assert f.confidence(0.0) == 0.0
     f.on_events(0.0, 0)
@@ -79,8 +79,11 @@ def test_lost_batches_and_missing_owner_lower_confidence_until_recovered():
     assert f.confidence(0.0) == 0.5 and f.lost_batches == 3
     assert abs(f.confidence(15.0) - 0.75) < 1e-9
     assert f.confidence(30.0) == 1.0
-    f.on_owner(30.0, present=False)
-    assert f.confidence(40.0) < 1.0
-    f.on_owner(41.0, present=True)
+    f.on_deferred(30.0)
+    assert f.confidence(30.0) == 0.5
+    assert f.confidence(40.0) < 0.5
+    f.on_deferred(35.0)  # still the same episode: it does not restart the decay
+    assert f.confidence(40.0) == 0.25
+    f.on_caught_up()
     assert f.confidence(41.0) == 1.0
     assert EngineFreshness(has_events=False).confidence(5.0) == 1.0  # nothing from events to doubt

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import msgpack
 import pytest
+from doc_replica import Replica
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from index.replicated import ReplicatedIndex
 
 from mesh import peer_load
 from mesh.peer_load import PeerLoad
@@ -46,7 +46,7 @@ def test_decoding_arbitrary_bytes_gives_a_map_or_value_error(payload: bytes) -> 
 
 
 def test_load_frames_cross_epochs_and_bad_ones_are_counted() -> None:
-    a, b = ReplicatedIndex("a"), ReplicatedIndex("b")
+    a, b = Replica("a"), Replica("b")
     pa, pb = SyncProtocol(a.doc), SyncProtocol(b.doc)
     a.store("e", [(1, 2)])
     assert pa.maybe_compact(True, min_churn=0, ratio=0.0) is not None  # a moves to a newer epoch than b

@@ -1,0 +1,41 @@
+"""The event-loop share of KV-event ingest: bounded on average and per burst, never starved for good."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from events.ingest_budget import IngestBudget
+
+
+def test_a_fresh_budget_allows_one_burst_then_defers_until_refilled():
+    budget = IngestBudget(share=0.5, burst_s=0.02)
+    assert budget.wait_s(0.0) == 0.0
+    budget.charge(0.0, 0.03)  # a slice overran the burst
+    wait = budget.wait_s(0.0)
+    assert wait == pytest.approx(0.02, abs=1e-3)  # 0.01 s of debt at half a second per second
+    assert budget.deferrals == 1
+    assert budget.wait_s(wait) == 0.0
+
+
+@given(st.lists(st.tuples(st.floats(0, 0.01), st.floats(0, 0.05)), min_size=1, max_size=200))
+def test_work_admitted_never_exceeds_share_of_elapsed_time_plus_one_burst_and_slice(steps):
+    """Whatever the pattern of gaps and slice lengths, ingest that waits when told uses at most
+    share * elapsed + burst + its last overrun."""
+    budget = IngestBudget(share=0.5, burst_s=0.02, slice_s=0.002)
+    now, worked, longest = 0.0, 0.0, 0.0
+    for gap, work in steps:
+        now += gap
+        now += budget.wait_s(now)
+        budget.charge(now, work)
+        now += work
+        worked += work
+        longest = max(longest, work)
+    assert worked <= 0.5 * now + 0.02 + longest + 1e-9
+
+
+def test_settings_are_checked():
+    for bad in ({"share": 0}, {"share": 1.5}, {"burst_s": 0}, {"slice_s": -1}):
+        with pytest.raises(ValueError):
+            IngestBudget(**bad)
