@@ -14,6 +14,7 @@ from typing import Any
 import msgpack
 
 from index.block_hash import engine_hash_to_int
+from index.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
 
 SEQ_BYTES = 8
 END_SEQ = b"\xff" * SEQ_BYTES
@@ -28,42 +29,6 @@ class DecodeError(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
-
-
-@dataclass(frozen=True, slots=True)
-class BlockStored:
-    block_hashes: tuple[int, ...]
-    parent_block_hash: int | None
-    token_ids: tuple[int, ...]
-    block_size: int
-    lora_name: str | None = None
-    medium: str | None = None
-    extra_keys: tuple[Any, ...] | None = None
-    group_idx: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    block_hashes: tuple[int, ...]
-    medium: str | None = None
-    group_idx: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
-    pass
-
-
-Event = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-@dataclass(frozen=True, slots=True)
-class EventBatch:
-    seq: int
-    ts: float
-    events: tuple[Event, ...]
-    data_parallel_rank: int | None = None
-    unknown_events: int = 0
 
 
 @dataclass(frozen=True, slots=True)

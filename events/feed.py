@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from events.counters import BLOCK_OPS, EVENT_BATCHES, EVENTS_DROPPED, REPLAYS
-from events.decode import DecodeError, EventBatch, ReplayEnd, decode_live, decode_replay
+from events.decode import DecodeError, ReplayEnd, decode_live, decode_replay
 from events.sequence import Decision, SequenceTracker
+from index.events import EventBatch
 from index.ingest import EngineIngest, IngestStats
 from index.view import CacheView
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import msgpack
 
-from events.decode import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from index.block_hash import next_key, root_seed
+from index.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from index.store import BlockStore
 
 # Only the engine's own KV cache is indexed; offloaded tiers and non-primary groups are skipped.

@@ -10,17 +10,9 @@ from events_frames import live_frames, removed_array, removed_map, stored_array,
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events.decode import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    DecodeError,
-    ReplayEnd,
-    decode_live,
-    decode_payload,
-    decode_replay,
-)
+from events.decode import DecodeError, ReplayEnd, decode_live, decode_payload, decode_replay
 from index.block_hash import KEY_MASK
+from index.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 
 @pytest.mark.parametrize("build_stored,build_removed", [(stored_map, removed_map), (stored_array, removed_array)])

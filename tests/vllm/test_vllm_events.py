@@ -10,8 +10,8 @@ import zmq
 from vllm_wire import EventTap, chat, get_text, replay, tokenize_chat, unique_text
 
 from cluster.vllm_engine import HASH_SEED, KV_TOPIC, VllmEngine
-from events.decode import BlockStored
 from index.block_hash import engine_hash_to_int
+from index.events import BlockStored
 from index.vllm_hash import block_hashes, to_u64
 
 pytestmark = pytest.mark.vllm

@@ -7,7 +7,7 @@ import zmq
 from vllm_wire import EventTap, chat, post_json, replay, tokenize_chat, unique_text
 
 from cluster.vllm_engine import VllmEngine, process_group_rss
-from events.decode import AllBlocksCleared, BlockRemoved
+from index.events import AllBlocksCleared, BlockRemoved
 
 pytestmark = pytest.mark.vllm
 

@@ -19,7 +19,8 @@ import msgpack
 import zmq
 
 from cluster.vllm_engine import SERVED_MODEL_NAME, VllmEngine
-from events.decode import BlockStored, EventBatch, ReplayEnd, decode_live, decode_replay
+from events.decode import ReplayEnd, decode_live, decode_replay
+from index.events import BlockStored, EventBatch
 
 WAIT_S = 60.0
 _METRIC_LINE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$")
