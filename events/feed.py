@@ -35,6 +35,8 @@ class EngineFeed:
         self.ingest.last_seq = resume_seq
         self.max_payload_bytes = max_payload_bytes
         self.totals = IngestStats()
+        self.replay_generation = 0
+        """Identity of the replay the tracker waits for; replies of any other replay are stale."""
 
     def _drop(self, reason: str, count: int = 1) -> None:
         EVENTS_DROPPED.labels(engine=self.engine, reason=reason).inc(count)
@@ -58,7 +60,6 @@ class EngineFeed:
         self._act(decision, now)
         if decision.replay_from is not None:
             self.freshness.on_gap()
-            REPLAYS.labels(engine=self.engine, outcome="requested").inc()
         return decision.replay_from
 
     def catch_up(self, now: float) -> int | None:
@@ -71,8 +72,12 @@ class EngineFeed:
     def on_publisher_lost(self) -> None:
         self.tracker.publisher_lost()
 
-    def on_replay(self, frames: Sequence[bytes], now: float) -> bool:
-        """One replay reply; returns True when the replay is finished (end marker)."""
+    def on_replay(self, frames: Sequence[bytes], now: float, generation: int) -> bool:
+        """One reply of replay ``generation``; returns True when that replay is finished (end marker, or it
+        is stale: a newer replay replaced it, so its task should stop)."""
+        if generation != self.replay_generation or not self.tracker.replaying:
+            self._drop("stale_replay")
+            return True
         if self._oversized(frames):
             return False
         try:
@@ -87,9 +92,10 @@ class EngineFeed:
         self._act(self.tracker.replayed(item.seq, item), now)
         return False
 
-    def on_replay_failed(self, now: float) -> None:
-        """No replay endpoint, timeout or socket error: the gap stays open and is recorded as lost."""
-        if not self.tracker.replaying:
+    def on_replay_failed(self, now: float, generation: int) -> None:
+        """No replay endpoint, timeout or socket error: the gap stays open and is recorded as lost.
+        A failure of a replay that was already replaced or finished changes nothing."""
+        if generation != self.replay_generation or not self.tracker.replaying:
             return
         REPLAYS.labels(engine=self.engine, outcome="failed").inc()
         self.freshness.on_replay_failed()
@@ -105,6 +111,9 @@ class EngineFeed:
         return self.tracker.replaying
 
     def _act(self, decision: Decision[EventBatch], now: float) -> None:
+        if decision.replay_from is not None:
+            self.replay_generation += 1
+            REPLAYS.labels(engine=self.engine, outcome="requested").inc()
         if decision.reset:
             dropped = self.ingest.reset()
             BLOCK_OPS.labels(engine=self.engine, op="reset").inc(dropped)

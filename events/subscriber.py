@@ -85,9 +85,17 @@ async def _session(feed: EngineFeed, source: EventSource, context: zmq.Context, 
             sub.connect(source.endpoint)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_disconnect, monitor)
+            running: list[trio.CancelScope] = []
+
             def replay(start: int | None) -> None:
-                if start is not None:
-                    nursery.start_soon(_replay, feed, source, start, context, config, clock, budget)
+                """Start the replay the feed asked for, cancelling the one it replaces."""
+                if start is None:
+                    return
+                for scope in running:
+                    scope.cancel()
+                running[:] = [trio.CancelScope()]
+                nursery.start_soon(_replay, feed, source, start, feed.replay_generation, running[0], context,
+                                   config, clock, budget)
 
             replay(feed.catch_up(clock()))
             while True:
@@ -129,12 +137,21 @@ async def _watch_disconnect(monitor: zmq.Socket) -> None:
     raise PublisherDisconnected
 
 
-async def _replay(feed: EngineFeed, source: EventSource, start: int, context: zmq.Context,
-                  config: SubscriberConfig, clock: Callable[[], float], budget: IngestBudget) -> None:
-    """Ask the engine's ROUTER for batches >= start; the feed orders them with held live batches."""
+async def _replay(feed: EngineFeed, source: EventSource, start: int, generation: int, scope: trio.CancelScope,
+                  context: zmq.Context, config: SubscriberConfig, clock: Callable[[], float],
+                  budget: IngestBudget) -> None:
+    """Ask the engine's ROUTER for batches >= start; the feed orders them with held live batches. Every
+    reply carries this replay's generation, so a replay the feed has moved past changes nothing."""
     if source.replay_endpoint is None:
-        feed.on_replay_failed(clock())
+        feed.on_replay_failed(clock(), generation)
         return
+    with scope:
+        await _replay_session(feed, source, start, generation, context, config, clock, budget)
+
+
+async def _replay_session(feed: EngineFeed, source: EventSource, start: int, generation: int,
+                          context: zmq.Context, config: SubscriberConfig, clock: Callable[[], float],
+                          budget: IngestBudget) -> None:
     dealer = context.socket(zmq.DEALER)
     done = False
     try:
@@ -144,8 +161,9 @@ async def _replay(feed: EngineFeed, source: EventSource, start: int, context: zm
         with trio.move_on_after(config.replay_timeout_s):
             while not done:
                 await _readable(dealer)
-                done = await _drain(dealer, budget, lambda frames: feed.on_replay(frames, clock()), feed, clock)
+                done = await _drain(dealer, budget, lambda frames: feed.on_replay(frames, clock(), generation),
+                                    feed, clock)
     finally:
         dealer.close(linger=0)
         if not done:
-            feed.on_replay_failed(clock())
+            feed.on_replay_failed(clock(), generation)

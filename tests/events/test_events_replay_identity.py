@@ -1,0 +1,67 @@
+"""Replays have identities: replies, end markers and failures of a replay the feed moved past change nothing."""
+
+from __future__ import annotations
+
+from events_frames import payload, stored_map
+
+from events.feed import EngineFeed
+from index.prefix_index import PrefixIndex
+from index.view import CacheView
+
+MODEL = "m"
+
+
+def feed() -> EngineFeed:
+    view = CacheView(PrefixIndex())
+    view.register("e", block_size=4, has_events=True)
+    return EngineFeed("e", MODEL, view)
+
+
+def live(seq: int, first_hash: int) -> list[bytes]:
+    return [b"kv", seq.to_bytes(8, "big"), payload([stored_map([first_hash], None, [first_hash] * 4, 4)])]
+
+
+def replayed(seq: int, first_hash: int) -> list[bytes]:
+    return [b"", b"kv", seq.to_bytes(8, "big"), payload([stored_map([first_hash], None, [first_hash] * 4, 4)])]
+
+
+END = [b"", b"", b"\xff" * 8, b""]
+
+
+def held(f: EngineFeed) -> set[int]:
+    return set(f.view.store.pairs("e"))
+
+
+def test_a_restarted_publisher_ignores_the_old_publishers_late_replay():
+    f = feed()
+    assert f.on_live(live(5, 105), 0.0) == 0  # joined mid-stream: backfill from 0
+    old = f.replay_generation
+    assert f.on_live(live(2, 202), 0.0) == 0  # seq went back: the publisher restarted, replay again
+    new = f.replay_generation
+    assert new != old
+    assert f.on_replay(replayed(3, 103), 0.0, old)  # the old publisher's late batches: stale, stop
+    assert f.on_replay(END, 0.0, old)  # its end marker does not end the new replay
+    assert f.replaying
+    assert not f.on_replay(replayed(0, 200), 0.0, new)
+    assert not f.on_replay(replayed(1, 201), 0.0, new)
+    assert f.on_replay(END, 0.0, new)
+    assert held(f) == {200, 201, 202}
+
+
+def test_a_replay_ended_by_overflow_cannot_end_or_fail_its_successor():
+    f = feed()
+    f.tracker._max_buffered = 2
+    assert f.on_live(live(0, 100), 0.0) is None
+    assert f.on_live(live(3, 103), 0.0) == 1  # gap: replay 1 from seq 1
+    first = f.replay_generation
+    f.on_live(live(4, 104), 0.0)
+    f.on_live(live(5, 105), 0.0)  # hold buffer overflows: replay 1 ends, its gap counted lost
+    assert not f.replaying
+    assert f.on_live(live(7, 107), 0.0) == 6  # a new gap: replay 2
+    second = f.replay_generation
+    f.on_replay_failed(0.0, first)  # replay 1's task times out only now
+    assert f.replaying
+    assert not f.on_replay(replayed(6, 106), 0.0, second)
+    assert f.on_replay(END, 0.0, second)
+    assert {106, 107} <= held(f)
+    assert f.freshness.lost_batches == 2  # seqs 1 and 2, and nothing of replay 2
