@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -48,6 +49,9 @@ class Router:
         self.shutting_down = False
         self._nursery: trio.Nursery | None = None
         self._watches: dict[str, trio.CancelScope] = {}
+        self._exported_engines: set[str] = set()
+        self._exported_peers: set[str] = set()
+        """Label values exported at the last scrape, so gauges of removed engines and gone peers are dropped."""
 
     async def run_background(self, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         """Mesh, tokenizers, event ingestion and engine watchers; owned by the process nursery."""
@@ -109,7 +113,12 @@ class Router:
 
     def _export_gauges(self, metrics: RouterMetrics) -> None:
         now, clock = time.monotonic(), trio.current_time()
-        for engine in self.engines.all():
+        engines = self.engines.all()
+        per_engine = (metrics.in_flight, metrics.engine_healthy, metrics.breaker_state, metrics.index_blocks,
+                      metrics.confidence)
+        _drop_labels(per_engine, self._exported_engines - {e.id for e in engines})
+        self._exported_engines = {e.id for e in engines}
+        for engine in engines:
             metrics.in_flight.labels(engine.id).set(engine.in_flight)
             metrics.engine_healthy.labels(engine.id).set(1 if engine.routable else 0)
             metrics.breaker_state.labels(engine.id).set(engine.health.breaker.state_code(now))
@@ -117,8 +126,11 @@ class Router:
             info = self.planner.cache.info(engine.id)
             metrics.confidence.labels(engine.id).set(info.freshness.confidence(clock) if info else 0.0)
         if self.mesh is not None and self.mesh.replication is not None:
-            for peer, heard in self.mesh.replication.last_heard.items():
-                metrics.peer_silence.labels(peer).set(clock - heard)
+            heard = self.mesh.replication.last_heard
+            _drop_labels((metrics.peer_silence,), self._exported_peers - set(heard))
+            self._exported_peers = set(heard)
+            for peer, at in heard.items():
+                metrics.peer_silence.labels(peer).set(clock - at)
 
     def mesh_report(self) -> dict[str, Any]:
         if self.mesh is None:
@@ -245,6 +257,13 @@ class Router:
             return result.status
         finally:
             self.active_requests -= 1
+
+
+def _drop_labels(gauges, gone: set[str]) -> None:
+    for gauge in gauges:
+        for label in gone:
+            with contextlib.suppress(KeyError):
+                gauge.remove(label)
 
 
 async def _forward_until_disconnect(receive: http_app.Receive, send: http_app.Send, proxying):

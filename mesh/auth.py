@@ -192,9 +192,12 @@ class FrameError(Exception):
 class FrameReader:
     """Splits a byte stream into length-prefixed packets (sans-IO: feed bytes, get packets)."""
 
-    def __init__(self, max_frame: int = MAX_PACKET_BYTES) -> None:
+    def __init__(self, max_frame: int = MAX_PACKET_BYTES, first_frame_max: int | None = None) -> None:
+        """``first_frame_max``: a smaller limit for the first frame, so a peer that has not yet sent an
+        authenticated frame cannot make the reader buffer a large one."""
         self._buffer = bytearray()
         self._max_frame = max_frame
+        self._limit = max_frame if first_frame_max is None else first_frame_max
 
     def feed(self, data: bytes) -> list[bytes]:
         """Add received bytes; return every complete packet now available, in order."""
@@ -202,11 +205,12 @@ class FrameReader:
         packets: list[bytes] = []
         while len(self._buffer) >= _LENGTH.size:
             (size,) = _LENGTH.unpack_from(self._buffer)
-            if size > self._max_frame:
-                raise FrameError(f"frame of {size} bytes exceeds {self._max_frame}")
+            if size > self._limit:
+                raise FrameError(f"frame of {size} bytes exceeds {self._limit}")
             end = _LENGTH.size + size
             if len(self._buffer) < end:
                 break
             packets.append(bytes(self._buffer[_LENGTH.size : end]))
             del self._buffer[:end]
+            self._limit = self._max_frame
         return packets

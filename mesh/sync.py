@@ -7,6 +7,12 @@ anti-entropy requests to one random peer; any connection carries the replies to 
 A slow peer never blocks the others: each connection has a bounded queue and frames that do not fit
 are dropped (anti-entropy repairs them). Frames are sealed with mesh/auth.py (HMAC with the cluster
 secret); a connection that sends one bad MAC is closed.
+
+The listener is reachable by anyone who can reach the port, so an inbound connection costs little
+until it authenticates: its first frame must arrive within HELLO_TIMEOUT_S and be at most
+HELLO_MAX_BYTES (a dialer's first frame is a state vector of a few bytes per replica); only then are
+frames up to the transport limit read. Inbound connections are capped, and one silent for
+IDLE_TIMEOUT_S is closed (its dialer reconnects).
 """
 
 from __future__ import annotations
@@ -31,6 +37,12 @@ LOAD_INTERVAL_S = 0.1
 """How often in-flight counts are checked for a change worth reporting to peers."""
 LOAD_REFRESH_S = 0.5
 """An unchanged report is repeated this often, well inside mesh/peer_load.MAX_AGE_S."""
+HELLO_TIMEOUT_S = 2.0
+HELLO_MAX_BYTES = 64 * 1024
+IDLE_TIMEOUT_S = 60.0
+MAX_INBOUND = 256
+HEARD_FORGET_S = 300.0
+"""A peer not heard from for this long is dropped from ``last_heard`` (ids are new at every start)."""
 
 PeerAddresses = Callable[[], Mapping[str, tuple[str, int]]]
 """Live peers (replica id -> replication TCP address), e.g. from gossip membership."""
@@ -95,6 +107,7 @@ class SyncService:
         self._wall_clock = wall_clock
         self._outbound: dict[str, _Connection] = {}
         self._dialers: dict[tuple[str, tuple[str, int]], trio.CancelScope] = {}
+        self._inbound = 0
 
     def _lowest_id_compacts(self) -> bool:
         return self.replica_id == min([self.replica_id, *self._peers()])
@@ -150,6 +163,13 @@ class SyncService:
         sealed = self._sealed(packet)
         if sealed is not None and not conn.send(sealed):
             self.counters["dropped_queue_full"] += 1
+
+    def _heard(self, peer: str) -> None:
+        now = trio.current_time()
+        if peer not in self.last_heard:
+            for stale in [p for p, t in self.last_heard.items() if now - t > HEARD_FORGET_S]:
+                del self.last_heard[stale]
+        self.last_heard[peer] = now
 
     async def _flush_loop(self) -> None:
         while True:
@@ -218,32 +238,47 @@ class SyncService:
                 await trio.sleep(backoff)
 
     async def _serve_inbound(self, stream: trio.SocketStream) -> None:
-        await self._run_connection(_Connection(stream, None))
+        if self._inbound >= MAX_INBOUND:
+            self.counters["refused_inbound_cap"] += 1
+            await stream.aclose()
+            return
+        self._inbound += 1
+        try:
+            await self._run_connection(_Connection(stream, None), inbound=True)
+        finally:
+            self._inbound -= 1
 
-    async def _run_connection(self, conn: _Connection) -> None:
-        """Read and answer frames until the peer closes, errs, or fails authentication."""
+    async def _run_connection(self, conn: _Connection, inbound: bool = False) -> None:
+        """Read and answer frames until the peer closes, errs, stays silent, or fails authentication."""
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(conn.write_loop)
-                await self._read_loop(conn)
+                await self._read_loop(conn, inbound)
                 nursery.cancel_scope.cancel()
-        except* (trio.BrokenResourceError, trio.ClosedResourceError, OSError, FrameError, AuthError) as group:
+        except* (trio.BrokenResourceError, trio.ClosedResourceError, OSError, FrameError, AuthError,
+                 trio.TooSlowError) as group:
             for exc in group.exceptions:
                 self.counters[f"closed_{type(exc).__name__}"] += 1
         finally:
             with trio.CancelScope(shield=True):
                 await conn.stream.aclose()
 
-    async def _read_loop(self, conn: _Connection) -> None:
-        reader = FrameReader()
-        while data := await conn.stream.receive_some(65536):
+    async def _read_loop(self, conn: _Connection, inbound: bool) -> None:
+        reader = FrameReader(MAX_PACKET_BYTES, first_frame_max=HELLO_MAX_BYTES if inbound else None)
+        authenticated = not inbound
+        while True:
+            with trio.fail_after(IDLE_TIMEOUT_S if authenticated else HELLO_TIMEOUT_S):
+                data = await conn.stream.receive_some(65536)
+            if not data:
+                return
             for packet in reader.feed(data):
                 envelope = self.auth.open(packet, self._wall_clock())
+                authenticated = True
                 conn.peer_id = conn.peer_id or envelope.sender_id
                 if self._drop(envelope.sender_id):
                     self.counters["dropped_by_filter"] += 1
                     continue
-                self.last_heard[envelope.sender_id] = trio.current_time()
+                self._heard(envelope.sender_id)
                 if not isinstance(envelope.payload, bytes):
                     self.counters["malformed"] += 1
                     continue

@@ -115,3 +115,26 @@ async def test_mesh_sync_partition_heals_and_converges() -> None:
         mesh.cut = set()
         await wait_until(lambda: converged(mesh) and a.pairs("ec") == {2: 20} and c.pairs("ea") == {1: 10})
         nursery.cancel_scope.cancel()
+
+
+async def test_mesh_sync_unauthenticated_connections_cost_little_and_are_closed() -> None:
+    """A stranger announcing a 16 MiB frame is cut at the header; one that says nothing is cut after the
+    hello deadline; replication between real replicas goes on meanwhile."""
+    from mesh import sync
+
+    async with trio.open_nursery() as nursery:
+        mesh = Mesh(nursery)
+        a = await mesh.add("a")
+        service = mesh.services["a"]
+        big = await trio.open_tcp_stream(*mesh.addresses["a"])
+        await big.send_all((16 * 1024 * 1024).to_bytes(4, "big"))
+        assert await big.receive_some(10) == b""  # closed: the first frame may be 64 KiB at most
+        silent = await trio.open_tcp_stream(*mesh.addresses["a"])
+        with trio.fail_after(sync.HELLO_TIMEOUT_S + 3):
+            assert await silent.receive_some(10) == b""
+        assert service.counters["closed_FrameError"] == 1
+        assert service.counters["closed_TooSlowError"] == 1
+        b = await mesh.add("b")
+        a.set_registry("e", {"island": "x"})
+        await wait_until(lambda: b.registry() == {"e": {"island": "x"}})
+        nursery.cancel_scope.cancel()
