@@ -6,6 +6,7 @@ a replay when told to; every decision lives here so it can be tested without soc
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from events.counters import BLOCK_OPS, EVENT_BATCHES, EVENTS_DROPPED, REPLAYS
@@ -16,6 +17,7 @@ from index.ingest import EngineIngest, IngestStats
 from index.view import CacheView
 
 DEFAULT_MAX_PAYLOAD = 16 * 1024 * 1024
+log = logging.getLogger("kvmesh.events")
 
 
 class EngineFeed:
@@ -35,6 +37,7 @@ class EngineFeed:
         self.ingest.last_seq = resume_seq
         self.max_payload_bytes = max_payload_bytes
         self.totals = IngestStats()
+        self.overflowed = 0
         self.replay_generation = 0
         """Identity of the replay the tracker waits for; replies of any other replay are stale."""
 
@@ -128,6 +131,25 @@ class EngineFeed:
             self.view.on_ingest(self.engine, stats)
             self.freshness.on_events(now, batch.seq)
             self._count(batch, stats)
+        if decision.apply:
+            self._bound(now)
+
+    def _bound(self, now: float) -> None:
+        """An engine claiming more blocks than its own cache holds (a lying engine, or BlockRemoved events
+        lost in a gap) would grow the index without end: past the limit its blocks are dropped, counted,
+        and its knowledge marked partly lost; the index refills from the events that follow."""
+        info = self.view.info(self.engine)
+        limit = info.block_limit() if info is not None else None
+        if limit is None or self.view.store.block_count(self.engine) <= limit:
+            return
+        dropped = self.ingest.reset()
+        BLOCK_OPS.labels(engine=self.engine, op="overflow").inc(dropped)
+        self.freshness.on_lost(now, 1)
+        self.view.on_reset(self.engine)
+        if not self.overflowed:
+            log.warning("engine announced more blocks than its cache holds: index of it dropped",
+                        extra={"engine": self.engine, "blocks": dropped, "limit": limit})
+        self.overflowed += 1
 
     def _count(self, batch: EventBatch, stats: IngestStats) -> None:
         EVENT_BATCHES.labels(engine=self.engine).inc()

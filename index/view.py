@@ -15,6 +15,8 @@ from index.freshness import EngineFreshness, FreshnessPolicy
 from index.ingest import IngestStats
 from index.store import BlockStore
 
+OVERFLOW_MARGIN = 1.25
+
 
 @dataclass(frozen=True, slots=True)
 class CacheOverlap:
@@ -31,6 +33,13 @@ class EngineCacheInfo:
     block_size: int
     has_events: bool
     freshness: EngineFreshness
+    capacity_blocks: int | None = None
+    """The engine's own reported cache size in blocks (None until its /metrics said)."""
+
+    def block_limit(self) -> int | None:
+        """The most blocks the index keeps for this engine: its capacity with a margin for events in flight
+        (None: unbounded until the capacity is known)."""
+        return None if self.capacity_blocks is None else int(self.capacity_blocks * OVERFLOW_MARGIN) + 1024
 
 
 class CacheView:
@@ -52,6 +61,7 @@ class CacheView:
             self._engines[engine] = info
         info.block_size = block_size
         if capacity_blocks is not None:
+            info.capacity_blocks = capacity_blocks
             self.approximate.set_capacity(engine, capacity_blocks)
         return info
 

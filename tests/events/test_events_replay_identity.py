@@ -65,3 +65,17 @@ def test_a_replay_ended_by_overflow_cannot_end_or_fail_its_successor():
     assert f.on_replay(END, 0.0, second)
     assert {106, 107} <= held(f)
     assert f.freshness.lost_batches == 2  # seqs 1 and 2, and nothing of replay 2
+
+
+def test_an_engine_announcing_more_blocks_than_its_cache_holds_is_bounded_and_counted():
+    view = CacheView(PrefixIndex())
+    view.register("e", block_size=4, has_events=True, capacity_blocks=100)
+    f = EngineFeed("e", MODEL, view)
+    limit = view.info("e").block_limit()
+    for seq in range(limit + 1):
+        f.on_live(live(seq, 1000 + seq), 0.0)
+        assert view.store.block_count("e") <= limit
+    assert f.overflowed == 1
+    assert f.freshness.lost_batches == 1
+    f.on_live(live(limit + 1, 5), 1.0)
+    assert view.store.block_count("e") == 1
