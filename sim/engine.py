@@ -117,7 +117,7 @@ class SimEngine:
                     nursery.start_soon(self._scheduler_loop)
                     if self.publisher is not None:
                         nursery.start_soon(self.publisher.serve_replay)
-                    nursery.start_soon(serve_http, listeners, self.handle, cfg.keep_alive_s)
+                    nursery.start_soon(serve_http, listeners, self.handle, cfg.keep_alive_s, cfg.keep_alive_race_s)
                     self.info = EngineInfo(
                         cfg.index, f"http://{cfg.host}:{port}", port,
                         self.publisher.port if self.publisher else None,
