@@ -18,7 +18,7 @@ import trio
 from gateway import tracing
 from gateway.engines import EngineState
 from gateway.openai_errors import ApiError, sse_error_event
-from gateway.upstream import UpstreamError, UpstreamResponse
+from gateway.upstream import SEND_TIMEOUT_S, UpstreamError, UpstreamResponse
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
@@ -32,6 +32,7 @@ class Timeouts:
     connect: float = 2.0
     first_byte: float = 120.0
     idle: float = 120.0
+    send: float = SEND_TIMEOUT_S
 
 
 @dataclass
@@ -128,7 +129,8 @@ async def _try_engine(engine: EngineState, exchange: Exchange, result: ProxyResu
     try:
         headers = tracing.inject(exchange.headers)
         upstream = await engine.pool.request(exchange.method, exchange.target, exchange.body, headers,
-                                             exchange.timeouts.connect, exchange.timeouts.first_byte)
+                                             exchange.timeouts.connect, exchange.timeouts.first_byte,
+                                             exchange.timeouts.send)
     except UpstreamError as exc:
         engine.health.breaker.record_failure(time.monotonic(), "unreachable")
         result.attempts.append(Attempt(engine.id, f"unreachable ({exc})"))
