@@ -93,6 +93,13 @@ class CircuitBreaker:
         if self._consecutive >= self.failure_threshold or too_many:
             self._open(now)
 
+    def abstain(self, now: float) -> None:
+        """An outcome that says nothing about the engine (the request was at fault, the engine was busy,
+        or it is still generating): frees the half-open probe slot it took and moves nothing else."""
+        self._advance(now)
+        if self.state == "half_open" and self._probes:
+            self._probes.pop()
+
     def _open(self, now: float) -> None:
         self.opens += 1
         self.open_for = min(self.open_max_s, self.open_base_s * 2 ** min(self.opens - 1, _MAX_DOUBLINGS))

@@ -13,6 +13,10 @@ from gateway.config import EngineConfig
 from gateway.engines import EngineState
 from gateway.proxy import Exchange, Timeouts
 from gateway.upstream import EnginePool
+from sim.config import EngineConfig as SimEngineConfig
+from sim.config import FleetConfig
+from sim.engine import SimEngine
+from sim.fleet import run_fleet
 from sim.http_server import Handler, serve_connection
 
 
@@ -39,6 +43,13 @@ async def start_server(nursery: trio.Nursery, handler: Handler, keep_alive_s: fl
 
     nursery.start_soon(trio.serve_listeners, on_connection, listeners)
     return server
+
+
+async def sim_engines(nursery: trio.Nursery, n: int, **engine: Any) -> tuple[list[SimEngine], list[EngineState]]:
+    """``n`` fast simulated engines in this process, and the router's state (with its pool) for each."""
+    cfg = FleetConfig(engines=n, engine=SimEngineConfig(num_blocks=512, profile="fast", time_scale=0.05, **engine))
+    sims = await nursery.start(run_fleet, cfg)
+    return sims, [engine_state(s.info.url) for s in sims]
 
 
 def engine_state(url: str, engine_id: str | None = None) -> EngineState:

@@ -8,21 +8,11 @@ import json
 
 import pytest
 import trio
-from proxy_harness import Sink, completion, engine_state, failures
+from proxy_harness import Sink, completion, failures, sim_engines
 
 from gateway.proxy import forward
-from sim.config import EngineConfig as SimEngineConfig
-from sim.config import FleetConfig
-from sim.fleet import run_fleet
 
 pytestmark = pytest.mark.integration
-
-
-async def _start_engines(nursery, keep_alive_s: float, race_s: float = 0.0):
-    cfg = FleetConfig(engines=2, engine=SimEngineConfig(num_blocks=512, profile="fast", time_scale=0.05,
-                                                        keep_alive_s=keep_alive_s, keep_alive_race_s=race_s))
-    engines = await nursery.start(run_fleet, cfg)
-    return [engine_state(e.info.url) for e in engines]
 
 
 async def _burst(states, concurrency: int, tag: str) -> list[int]:
@@ -44,7 +34,7 @@ async def _burst(states, concurrency: int, tag: str) -> list[int]:
 @pytest.mark.parametrize(("keep_alive_s", "race_s", "gap_s"), [(0.5, 0.0, 0.8), (5.0, 5.0, 0.0)],
                          ids=["idle-past-keep-alive", "every-reuse-races-the-close"])
 async def test_bursts_after_the_engines_closed_idle_connections_all_succeed(nursery, keep_alive_s, race_s, gap_s):
-    states = await _start_engines(nursery, keep_alive_s, race_s)
+    _, states = await sim_engines(nursery, 2, keep_alive_s=keep_alive_s, keep_alive_race_s=race_s)
     for round_ in range(3):
         for concurrency in (8, 16):
             statuses = await _burst(states, concurrency, f"{round_}-{concurrency}")
