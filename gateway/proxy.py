@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import trio
@@ -31,7 +31,9 @@ _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _TAIL_BYTES = 4096
 ERROR_BODY_LIMIT = 64 * 1024
 ERROR_BODY_TIMEOUT_S = 5.0
-_DROPPED_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "host", "server", "date"})
+_HOP_BY_HOP = frozenset({"connection", "keep-alive", "te", "trailer", "transfer-encoding", "upgrade"})
+_OWN_RESPONSE_HEADERS = frozenset({"server", "date"})
+"""Set by the router's own HTTP server."""
 
 
 @dataclass
@@ -68,8 +70,29 @@ class ProxyResult:
         return int(found[-1]) if found else None
 
 
+def end_to_end(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """``headers`` (names in lower case) without the hop-by-hop ones, which a proxy must not forward in
+    either direction (RFC 9110 7.6.1): the fixed list, every ``proxy-*`` and those ``Connection`` names."""
+    named = {token.strip() for name, value in headers if name == "connection" for token in value.lower().split(",")}
+    return [(k, v) for k, v in headers if k not in _HOP_BY_HOP and k not in named and not k.startswith("proxy-")]
+
+
+def _upstream_headers(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """End-to-end headers, the request id once (the client's and the router's are the same value)."""
+    out = []
+    seen_request_id = False
+    for name, value in end_to_end(headers):
+        if name == "x-request-id":
+            if seen_request_id:
+                continue
+            seen_request_id = True
+        out.append((name, value))
+    return out
+
+
 def _response_headers(upstream: UpstreamResponse, extra: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    out = [(k.encode(), v.encode("latin-1")) for k, v in upstream.headers if k not in _DROPPED_HEADERS]
+    own = _OWN_RESPONSE_HEADERS | {name.decode("latin-1") for name, _ in extra}
+    out = [(k.encode(), v.encode("latin-1")) for k, v in end_to_end(upstream.headers) if k not in own]
     return out + extra
 
 
@@ -115,6 +138,7 @@ async def forward(candidates: list[EngineState], exchange: Exchange, max_attempt
 
     An engine's error answer is charged to it only once the request turns out not to be at fault (see
     ``gateway.failover``): a second identical one ends the request with the engine's own error."""
+    exchange = replace(exchange, headers=_upstream_headers(exchange.headers))
     result = ProxyResult()
     ledger = ErrorLedger()
     start = time.perf_counter()
