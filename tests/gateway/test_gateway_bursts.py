@@ -1,16 +1,21 @@
 """Bursts through the proxy after idle gaps longer than the engines' keep-alive: every request succeeds
-and no engine is charged for the connections the engines closed (in-process, simulated engines on
-loopback)."""
+and no engine is charged for the connections the engines closed (in-process with simulated engines on
+loopback, and once through a router process)."""
 
 from __future__ import annotations
 
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import trio
+from gateway_http import Http, chat
 from proxy_harness import Sink, completion, failures, sim_engines
 
+from cluster.router_process import RouterProcess
 from gateway.proxy import forward
+from sim.process import SimFleetProcess
 
 pytestmark = pytest.mark.integration
 
@@ -47,3 +52,21 @@ async def test_bursts_after_the_engines_closed_idle_connections_all_succeed(nurs
         assert status == 200
         assert json.loads((await state.pool.get("/v1/models"))[1])["data"][0]["id"] == "kvmesh-tiny"
         await state.pool.aclose()
+
+
+def test_a_router_serves_every_burst_after_idle_gaps_and_charges_no_engine():
+    """End to end, as the issue measured it: a router process in front of engines that close idle
+    connections after 0.5 s; bursts of 16 after gaps of 1.2 s (requests and health polls both meet
+    closed connections)."""
+    with SimFleetProcess(engines=2, profile="fast", time_scale=0.2, keep_alive=0.5) as fleet, \
+            RouterProcess(fleet.urls, policy="round_robin", metrics_interval=0.3) as router:
+        client = Http(router.url)
+        statuses = []
+        for round_ in range(3):
+            time.sleep(1.2)
+            with ThreadPoolExecutor(16) as pool:
+                statuses += pool.map(lambda i, r=round_: client.request(
+                    "POST", "/v1/chat/completions", chat(f"burst {r} {i}"), timeout=60)[0], range(16))
+        assert statuses == [200] * 48
+        metrics = client.request("GET", "/metrics")[2].decode()
+        assert "kvmesh_upstream_errors_total{" not in metrics
