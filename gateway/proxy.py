@@ -125,6 +125,18 @@ class Exchange:
     is_stream: bool
 
 
+@dataclass
+class UpstreamFailure(ApiError):
+    """An error answered after trying engines. The client's message names no engine address and no
+    errno; ``attempts`` (engine and outcome, detailed) is for the router's log."""
+
+    attempts: list[Attempt] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, error: ApiError, attempts: list[Attempt]) -> UpstreamFailure:
+        return cls(error.status, error.message, error.param, error.code, error.retry_after, attempts)
+
+
 class _NoRetry(Exception):
     """The attempt ends the request: the client gets ``error`` and no other engine is tried."""
 
@@ -169,16 +181,17 @@ async def forward(candidates: list[EngineState], exchange: Exchange, max_attempt
                 request_error = ledger.add(outcome)
                 if request_error is not None:
                     _settle(candidates, ledger, request_at_fault=True)
-                    raise request_error
+                    raise UpstreamFailure.of(request_error, result.attempts)
     except _NoRetry as stop:
         _settle(candidates, ledger)
-        raise stop.error from None
+        raise UpstreamFailure.of(stop.error, result.attempts) from None
     _settle(candidates, ledger)
     busy = ledger.all_rate_limited(tried)
     if busy is not None:
-        raise busy
-    reasons = ", ".join(f"{a.engine}: {a.outcome}" for a in result.attempts) or "no engine available"
-    raise ApiError(503, f"no engine could serve the request ({reasons})", code="no_engine_available")
+        raise UpstreamFailure.of(busy, result.attempts)
+    kinds = ", ".join(a.outcome.split(" (")[0] for a in result.attempts) or "no engine available"
+    raise UpstreamFailure(503, f"no engine could serve the request ({kinds})", code="no_engine_available",
+                          attempts=result.attempts)
 
 
 def _settle(candidates: list[EngineState], ledger: ErrorLedger, request_at_fault: bool = False) -> None:

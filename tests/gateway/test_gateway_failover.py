@@ -9,7 +9,7 @@ import pytest
 from proxy_harness import Sink, completion, failures, sim_engines
 
 from gateway.openai_errors import ApiError
-from gateway.proxy import Timeouts, forward
+from gateway.proxy import Timeouts, UpstreamFailure, forward
 
 pytestmark = pytest.mark.integration
 POISON = {"model": "kvmesh-tiny", "prompt": [1, 2, 3, 4, 5], "max_tokens": 8, "top_k": 10**30}
@@ -47,9 +47,11 @@ async def test_different_failures_are_charged_to_their_engines_and_end_in_503(nu
     sims, states = await sim_engines(nursery, 2)
     for sim, status in zip(sims, (500, 503), strict=True):
         sim.faults.fail_rate, sim.faults.fail_status = 1.0, status
-    with pytest.raises(ApiError) as caught:
+    with pytest.raises(UpstreamFailure) as caught:
         await forward(states, completion(Sink(), GOOD), max_attempts=2)
-    assert caught.value.status == 503
+    assert caught.value.status == 503 and caught.value.message.endswith("(status 500, status 503)")
+    assert "127.0.0.1" not in caught.value.message, "engine addresses are for the log, not the client"
+    assert [(a.engine, a.status) for a in caught.value.attempts] == [(states[0].id, 500), (states[1].id, 503)]
     assert [failures(s) for s in states] == [1, 1]
 
 
