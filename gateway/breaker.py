@@ -6,7 +6,8 @@ early failure cannot open it). Open for ``open_base_s``, doubling on every re-op
 then half-open: up to ``half_open_probes`` requests go through. A probe's success closes the breaker and
 resets the backoff; its failure re-opens it with the doubled backoff. A probe whose outcome is never
 recorded (client gone, task cancelled) frees its slot after ``probe_timeout_s``, so the breaker cannot
-stick half-open.
+stick half-open. An outcome that says nothing about the engine (``abstain``: the request was at fault,
+the engine was busy or is still generating) frees its slot at once and moves nothing.
 """
 
 from __future__ import annotations
