@@ -6,7 +6,8 @@ early failure cannot open it). Open for ``open_base_s``, doubling on every re-op
 then half-open: up to ``half_open_probes`` requests go through. A probe's success closes the breaker and
 resets the backoff; its failure re-opens it with the doubled backoff. A probe whose outcome is never
 recorded (client gone, task cancelled) frees its slot after ``probe_timeout_s``, so the breaker cannot
-stick half-open.
+stick half-open. An outcome that says nothing about the engine (``abstain``: the request was at fault,
+the engine was busy or is still generating) frees its slot at once and moves nothing.
 """
 
 from __future__ import annotations
@@ -92,6 +93,13 @@ class CircuitBreaker:
         too_many = window_full and sum(self._failures) >= self.error_rate_threshold * len(self._failures)
         if self._consecutive >= self.failure_threshold or too_many:
             self._open(now)
+
+    def abstain(self, now: float) -> None:
+        """An outcome that says nothing about the engine (the request was at fault, the engine was busy,
+        or it is still generating): frees the half-open probe slot it took and moves nothing else."""
+        self._advance(now)
+        if self.state == "half_open" and self._probes:
+            self._probes.pop()
 
     def _open(self, now: float) -> None:
         self.opens += 1

@@ -28,7 +28,8 @@ from gateway.route_planner import RoutePlanner
 log = logging.getLogger("kvmesh.router")
 
 INFERENCE_PATHS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
-FORWARDED_HEADERS = ("content-type", "accept", "x-request-id", "traceparent")
+FORWARDED_HEADERS = ("content-type", "accept", "x-request-id", "traceparent", "connection")
+"""Candidates for the engine; the proxy drops hop-by-hop ones, including those ``connection`` names."""
 
 
 class Router:

@@ -1,35 +1,60 @@
-"""HTTP/1.1 client for engines: h11 over trio streams with a keep-alive pool per engine.
+"""HTTP/1.1 client for engines: h11 over trio streams with keep-alive connections per engine.
 
 Measured here, h11 over raw trio streams proxies about twice as fast as httpx; the proxy forwards
 upstream body chunks as they arrive, so nothing here buffers a whole response.
+
+vLLM's server (uvicorn) closes a connection after 5 s without a request, and that close can race a
+request already on its way. So a reused connection may fail before any response byte while the engine
+is fine. Such a request is sent once more on a fresh connection, never on another pooled one (which
+may be just as stale), and it never counts against the engine. Idle connections are dropped after
+``IDLE_LIMIT_S``, before the engine's timer fires. Polls (health, metrics, discovery) have connections
+of their own: a stale request connection must not make a healthy engine look down.
 """
 
 from __future__ import annotations
 
-import contextlib
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 import h11
 import trio
 
 READ_SIZE = 65536
+IDLE_LIMIT_S = 4.0
+"""Below uvicorn's keep-alive timeout (5 s, vLLM's default), so the router never reuses a connection the
+engine is about to close."""
+SEND_TIMEOUT_S = 10.0
+"""For writing the request and its body: an engine that stops reading cannot hang a request."""
+POLL_BODY_LIMIT = 4 * 1024 * 1024
+"""Poll answers (/metrics, /v1/models, /health) are small; a bigger one is an error, not a memory hog."""
+POLL_CONNECTIONS = 2
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_VALUE = re.compile(r"[^\x00\r\n]*")
+_HOST = re.compile(r"[A-Za-z0-9.\-_~!$&'()*+,;=%:\[\]]+")
 
 
 class UpstreamError(Exception):
-    """The engine could not be reached or broke the exchange; ``before_response`` says whether it is safe
-    to retry elsewhere (nothing from this engine reached the client yet)."""
+    """The engine could not be reached, did not take the request, or broke the exchange."""
 
-    def __init__(self, message: str, before_response: bool = True) -> None:
-        super().__init__(message)
-        self.before_response = before_response
+
+class UpstreamTimeout(UpstreamError):
+    """The engine took the whole request but sent no response head in time. It may still be working on
+    it: vLLM sends a non-streamed answer's head only when generation ends."""
+
+
+class _Stale(Exception):
+    """The connection failed before any response byte: the engine may have closed it as idle."""
 
 
 @dataclass
 class _Connection:
     stream: trio.abc.Stream
     conn: h11.Connection = field(default_factory=lambda: h11.Connection(h11.CLIENT))
+    idle_since: float = 0.0
+    received: bool = False
+    """Some byte of the current response arrived (so a failure is no longer a stale connection)."""
 
     async def send_all(self, *events: h11.Event) -> None:
         """One write per request: headers, body and end together, to save syscalls on the hot path."""
@@ -41,18 +66,66 @@ class _Connection:
             event = self.conn.next_event()
             if event is h11.NEED_DATA:
                 data = await self.stream.receive_some(READ_SIZE)
+                self.received = self.received or bool(data)
                 self.conn.receive_data(data)
                 continue
             return event
 
 
-class UpstreamResponse:
-    """A response whose body is read lazily; ``aclose`` returns the connection to the pool when clean."""
+async def _close_quietly(connection: _Connection) -> None:
+    with trio.CancelScope(shield=True):
+        try:
+            await connection.stream.aclose()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            return
 
-    def __init__(self, pool: EnginePool, connection: _Connection, response: h11.Response) -> None:
+
+class _IdleConnections:
+    """Connections waiting for reuse, oldest first; each is dropped once idle for ``idle_limit_s``."""
+
+    def __init__(self, capacity: int, idle_limit_s: float) -> None:
+        self.capacity = capacity
+        self.idle_limit_s = idle_limit_s
+        self._idle: list[_Connection] = []
+
+    def __len__(self) -> int:
+        return len(self._idle)
+
+    async def put(self, connection: _Connection) -> None:
+        await self._prune()
+        if len(self._idle) >= self.capacity:
+            await _close_quietly(connection)
+            return
+        connection.idle_since = trio.current_time()
+        self._idle.append(connection)
+
+    async def take(self) -> _Connection | None:
+        """The most recently used connection that is still young enough."""
+        await self._prune()
+        return self._idle.pop() if self._idle else None
+
+    async def _prune(self) -> None:
+        now = trio.current_time()
+        expired = 0
+        while expired < len(self._idle) and now - self._idle[expired].idle_since >= self.idle_limit_s:
+            expired += 1
+        old, self._idle[:expired] = self._idle[:expired], []
+        for connection in old:
+            await _close_quietly(connection)
+
+    async def close_all(self) -> None:
+        idle, self._idle = self._idle, []
+        for connection in idle:
+            await _close_quietly(connection)
+
+
+class UpstreamResponse:
+    """A response whose body is read lazily; ``aclose`` returns the connection to its pool when clean."""
+
+    def __init__(self, idle: _IdleConnections, connection: _Connection, response: h11.Response) -> None:
         self.status = response.status_code
-        self.headers = [(k.decode().lower(), v.decode("latin-1")) for k, v in response.headers]
-        self._pool = pool
+        self.headers = [(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in response.headers]
+        self._idle = idle
         self._connection: _Connection | None = connection
         self._done = False
 
@@ -70,19 +143,29 @@ class UpstreamResponse:
                 with trio.fail_after(idle_timeout):
                     event = await self._connection.next_event()
             except trio.TooSlowError:
-                raise UpstreamError("engine stalled mid-response", before_response=False) from None
+                raise UpstreamError("engine stalled mid-response") from None
             except (trio.BrokenResourceError, trio.ClosedResourceError, h11.RemoteProtocolError, OSError) as e:
-                raise UpstreamError(f"engine broke the response: {e}", before_response=False) from None
+                raise UpstreamError(f"engine broke the response: {e}") from None
             if isinstance(event, h11.Data):
                 yield bytes(event.data)
             elif isinstance(event, h11.EndOfMessage):
                 self._done = True
                 return
             elif isinstance(event, h11.ConnectionClosed):
-                raise UpstreamError("engine closed the connection mid-response", before_response=False)
+                raise UpstreamError("engine closed the connection mid-response")
 
-    async def read(self, idle_timeout: float) -> bytes:
-        chunks = [chunk async for chunk in self.iter_body(idle_timeout)]
+    async def read(self, idle_timeout: float, max_bytes: int | None = None) -> bytes:
+        """The whole body; more than ``max_bytes`` (declared or sent) is an UpstreamError."""
+        declared = self.header("content-length")
+        if max_bytes is not None and declared is not None and declared.isdigit() and int(declared) > max_bytes:
+            raise UpstreamError(f"answer of {declared} bytes is over the {max_bytes} byte limit")
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in self.iter_body(idle_timeout):
+            size += len(chunk)
+            if max_bytes is not None and size > max_bytes:
+                raise UpstreamError(f"answer is over the {max_bytes} byte limit")
+            chunks.append(chunk)
         return b"".join(chunks)
 
     async def aclose(self) -> None:
@@ -91,45 +174,126 @@ class UpstreamResponse:
             return
         if self._done and connection.conn.our_state is h11.DONE and connection.conn.their_state is h11.DONE:
             connection.conn.start_next_cycle()
-            self._pool.release(connection)
+            await self._idle.put(connection)
         else:
             await _close_quietly(connection)
 
 
-async def _close_quietly(connection: _Connection) -> None:
-    with trio.CancelScope(shield=True), contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError,
-                                                              OSError):
-        await connection.stream.aclose()
+def _address(parts: SplitResult, default_port: int) -> tuple[str, int, str] | None:
+    """(host to connect to, port, Host header) for an engine URL: IDNA for non-ASCII names, brackets for
+    IPv6, never the URL's userinfo; None when the URL has no usable host or port."""
+    try:
+        port = parts.port or default_port
+        host = parts.hostname or ""
+        if ":" not in host:
+            host = host.encode("idna").decode("ascii")
+    except (ValueError, UnicodeError):
+        return None
+    if not _HOST.fullmatch(host):
+        return None
+    shown = f"[{host}]" if ":" in host else host
+    return host, port, shown if port == default_port else f"{shown}:{port}"
+
+
+def _sendable(headers: list[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
+    """Headers as bytes, exactly as the client sent them (ASGI decodes them as latin-1); one that HTTP
+    cannot carry is dropped rather than failing the request."""
+    out = []
+    for name, value in headers:
+        if _TOKEN.fullmatch(name) and _VALUE.fullmatch(value):
+            try:
+                out.append((name.encode("latin-1"), value.strip(" \t").encode("latin-1")))
+            except UnicodeEncodeError:
+                continue
+    return out
 
 
 class EnginePool:
-    """Keep-alive connections to one engine."""
+    """Keep-alive connections to one engine: one set for requests, a small one for polls."""
 
-    def __init__(self, base_url: str, max_idle: int = 64) -> None:
+    def __init__(self, base_url: str, max_idle: int = 64, idle_limit_s: float = IDLE_LIMIT_S) -> None:
         parts = urlsplit(base_url)
-        self.host = parts.hostname or "127.0.0.1"
-        self.port = parts.port or (443 if parts.scheme == "https" else 80)
         self.https = parts.scheme == "https"
-        self.authority = parts.netloc
-        self.max_idle = max_idle
-        self._idle: list[_Connection] = []
-
-    def release(self, connection: _Connection) -> None:
-        if len(self._idle) < self.max_idle:
-            self._idle.append(connection)
-        else:
-            trio.lowlevel.spawn_system_task(_close_quietly, connection)
+        self.host, self.port, self.host_header = _address(parts, 443 if self.https else 80) or ("", 0, None)
+        self.label = self.host_header or "engine with an unusable URL"
+        """How errors name the engine: never the URL's userinfo."""
+        self._requests = _IdleConnections(max_idle, idle_limit_s)
+        """Connections for requests; polls use ``_polls``, so a stale one never fails a health check."""
+        self._polls = _IdleConnections(POLL_CONNECTIONS, idle_limit_s)
 
     async def _connect(self, timeout: float) -> _Connection:
+        """A fresh connection; for https the TLS handshake is part of it, under the same timeout."""
         try:
             with trio.fail_after(timeout):
                 if self.https:
-                    stream: trio.abc.Stream = await trio.open_ssl_over_tcp_stream(self.host, self.port)
+                    tls = await trio.open_ssl_over_tcp_stream(self.host, self.port)
+                    try:
+                        await tls.do_handshake()
+                    except BaseException:
+                        await trio.aclose_forcefully(tls)
+                        raise
+                    stream: trio.abc.Stream = tls
                 else:
                     stream = await trio.open_tcp_stream(self.host, self.port)
-        except (OSError, trio.TooSlowError) as exc:
-            raise UpstreamError(f"cannot connect to {self.authority}: {exc or 'timeout'}") from None
+        except (OSError, trio.TooSlowError, trio.BrokenResourceError) as exc:
+            raise UpstreamError(f"cannot connect to {self.label}: {exc or 'timeout'}") from None
         return _Connection(stream)
+
+    def _request_event(self, method: str, target: str, body: bytes,
+                       headers: list[tuple[str, str]] | None) -> h11.Request:
+        if self.host_header is None:
+            raise UpstreamError(f"{self.label}: no valid host and port in its URL")
+        extra = [(k, v) for k, v in headers or [] if k.lower() not in ("host", "content-length")]
+        all_headers = [(b"host", self.host_header.encode("ascii")), (b"content-length", str(len(body)).encode())]
+        try:
+            return h11.Request(method=method, target=target, headers=all_headers + _sendable(extra))
+        except h11.LocalProtocolError as exc:
+            raise UpstreamError(f"request for {self.label} cannot be sent: {exc}") from None
+
+    async def _exchange(self, idle: _IdleConnections, connection: _Connection, request: h11.Request, body: bytes,
+                        send_timeout: float, first_byte_timeout: float) -> UpstreamResponse:
+        """Send on ``connection`` and wait for the response head; the connection is closed on any failure."""
+        connection.received = False
+        try:
+            try:
+                with trio.fail_after(send_timeout):
+                    await connection.send_all(request, h11.Data(data=body), h11.EndOfMessage())
+            except trio.TooSlowError:
+                raise UpstreamError(f"{self.label} did not take the request within {send_timeout}s") from None
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                raise _Stale(str(exc) or type(exc).__name__) from None
+            try:
+                with trio.fail_after(first_byte_timeout):
+                    event = await connection.next_event()
+                    while isinstance(event, h11.InformationalResponse):
+                        event = await connection.next_event()
+            except trio.TooSlowError:
+                raise UpstreamTimeout(f"{self.label} sent no response within {first_byte_timeout}s") from None
+            except (trio.BrokenResourceError, trio.ClosedResourceError, h11.RemoteProtocolError, OSError) as exc:
+                if connection.received:
+                    raise UpstreamError(f"{self.label} broke the response head: {exc}") from None
+                raise _Stale(str(exc) or type(exc).__name__) from None
+            if isinstance(event, h11.ConnectionClosed):
+                raise _Stale("closed the connection")
+        except BaseException:
+            await _close_quietly(connection)
+            raise
+        assert isinstance(event, h11.Response)
+        return UpstreamResponse(idle, connection, event)
+
+    async def _send(self, idle: _IdleConnections, request: h11.Request, body: bytes, connect_timeout: float,
+                    send_timeout: float, first_byte_timeout: float) -> UpstreamResponse:
+        reused = await idle.take()
+        if reused is not None:
+            try:
+                return await self._exchange(idle, reused, request, body, send_timeout, first_byte_timeout)
+            except _Stale:
+                pass
+        fresh = await self._connect(connect_timeout)
+        try:
+            return await self._exchange(idle, fresh, request, body, send_timeout, first_byte_timeout)
+        except _Stale as exc:
+            raise UpstreamError(f"{self.label} failed before answering: {exc}") from None
 
     async def request(
         self,
@@ -139,51 +303,31 @@ class EnginePool:
         headers: list[tuple[str, str]] | None = None,
         connect_timeout: float = 2.0,
         first_byte_timeout: float = 120.0,
+        send_timeout: float = SEND_TIMEOUT_S,
     ) -> UpstreamResponse:
-        """Send a request and wait for the response head. A reused connection that turns out dead is
-        replaced once, since a keep-alive peer may close at any time."""
-        all_headers = [("host", self.authority), ("content-length", str(len(body)))]
-        all_headers += [(k, v) for k, v in headers or [] if k.lower() not in ("host", "content-length")]
-        for _ in range(2):
-            reused = bool(self._idle)
-            connection = self._idle.pop() if reused else await self._connect(connect_timeout)
-            try:
-                await connection.send_all(h11.Request(method=method, target=target, headers=all_headers),
-                                          h11.Data(data=body), h11.EndOfMessage())
-                with trio.fail_after(first_byte_timeout):
-                    event = await connection.next_event()
-                    while isinstance(event, h11.InformationalResponse):
-                        event = await connection.next_event()
-            except trio.TooSlowError:
-                await _close_quietly(connection)
-                raise UpstreamError(f"{self.authority} sent no response within {first_byte_timeout}s") from None
-            except (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError, OSError) as exc:
-                await _close_quietly(connection)
-                if reused:
-                    continue
-                raise UpstreamError(f"{self.authority} failed: {exc}") from None
-            if isinstance(event, h11.ConnectionClosed):
-                await _close_quietly(connection)
-                if reused:
-                    continue
-                raise UpstreamError(f"{self.authority} closed the connection")
-            assert isinstance(event, h11.Response)
-            return UpstreamResponse(self, connection, event)
-        raise UpstreamError(f"{self.authority}: connection reset twice")
+        """Send a request and wait for the response head. A reused connection that fails before any
+        response byte is replaced once by a fresh one (see the module docstring)."""
+        request = self._request_event(method, target, body, headers)
+        return await self._send(self._requests, request, body, connect_timeout, send_timeout, first_byte_timeout)
 
-    async def get(self, target: str, timeout: float = 2.0) -> tuple[int, bytes]:
-        """A small GET for polls (models, metrics, health)."""
+    async def get(self, target: str, timeout: float = 2.0, max_bytes: int = POLL_BODY_LIMIT) -> tuple[int, bytes]:
+        """A small GET for polls (models, metrics, health), on the polls' own connections."""
         try:
             with trio.fail_after(timeout * 2):
-                response = await self.request("GET", target, connect_timeout=timeout, first_byte_timeout=timeout)
+                request = self._request_event("GET", target, b"", None)
+                response = await self._send(self._polls, request, b"", timeout, timeout, timeout)
                 try:
-                    return response.status, await response.read(timeout)
+                    return response.status, await response.read(timeout, max_bytes)
                 finally:
                     await response.aclose()
         except trio.TooSlowError:
-            raise UpstreamError(f"{self.authority}{target} timed out") from None
+            raise UpstreamError(f"{self.label}{target} timed out") from None
+
+    @property
+    def idle_connections(self) -> int:
+        """Request connections waiting for reuse (polls' own not included)."""
+        return len(self._requests)
 
     async def aclose(self) -> None:
-        idle, self._idle = self._idle, []
-        for connection in idle:
-            await _close_quietly(connection)
+        await self._requests.close_all()
+        await self._polls.close_all()

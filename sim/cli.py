@@ -39,7 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed-hash", default=None, help="NONE_HASH seed like PYTHONHASHSEED (default: env or "
                    "vLLM's 'vllm-none-hash')")
     p.add_argument("--buffer-steps", type=int, default=10_000)
-    p.add_argument("--keep-alive", type=float, default=5.0, help="idle keep-alive timeout, seconds")
+    p.add_argument("--keep-alive", type=float, default=5.0, help="idle keep-alive timeout, seconds (uvicorn's)")
+    p.add_argument("--keep-alive-race", type=float, default=0.0,
+                   help="a request on a reused connection arriving this long before the keep-alive close is "
+                        "reset, as when it races uvicorn's close")
     p.add_argument("--log-level", default="WARNING")
     return p
 
@@ -49,12 +52,14 @@ def config_from_args(args: argparse.Namespace) -> FleetConfig:
         raise ValueError("engines, block size and max-num-seqs must be >= 1, num-blocks >= 2")
     if args.time_scale <= 0:
         raise ValueError("time-scale must be positive")
+    if args.keep_alive <= 0 or args.keep_alive_race < 0:
+        raise ValueError("keep-alive must be positive and keep-alive-race not negative")
     engine = EngineConfig(
         host=args.host, model=args.model, tokenizer=args.tokenizer, block_size=args.block_size,
         num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs, profile=args.profile,
         time_scale=args.time_scale, event_encoding=args.event_encoding, events=not args.no_events,
         topic=args.topic, hash_seed=args.seed_hash, buffer_steps=args.buffer_steps,
-        keep_alive_s=args.keep_alive,
+        keep_alive_s=args.keep_alive, keep_alive_race_s=args.keep_alive_race,
     )
     return FleetConfig(engines=args.engines, base_port=args.base_port, event_base_port=args.event_base_port,
                        replay_base_port=args.replay_base_port, engine=engine)

@@ -32,6 +32,8 @@ class EngineConfig:
     buffer_steps: int = 10_000
     hwm: int = 100_000
     keep_alive_s: float = 5.0
+    keep_alive_race_s: float = 0.0
+    """Requests on a reused connection arriving this close to the keep-alive close lose the race to it."""
 
 
 @dataclass(frozen=True, slots=True)

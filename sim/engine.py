@@ -56,6 +56,8 @@ class Faults:
 
     slow: float = 1.0
     fail_rate: float = 0.0
+    fail_status: int = 500
+    """What a failed request is answered with (429 comes with a Retry-After)."""
     stall_s: float = 0.0
 
 
@@ -117,7 +119,7 @@ class SimEngine:
                     nursery.start_soon(self._scheduler_loop)
                     if self.publisher is not None:
                         nursery.start_soon(self.publisher.serve_replay)
-                    nursery.start_soon(serve_http, listeners, self.handle, cfg.keep_alive_s)
+                    nursery.start_soon(serve_http, listeners, self.handle, cfg.keep_alive_s, cfg.keep_alive_race_s)
                     self.info = EngineInfo(
                         cfg.index, f"http://{cfg.host}:{port}", port,
                         self.publisher.port if self.publisher else None,
@@ -235,6 +237,11 @@ class SimEngine:
             if "fail_5xx" in body:
                 v = body["fail_5xx"]
                 f.fail_rate = 1.0 if v is True else 0.0 if v is False else min(max(float(v), 0.0), 1.0)
+            if "fail_status" in body:
+                status = body["fail_status"]
+                if type(status) is not int or not 400 <= status <= 599:
+                    raise ValueError("fail_status must be an HTTP error status")
+                f.fail_status = status
             if "stall" in body:
                 f.stall_s = max(float(body["stall"]), 0.0)
                 self._wakeup()
@@ -249,6 +256,7 @@ class SimEngine:
             assert self._cancel is not None
             self._cancel.cancel()
         return HttpResponse(200, dumps({"slow": self.faults.slow, "fail_5xx": self.faults.fail_rate,
+                                        "fail_status": self.faults.fail_status,
                                         "drop_events": bool(self.publisher and self.publisher.drop)}))
 
     def _make_request(self, params: GenParams, ids: list[int]) -> SimRequest:
@@ -278,7 +286,9 @@ class SimEngine:
         body = parse_json(req.body)
         params = parse_generation(body, self.cfg.model, chat)
         if self.faults.fail_rate and self._rng.random() < self.faults.fail_rate:
-            return HttpResponse(500, ApiError("simulated engine failure", status=500).body())
+            status = self.faults.fail_status
+            retry = [("retry-after", "2")] if status == 429 else []
+            return HttpResponse(status, ApiError("simulated engine failure", status=status).body(), headers=retry)
         ids = self._prompt_ids(body, chat)
         sreq = self._make_request(params, ids)
         head = ResponseHead(new_id(chat), int(time.time()), self.cfg.model, chat)

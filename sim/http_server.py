@@ -1,15 +1,26 @@
 """A lean HTTP/1.1 server (h11 over trio streams) with keep-alive and streamed responses.
 
 Many simulated engines share one process and one core, so the per-request cost matters more than
-features: this avoids the ASGI layer entirely (see DESIGN.md: ~40 us per ASGI send). Streamed
-bodies use chunked transfer encoding like uvicorn in front of vLLM; idle keep-alive connections are
-closed after `keep_alive_s`, as uvicorn does (5 s by default).
+features: this avoids the ASGI layer entirely (measured: ~40 us per ASGI send). Streamed
+bodies use chunked transfer encoding like uvicorn in front of vLLM.
+
+Idle keep-alive connections are closed the way uvicorn (vLLM's server) closes them: a timer of
+`keep_alive_s` (uvicorn's `timeout_keep_alive`, 5 s in vLLM) starts when a response is complete, any byte
+of a next request cancels it, and when it fires the transport is closed. A client that reuses the
+connection after that meets EOF or a reset before any response byte. The close can also race a request
+that is already on its way: uvicorn's event loop may run the timer before it reads bytes that arrived
+just before it, and closing a socket with unread bytes makes the kernel answer with a reset.
+`close_race_s` reproduces that race on purpose: a request on a reused connection whose first bytes arrive
+less than `close_race_s` before the timer would fire is answered with a reset (`close_race_s >=
+keep_alive_s`: every reused connection loses the race, which makes it deterministic in tests).
 """
 
 from __future__ import annotations
 
 import email.utils
 import logging
+import socket
+import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
@@ -64,10 +75,13 @@ _date = _Date()
 
 
 class _Conn:
-    def __init__(self, stream: trio.SocketStream, keep_alive_s: float) -> None:
+    def __init__(self, stream: trio.SocketStream, keep_alive_s: float, close_race_s: float) -> None:
         self.stream = stream
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_BODY)
         self.keep_alive_s = keep_alive_s
+        self.close_race_s = close_race_s
+        self.served = 0
+        self.idle_since = trio.current_time()
 
     async def send(self, event: h11.Event) -> None:
         data = self.h11.send(event)
@@ -85,8 +99,27 @@ class _Conn:
                 return h11.ConnectionClosed()
             self.h11.receive_data(data)
 
+    async def next_request_begins(self) -> bool:
+        """Wait for the first bytes of the next request under the keep-alive timer; False when the
+        connection is to be closed (the timer fired, or it lost the race with a request)."""
+        if self.h11.trailing_data[0]:
+            return True
+        deadline = self.idle_since + self.keep_alive_s
+        data: bytes | None = None
+        with trio.move_on_at(deadline):
+            data = await self.stream.receive_some(RECV)
+        if data is None:
+            return False
+        if data and self.served and trio.current_time() >= deadline - self.close_race_s:
+            _reset_on_close(self.stream)
+            return False
+        self.h11.receive_data(data)
+        return True
+
     async def read_request(self) -> HttpRequest | None:
-        event = await self.next_event(self.keep_alive_s)
+        if not await self.next_request_begins():
+            return None
+        event = await self.next_event(60.0)
         if not isinstance(event, h11.Request):
             return None
         chunks: list[bytes] = []
@@ -129,6 +162,11 @@ class _Conn:
         await self.send(h11.EndOfMessage())
 
 
+def _reset_on_close(stream: trio.SocketStream) -> None:
+    """Make the coming close send a TCP reset, as closing with unread bytes does in uvicorn's case."""
+    stream.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
 async def _error(conn: _Conn, status: int) -> None:
     if conn.h11.our_state in (h11.IDLE, h11.SEND_RESPONSE):
         body = b'{"error":{"message":"malformed HTTP request","type":"BadRequestError","param":null,"code":400}}'
@@ -138,9 +176,10 @@ async def _error(conn: _Conn, status: int) -> None:
             return
 
 
-async def serve_connection(stream: trio.SocketStream, handler: Handler, keep_alive_s: float) -> None:
-    """Serve requests on one connection until the peer or the protocol closes it."""
-    conn = _Conn(stream, keep_alive_s)
+async def serve_connection(stream: trio.SocketStream, handler: Handler, keep_alive_s: float,
+                           close_race_s: float = 0.0) -> None:
+    """Serve requests on one connection until the peer, the protocol or the keep-alive timer closes it."""
+    conn = _Conn(stream, keep_alive_s, close_race_s)
     try:
         while True:
             try:
@@ -154,6 +193,8 @@ async def serve_connection(stream: trio.SocketStream, handler: Handler, keep_ali
             if conn.h11.our_state is h11.MUST_CLOSE or conn.h11.their_state is h11.MUST_CLOSE:
                 return
             conn.h11.start_next_cycle()
+            conn.served += 1
+            conn.idle_since = trio.current_time()
     except (trio.BrokenResourceError, trio.ClosedResourceError, h11.LocalProtocolError) as exc:
         log.debug("connection ended: %r", exc)
     finally:
@@ -161,11 +202,11 @@ async def serve_connection(stream: trio.SocketStream, handler: Handler, keep_ali
 
 
 async def serve_http(
-    listeners: list[trio.SocketListener], handler: Handler, keep_alive_s: float = 5.0
+    listeners: list[trio.SocketListener], handler: Handler, keep_alive_s: float = 5.0, close_race_s: float = 0.0
 ) -> None:
     """Accept connections on already-open listeners until cancelled."""
 
     async def on_connection(stream: trio.SocketStream) -> None:
-        await serve_connection(stream, handler, keep_alive_s)
+        await serve_connection(stream, handler, keep_alive_s, close_race_s)
 
     await trio.serve_listeners(on_connection, listeners)

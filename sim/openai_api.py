@@ -27,7 +27,7 @@ class ApiError(Exception):
 
     @property
     def type(self) -> str:
-        return {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}.get(
+        return {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError", 500: "InternalServerError"}.get(
             self.status, "BadRequestError"
         )
 
@@ -99,6 +99,9 @@ def parse_generation(body: dict[str, Any], served_model: str, chat: bool) -> Gen
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise ApiError("Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt")
+    top_k = body.get("top_k")
+    if type(top_k) is int and not -(2**63) <= top_k < 2**63:
+        raise ApiError("", status=500)  # vLLM 0.32 fails inside the engine, on every engine alike
     xargs = body.get("vllm_xargs")
     if xargs is not None and not isinstance(xargs, dict):
         raise ApiError("vllm_xargs must be an object", param="vllm_xargs")

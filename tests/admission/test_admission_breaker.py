@@ -57,6 +57,20 @@ def test_a_lost_probe_frees_its_slot_after_the_probe_timeout():
     assert breaker.allow(6.0)
 
 
+def test_an_abstaining_probe_frees_its_slot_and_moves_nothing():
+    """A probe answered with the request's own fault (or 429) neither closes nor re-opens the breaker."""
+    breaker = CircuitBreaker(failure_threshold=1, open_base_s=1.0)
+    breaker.record_failure(0.0, "reset")
+    assert breaker.allow(1.0) and not breaker.available(1.0)
+    breaker.abstain(1.0)
+    assert breaker.state == "half_open" and breaker.allow(1.0)
+    closed = CircuitBreaker(failure_threshold=2)
+    closed.record_failure(0.0, "reset")
+    closed.abstain(0.0)
+    closed.record_failure(0.0, "reset")
+    assert closed.state == "open"
+
+
 def test_late_outcomes_while_open_change_nothing():
     breaker = CircuitBreaker(failure_threshold=1, open_base_s=4.0)
     breaker.record_failure(0.0, "reset")

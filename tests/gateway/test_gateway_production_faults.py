@@ -84,12 +84,13 @@ def test_failing_engine_opens_its_breaker_then_half_opens_and_closes(client, rou
 
 
 def test_stall_before_first_byte_fails_over(client, fleet):
-    """The stalled engine gets one of two consecutive requests first; both come back from the other one."""
+    """The stalled engine gets one of two consecutive streamed requests first; both come back from the
+    other one. (A non-streamed request is not sent elsewhere: its engine may still be generating.)"""
     stalled, other = fleet.urls
     set_fault(stalled, stall=FIRST_BYTE_TIMEOUT_S * 5)
     heads = []
     for i in range(2):
-        status, head, data = client.request("POST", "/v1/chat/completions", chat(f"stall {i}"))
+        status, head, data = client.request("POST", "/v1/chat/completions", chat(f"stall {i}", stream=True))
         assert status == 200, data
         heads.append(head["x-kvmesh-route"])
     assert [served_by(h) for h in heads] == [engine_id(other)] * 2

@@ -163,7 +163,8 @@ def test_5xx_fails_over_and_no_engine_gives_503(fleet):
         try:
             for i in range(6):
                 assert client.json("POST", "/v1/chat/completions", chat(f"failover {i}"))[0] == 200
-            healthy.json("POST", "/sim/fault", {"fail_5xx": True})
+            # a different failure on each engine: the engines are at fault, not the request
+            healthy.json("POST", "/sim/fault", {"fail_5xx": True, "fail_status": 503})
             status, _, body = client.json("POST", "/v1/chat/completions", chat("nobody home"))
             assert status == 503 and "no engine" in body["error"]["message"]
         finally:

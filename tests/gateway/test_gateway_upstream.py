@@ -1,0 +1,157 @@
+"""Upstream connections against uvicorn's keep-alive behaviour, in-process over loopback: stale pooled
+connections are replaced by fresh ones, idle ones are dropped in time, polls keep their own, bodies and
+sends are bounded, and odd engine URLs never raise."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+from proxy_harness import start_server
+
+from gateway.upstream import EnginePool, UpstreamError
+from sim.http_server import HttpRequest, HttpResponse
+
+
+async def answer_after_a_moment(req: HttpRequest) -> HttpResponse:
+    """Slow enough that concurrent requests need connections of their own."""
+    await trio.sleep(0.05)
+    return HttpResponse(200, b'{"ok":true}')
+
+
+async def _ok(pool: EnginePool, path: str = "/v1/x") -> int:
+    response = await pool.request("POST", path, b"{}")
+    try:
+        await response.read(5)
+        return response.status
+    finally:
+        await response.aclose()
+
+
+async def _fill_pool(pool: EnginePool, n: int) -> None:
+    """Leave ``n`` connections idle in the pool."""
+    async with trio.open_nursery() as nursery:
+        for _ in range(n):
+            nursery.start_soon(_ok, pool)
+    assert pool.idle_connections == n
+
+
+async def test_a_stale_pooled_connection_is_retried_on_a_fresh_one_not_another_pooled_one(nursery):
+    """Every reused connection loses the race with the engine's keep-alive close: each request still
+    succeeds, on a fresh connection, on the first retry."""
+    server = await start_server(nursery, answer_after_a_moment, keep_alive_s=5.0, close_race_s=5.0)
+    pool = EnginePool(server.url)
+    await _fill_pool(pool, 3)
+    assert server.connections == 3
+    for _ in range(3):
+        assert await _ok(pool) == 200
+    assert server.connections == 3 + 3
+    await pool.aclose()
+
+
+async def test_a_failure_on_a_fresh_connection_is_an_upstream_error(nursery):
+    async def slam(req: HttpRequest) -> HttpResponse:
+        raise trio.BrokenResourceError  # the server drops the connection without answering
+
+    server = await start_server(nursery, slam)
+    pool = EnginePool(server.url)
+    with pytest.raises(UpstreamError, match="failed before answering"):
+        await pool.request("GET", "/")
+    await pool.aclose()
+
+
+async def answer_at_once(req: HttpRequest) -> HttpResponse:
+    return HttpResponse(200, b'{"ok":true}')
+
+
+async def test_idle_connections_are_dropped_at_the_idle_limit(nursery, mock_clock):
+    """Time moves only when the test jumps the clock, so the engine's own timer never fires."""
+    server = await start_server(nursery, answer_at_once, keep_alive_s=1000.0)
+    pool = EnginePool(server.url, idle_limit_s=4.0)
+    assert await _ok(pool) == 200
+    mock_clock.jump(3.9)
+    assert await _ok(pool) == 200
+    assert server.connections == 1
+    mock_clock.jump(4.0)
+    assert await _ok(pool) == 200
+    assert server.connections == 2 and pool.idle_connections == 1
+    await pool.aclose()
+
+
+async def test_health_polls_do_not_use_the_request_connections(nursery):
+    """The engine closed every pooled request connection; a poll still gets through at once."""
+    server = await start_server(nursery, answer_after_a_moment, keep_alive_s=0.2)
+    pool = EnginePool(server.url)
+    await _fill_pool(pool, 2)
+    await trio.sleep(0.5)
+    assert await pool.get("/health") == (200, b'{"ok":true}')
+    assert pool.idle_connections == 2
+    await pool.aclose()
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_a_poll_answer_over_the_limit_is_an_upstream_error(nursery, streamed):
+    async def chunks():
+        for _ in range(5):
+            yield b"x" * 1000
+
+    async def big(req: HttpRequest) -> HttpResponse:
+        return HttpResponse(200, stream=chunks()) if streamed else HttpResponse(200, b"x" * 5000)
+
+    server = await start_server(nursery, big)
+    pool = EnginePool(server.url)
+    with pytest.raises(UpstreamError, match="limit"):
+        await pool.get("/metrics", max_bytes=4096)
+    assert await pool.get("/metrics", max_bytes=5000) == (200, b"x" * 5000)
+    await pool.aclose()
+
+
+async def test_an_engine_that_stops_reading_cannot_hang_the_send(nursery):
+    async def never_read(stream: trio.SocketStream) -> None:
+        await trio.sleep_forever()
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    nursery.start_soon(trio.serve_listeners, never_read, listeners)
+    pool = EnginePool(f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}")
+    with trio.fail_after(10), pytest.raises(UpstreamError, match="did not take the request"):
+        await pool.request("POST", "/v1/completions", b"x" * (64 * 1024 * 1024), send_timeout=0.5)
+
+
+@pytest.mark.parametrize(
+    ("url", "host_header"),
+    [
+        ("http://user:secret@engine:8000", "engine:8000"),
+        ("http://engine:80/", "engine"),
+        ("https://engine", "engine"),
+        ("http://bücher.example:8000", "xn--bcher-kva.example:8000"),
+        ("http://[::1]:8000", "[::1]:8000"),
+        ("http://engine:notaport", None),
+        ("http://engine:99999", None),
+        ("http://a..b:8000", None),
+        ("http://:8000", None),
+    ],
+)
+async def test_the_host_header_is_built_safely_from_any_url(url, host_header):
+    pool = EnginePool(url)
+    assert pool.host_header == host_header
+    assert "secret" not in pool.label
+    if host_header is None:
+        with pytest.raises(UpstreamError, match="no valid host"):
+            await pool.request("GET", "/")
+
+
+async def test_headers_http_cannot_carry_are_dropped_not_raised(nursery):
+    seen: list[dict[str, str]] = []
+
+    async def record(req: HttpRequest) -> HttpResponse:
+        seen.append(req.headers)
+        return HttpResponse(200)
+
+    server = await start_server(nursery, record)
+    pool = EnginePool(server.url)
+    for value in ("caf\u00e9", "snow\u2603man"):
+        response = await pool.request("GET", "/", headers=[("x-request-id", value), ("traceparent", "00-ab")])
+        await response.read(5)
+        await response.aclose()
+    assert seen[0]["x-request-id"] == "caf\u00e9" and "x-request-id" not in seen[1]
+    assert seen[1]["traceparent"] == "00-ab" and server.connections == 1
+    await pool.aclose()
