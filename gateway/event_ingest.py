@@ -14,6 +14,7 @@ from the replay buffer alone.
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -42,30 +43,31 @@ class _Stream:
 
 
 class EventIngest:
+    """Supervises every engine's ingest: :meth:`add` and :meth:`remove` (callable from anywhere, they never
+    await) hand the stream to :meth:`run`, whose nursery owns every subscriber task."""
+
     def __init__(self, cache: CacheView, mesh: MeshNode | None = None, warm_timeout_s: float = WARM_TIMEOUT_S) -> None:
         self.cache = cache
         self.mesh = mesh
         self.warm_timeout_s = warm_timeout_s
         self.stats: Counter[str] = Counter()
         self._streams: dict[str, _Stream] = {}
-        self._nursery: trio.Nursery | None = None
+        self._send, self._started = trio.open_memory_channel[tuple[str, _Stream]](math.inf)
 
     async def run(self, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         """Own every engine's subscriber tasks; answer peers' index queries."""
         if self.mesh is not None:
             self.mesh.serve_state(index_transfer.NAMESPACE, self._snapshot)
         async with trio.open_nursery() as nursery:
-            self._nursery = nursery
             task_status.started()
-            await trio.sleep_forever()
+            async for engine, stream in self._started:
+                nursery.start_soon(self._ingest, engine, stream)
 
     def add(self, engine: str, model: str, sources: list[EventSource]) -> None:
         """The engine's event endpoints are known: warm up from a peer, then subscribe."""
         self.remove(engine)
-        if self._nursery is None:
-            raise RuntimeError("EventIngest.run must be started before engines are added")
         stream = self._streams[engine] = _Stream(model, sources)
-        self._nursery.start_soon(self._ingest, engine, stream)
+        self._send.send_nowait((engine, stream))
 
     def remove(self, engine: str) -> None:
         stream = self._streams.pop(engine, None)
