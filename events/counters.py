@@ -14,3 +14,8 @@ METRICS_POLLS = Counter("kvmesh_metrics_polls_total", "Engine /metrics polls by 
 SUBSCRIBER_RESTARTS = Counter("kvmesh_event_subscriber_restarts_total",
                               "Event subscriber sessions rebuilt after a disconnect or socket error",
                               ["engine", "reason"])
+ENGINE_TASK_FAILURES = Counter("kvmesh_engine_task_failures_total",
+                               "Failures of an engine's background tasks (discovery, health, metrics), retried "
+                               "after a backoff", ["engine", "task", "reason"])
+ENGINE_VALUES_REJECTED = Counter("kvmesh_engine_values_rejected_total",
+                                 "Numbers an engine reported that were out of range and ignored", ["engine", "value"])

@@ -144,12 +144,12 @@ class EnginePool:
         replaced once, since a keep-alive peer may close at any time."""
         all_headers = [("host", self.authority), ("content-length", str(len(body)))]
         all_headers += [(k, v) for k, v in headers or [] if k.lower() not in ("host", "content-length")]
+        head = h11.Request(method=method, target=target, headers=all_headers)  # a bad header fails before connecting
         for _ in range(2):
             reused = bool(self._idle)
             connection = self._idle.pop() if reused else await self._connect(connect_timeout)
             try:
-                await connection.send_all(h11.Request(method=method, target=target, headers=all_headers),
-                                          h11.Data(data=body), h11.EndOfMessage())
+                await connection.send_all(head, h11.Data(data=body), h11.EndOfMessage())
                 with trio.fail_after(first_byte_timeout):
                     event = await connection.next_event()
                     while isinstance(event, h11.InformationalResponse):
