@@ -15,6 +15,8 @@ import h11
 import trio
 
 READ_SIZE = 65536
+POLL_BODY_LIMIT = 8 * 1024 * 1024
+"""An engine's answer to a poll (models, metrics, health) larger than this is refused, not buffered."""
 
 
 class UpstreamError(Exception):
@@ -81,8 +83,14 @@ class UpstreamResponse:
             elif isinstance(event, h11.ConnectionClosed):
                 raise UpstreamError("engine closed the connection mid-response", before_response=False)
 
-    async def read(self, idle_timeout: float) -> bytes:
-        chunks = [chunk async for chunk in self.iter_body(idle_timeout)]
+    async def read(self, idle_timeout: float, limit: int | None = None) -> bytes:
+        """The whole body; UpstreamError once it grows past ``limit`` bytes."""
+        chunks, size = [], 0
+        async for chunk in self.iter_body(idle_timeout):
+            size += len(chunk)
+            if limit is not None and size > limit:
+                raise UpstreamError(f"{self._pool.authority} answered more than {limit} bytes")
+            chunks.append(chunk)
         return b"".join(chunks)
 
     async def aclose(self) -> None:
@@ -171,13 +179,13 @@ class EnginePool:
             return UpstreamResponse(self, connection, event)
         raise UpstreamError(f"{self.authority}: connection reset twice")
 
-    async def get(self, target: str, timeout: float = 2.0) -> tuple[int, bytes]:
-        """A small GET for polls (models, metrics, health)."""
+    async def get(self, target: str, timeout: float = 2.0, limit: int = POLL_BODY_LIMIT) -> tuple[int, bytes]:
+        """A small GET for polls (models, metrics, health); a body over ``limit`` bytes is an UpstreamError."""
         try:
             with trio.fail_after(timeout * 2):
                 response = await self.request("GET", target, connect_timeout=timeout, first_byte_timeout=timeout)
                 try:
-                    return response.status, await response.read(timeout)
+                    return response.status, await response.read(timeout, limit)
                 finally:
                     await response.aclose()
         except trio.TooSlowError:

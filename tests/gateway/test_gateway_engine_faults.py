@@ -8,11 +8,13 @@ import logging
 import pytest
 import trio
 from prometheus_client import REGISTRY
+from untrusted_engines import serve_canned
 
 from gateway.breaker import EngineHealth
 from gateway.config import ConfigError, EngineConfig, validate_engine_url
 from gateway.engine_faults import EngineFaults, supervise
 from gateway.engines import EngineRegistry
+from gateway.upstream import EnginePool, UpstreamError
 
 
 @pytest.mark.parametrize("url", ["http://10.0.0.5:8000", "https://engine-a.example:443/", "http://[::1]:80",
@@ -83,3 +85,13 @@ async def test_supervise_reruns_a_task_after_any_exception_but_lets_cancellation
     with trio.move_on_after(0.05) as scope:
         await supervise(faults, "t", forever)
     assert scope.cancelled_caught
+
+
+async def test_a_poll_answer_over_the_limit_is_an_upstream_error_not_a_buffer():
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(serve_canned, {"/metrics": b"x" * 5000, "/health": b"{}"})
+        pool = EnginePool(f"http://127.0.0.1:{port}")
+        with pytest.raises(UpstreamError, match="more than 4096 bytes"):
+            await pool.get("/metrics", limit=4096)
+        assert await pool.get("/health", limit=4096) == (200, b"{}")
+        nursery.cancel_scope.cancel()
