@@ -23,7 +23,7 @@ import hmac
 import os
 import struct
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ MIN_SECRET_BYTES = 16
 DEFAULT_MAX_SKEW = 15.0
 DEFAULT_REPLAY_CAPACITY = 200_000
 MAX_PACKET_BYTES = 16 * 1024 * 1024
+_LENGTH = struct.Struct(">I")
 
 AUTH_FAILURES = PromCounter(
     "kvmesh_mesh_auth_failures_total",
@@ -71,6 +72,26 @@ def load_secret(path: str | os.PathLike[str]) -> bytes:
     if len(secret) < MIN_SECRET_BYTES:
         raise ValueError(f"mesh secret in {path} must be at least {MIN_SECRET_BYTES} bytes")
     return secret
+
+
+def record_mac(secret: bytes, domain: bytes, parts: Iterable[bytes]) -> bytes:
+    """HMAC-SHA256 of a stored record (a Redis snapshot, a seed entry) under the mesh secret.
+
+    The message is the domain, then each part, all length-prefixed, so no two different records (or
+    uses: every use has its own domain, e.g. ``b"kvmesh-snapshot-v1"``) share a message.
+    """
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"mesh secret must be at least {MIN_SECRET_BYTES} bytes")
+    mac = hmac.new(secret, _LENGTH.pack(len(domain)) + domain, hashlib.sha256)
+    for part in parts:
+        mac.update(_LENGTH.pack(len(part)))
+        mac.update(part)
+    return mac.digest()
+
+
+def record_mac_ok(secret: bytes, domain: bytes, parts: Iterable[bytes], mac: bytes) -> bool:
+    """Whether ``mac`` seals ``parts`` under ``domain`` (constant-time comparison)."""
+    return hmac.compare_digest(record_mac(secret, domain, parts), mac)
 
 
 class MeshAuth:
@@ -175,9 +196,6 @@ def _decode_body(body: bytes) -> tuple[str, float, bytes, Any]:
     ):
         raise AuthError("malformed")
     return sender_id, float(timestamp), nonce, payload
-
-
-_LENGTH = struct.Struct(">I")
 
 
 def frame(packet: bytes) -> bytes:
