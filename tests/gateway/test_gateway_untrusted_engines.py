@@ -26,6 +26,12 @@ MODELS = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}
 DEEP = b"[" * 100_000 + b"]" * 100_000
 SOURCES_SURROGATE = b'{"0": {"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "topic": "\\ud800"}}'
 
+COMPLETION = json.dumps({"id": "c", "object": "chat.completion", "model": MODEL, "choices": [
+    {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+    "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}).encode()
+LIAR_METRICS = (b'vllm:num_requests_running 0\n'
+                b'vllm:cache_config_info{block_size="16",num_gpu_blocks="1e308"} 1\n')
+
 BAD_ENGINES = {
     "models-null": {**HEALTHY, "/v1/models": b'{"object": "list", "data": null}'},
     "models-five": {**HEALTHY, "/v1/models": b'{"data": 5}'},
@@ -33,6 +39,8 @@ BAD_ENGINES = {
     "sources-deep": {**HEALTHY, "/v1/models": MODELS, "/kv_event_sources": DEEP},
     "sources-surrogate": {**HEALTHY, "/v1/models": MODELS, "/kv_event_sources": SOURCES_SURROGATE},
 }
+LIAR = {**HEALTHY, "/v1/models": MODELS, "/metrics": LIAR_METRICS, "/v1/chat/completions": COMPLETION}
+"""Serves, but claims 1e308 KV blocks: it stays in rotation, and deciding between it and others still works."""
 
 
 def failures(engine: str, task: str) -> float:
@@ -40,6 +48,11 @@ def failures(engine: str, task: str) -> float:
                for s in m.samples if s.name.endswith("_total") and s.labels["engine"] == engine
                and s.labels["task"] == task]
     return sum(s.value for s in samples)
+
+
+def rejected(engine: str) -> float:
+    labels = {"engine": engine, "value": "num_gpu_blocks"}
+    return REGISTRY.get_sample_value("kvmesh_engine_values_rejected_total", labels) or 0.0
 
 
 async def test_router_keeps_serving_next_to_engines_that_answer_garbage():
@@ -50,18 +63,22 @@ async def test_router_keeps_serving_next_to_engines_that_answer_garbage():
         for name, answers in BAD_ENGINES.items():
             port = await nursery.start(serve_canned, answers)
             engines.append(EngineConfig(url=f"http://127.0.0.1:{port}", id=name))
+        port = await nursery.start(serve_canned, LIAR)
+        engines.append(EngineConfig(url=f"http://127.0.0.1:{port}", id="liar"))
         router = Router(RouterConfig(engines=engines, metrics_interval_s=0.1, policy="kv_aware"))
         await nursery.start(router.run_background)
 
         with trio.fail_after(30):
             while failures("models-five", "discovery") < 2 or failures("sources-surrogate", "discovery") < 1 \
                     or failures("models-deep", "discovery") < 1 or failures("sources-deep", "discovery") < 1 \
-                    or not router.engines.get("good").routable:
+                    or not router.engines.get("good").routable or not router.engines.get("liar").routable \
+                    or rejected("liar") < 1:
                 await trio.sleep(0.05)
         for i in range(6):
             status, body = await asgi(router, "POST", "/v1/chat/completions", chat(f"still serving {i}"))
             assert status == 200, body
-        assert [e.id for e in router.engines.all() if e.routable] == ["good"]
+        assert sorted(e.id for e in router.engines.all() if e.routable) == ["good", "liar"]
+        assert router.engines.get("liar").load.num_blocks is None
         status, body = await asgi(router, "POST", "/admin/engines", {"url": "http://ü@127.0.0.1:9"})
         assert status == 400 and b"engine.url" in body
         with pytest.raises(ValueError, match="ASCII"):

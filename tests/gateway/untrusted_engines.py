@@ -4,6 +4,7 @@ through its ASGI interface in the test's own trio run (an exception escaping any
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import trio
@@ -18,7 +19,7 @@ def http_response(status: int, body: bytes) -> bytes:
 
 
 async def serve_canned(answers: dict[str, bytes], task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """A loopback engine that answers GET PATH with ``answers[PATH]`` (404 for other paths)."""
+    """A loopback engine that answers PATH (any method) with ``answers[PATH]`` (404 for other paths)."""
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     task_status.started(listeners[0].socket.getsockname()[1])
 
@@ -30,6 +31,10 @@ async def serve_canned(answers: dict[str, bytes], task_status=trio.TASK_STATUS_I
                 if not chunk:
                     return
                 request += chunk
+            head, _, body = request.partition(b"\r\n\r\n")
+            length = re.search(rb"(?im)^content-length:\s*(\d+)", head)
+            while length and len(body) < int(length.group(1)):  # read the body: closing on it would reset
+                body += await stream.receive_some(65536)
             path = request.split(b" ", 2)[1].decode()
             body = answers.get(path)
             await stream.send_all(http_response(200, body) if body is not None else http_response(404, b""))
