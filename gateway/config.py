@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from events.discovery import check_topic
 from gateway.admission.config import AdmissionConfig
 from gateway.config_errors import ConfigError
 from gateway.security.config import AuthConfig, TenantConfig, validate_security
@@ -67,6 +68,10 @@ class EngineConfig:
             validate_engine_url(self.url)
         except ValueError as exc:
             raise ConfigError(f"{where}.url: {exc}") from None
+        try:
+            check_topic(self.topic)
+        except ValueError as exc:
+            raise ConfigError(f"{where}.topic: {exc}") from None
         for key in ("events", "replay"):
             value = getattr(self, key)
             if value is not None and not value.startswith(("tcp://", "ipc://")):

@@ -37,6 +37,8 @@ def test_urls_the_pool_cannot_use_are_refused_with_the_reason(url, why):
 def test_the_config_and_the_registry_use_the_same_rule():
     with pytest.raises(ConfigError, match=r"engines\[2\]\.url: .*ASCII"):
         EngineConfig(url="http://\u00fc@10.0.0.5:8000").validate("engines[2]")
+    with pytest.raises(ConfigError, match=r"engines\[0\]\.topic: .*UTF-8"):
+        EngineConfig(url="http://10.0.0.5:8000", topic="\udc80").validate("engines[0]")  # as os.environ may hold
     registry = EngineRegistry()
     with pytest.raises(ValueError, match="ASCII"):
         registry.add(EngineConfig(url="http://\u00fc@10.0.0.5:8000", id="x"))
