@@ -17,3 +17,8 @@ SUBSCRIBER_RESTARTS = Counter("kvmesh_event_subscriber_restarts_total",
 INGEST_DEFERRED = Counter("kvmesh_event_ingest_deferred_seconds_total",
                           "Seconds event ingest waited because it had used its share of the event loop",
                           ["engine"])
+ENGINE_TASK_FAILURES = Counter("kvmesh_engine_task_failures_total",
+                               "Failures of an engine's background tasks (discovery, health, metrics), retried "
+                               "after a backoff", ["engine", "task", "reason"])
+ENGINE_VALUES_REJECTED = Counter("kvmesh_engine_values_rejected_total",
+                                 "Numbers an engine reported that were out of range and ignored", ["engine", "value"])

@@ -1,13 +1,64 @@
-"""Event endpoints of an engine: from config, or learned from its GET /kv_event_sources."""
+"""What an engine says about itself: its models (GET /v1/models) and event endpoints (config, or its
+GET /kv_event_sources).
+
+Both answers come from outside the process, so the parsers here are pure functions that either return
+a well-formed value or raise ValueError: never TypeError, RecursionError or UnicodeError, which would
+otherwise escape into the engine's background tasks.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 _WILDCARDS = {"*", "0.0.0.0", "::", "[::]", ""}
+_HOST = re.compile(r"^[A-Za-z0-9._:%*\[\]-]*$")
+MAX_RANK = 4096
+"""Data-parallel ranks above this are not a real deployment; their port offset would leave the port range."""
+MAX_MODEL_ID_CHARS = 1024
+
+
+def load_json(body: bytes | str) -> Any:
+    """json.loads that fails only with ValueError (deep nesting raises RecursionError in the stdlib)."""
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
+def parse_model_ids(body: bytes | str) -> set[str]:
+    """The model ids of an OpenAI ``GET /v1/models`` answer: ``{"data": [{"id": ...}, ...]}``.
+
+    Entries that are not objects with a string id are skipped; anything else is a ValueError. A server
+    still loading its model may answer ``"data": null``: that is "no models yet", not an error.
+    """
+    data = load_json(body)
+    if not isinstance(data, dict):
+        raise ValueError("/v1/models must answer a JSON object")
+    models = data.get("data")
+    if models is None:
+        return set()
+    if not isinstance(models, list):
+        raise ValueError(f"/v1/models: data must be a list, got {type(models).__name__}")
+    return {m["id"] for m in models if isinstance(m, dict) and _is_model_id(m.get("id"))}
+
+
+def _is_model_id(value: Any) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= MAX_MODEL_ID_CHARS and value.isprintable()
+
+
+def check_topic(topic: Any) -> str:
+    """A ZMQ subscription topic: a string that encodes to UTF-8 (a lone surrogate does not)."""
+    if not isinstance(topic, str):
+        raise ValueError(f"event topic must be a string, got {type(topic).__name__}")
+    try:
+        topic.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"event topic {topic!r} is not valid UTF-8") from None
+    return topic
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,7 +66,8 @@ class EventSource:
     """Where one publisher (one data-parallel rank) can be reached.
 
     `bind` is True when the engine's PUB connects out (its endpoint names a concrete host), so the
-    router must bind that address instead of connecting to it.
+    router must bind that address instead of connecting to it. Built only with values the subscriber
+    can use: a bad one raises ValueError here, not inside the subscriber task.
     """
 
     endpoint: str
@@ -24,11 +76,21 @@ class EventSource:
     rank: int = 0
     bind: bool = False
 
+    def __post_init__(self) -> None:
+        check_topic(self.topic)
+        for endpoint in (self.endpoint, self.replay_endpoint):
+            if endpoint is not None and not (isinstance(endpoint, str) and endpoint.isascii()):
+                raise ValueError(f"event endpoint {endpoint!r} must be an ASCII string")
+        if not 0 <= self.rank <= MAX_RANK:
+            raise ValueError(f"data-parallel rank {self.rank} is not in 0..{MAX_RANK}")
+
 
 def _split_tcp(endpoint: str) -> tuple[str, int]:
     if not endpoint.startswith("tcp://") or ":" not in endpoint[6:]:
         raise ValueError(f"unsupported endpoint {endpoint!r}")
     host, _, port = endpoint[6:].rpartition(":")
+    if not _HOST.match(host) or not (port.isascii() and port.isdigit() and len(port) <= 5):
+        raise ValueError(f"unsupported endpoint {endpoint!r}")
     return host, int(port)
 
 
@@ -41,8 +103,16 @@ def _format(host: str, port: int) -> str:
 def resolve_endpoint(endpoint: str, engine_host: str, rank: int) -> tuple[str, bool]:
     """Wildcard host -> the engine's host; vLLM offsets each data-parallel rank's port by its rank."""
     host, port = _split_tcp(endpoint)
+    if not 0 < port + rank <= 65535:
+        raise ValueError(f"endpoint {endpoint!r} of rank {rank} is outside the port range")
     wildcard = host in _WILDCARDS
     return _format(engine_host if wildcard else host, port + rank), not wildcard
+
+
+def _rank(key: str) -> int:
+    if not (key.isascii() and key.isdigit() and str(int(key)) == key and int(key) <= MAX_RANK):
+        raise ValueError(f"kv_event_sources: rank {key!r} is not an integer in 0..{MAX_RANK}")
+    return int(key)
 
 
 def parse_kv_event_sources(body: bytes | str | dict[str, Any], engine_url: str) -> list[EventSource]:
@@ -50,19 +120,22 @@ def parse_kv_event_sources(body: bytes | str | dict[str, Any], engine_url: str) 
 
     Raises ValueError on anything that is not the documented shape.
     """
-    data = json.loads(body) if isinstance(body, bytes | str) else body
+    data = load_json(body) if isinstance(body, bytes | str) else body
     if not isinstance(data, dict):
         raise ValueError("kv_event_sources must be a JSON object")
     engine_host = urlsplit(engine_url).hostname or "127.0.0.1"
     sources = []
-    for rank_key, config in sorted(data.items(), key=lambda item: int(item[0])):
-        rank = int(rank_key)
+    for rank, config in sorted(((_rank(key), value) for key, value in data.items()), key=lambda item: item[0]):
         if not isinstance(config, dict) or not config.get("enable_kv_cache_events"):
             continue
         if config.get("publisher", "zmq") != "zmq":
             continue
-        endpoint, bind = resolve_endpoint(str(config["endpoint"]), engine_host, rank)
+        endpoint = config.get("endpoint")
         replay = config.get("replay_endpoint")
-        replay_endpoint = resolve_endpoint(str(replay), engine_host, rank)[0] if replay else None
-        sources.append(EventSource(endpoint, replay_endpoint, str(config.get("topic") or ""), rank, bind))
+        if not isinstance(endpoint, str) or not isinstance(replay, str | None):
+            raise ValueError(f"kv_event_sources: rank {rank} endpoints must be strings")
+        endpoint, bind = resolve_endpoint(endpoint, engine_host, rank)
+        replay_endpoint = resolve_endpoint(replay, engine_host, rank)[0] if replay else None
+        topic = config.get("topic") or ""
+        sources.append(EventSource(endpoint, replay_endpoint, check_topic(topic), rank, bind))
     return sources

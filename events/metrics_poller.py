@@ -6,6 +6,7 @@ fetch(url) -> bytes, so the gateway can hand in its pooled HTTP client.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -13,8 +14,9 @@ from dataclasses import dataclass
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from events.counters import METRICS_POLLS
+from events.counters import ENGINE_VALUES_REJECTED, METRICS_POLLS
 
+log = logging.getLogger("kvmesh.engines")
 Fetch = Callable[[str], Awaitable[bytes]]
 
 
@@ -27,10 +29,28 @@ class EngineLoad:
     num_gpu_blocks: int | None
     prefix_cache_queries: float
     prefix_cache_hits: float
+    rejected: tuple[str, ...] = ()
+    """Values the engine reported out of range: left out (None, 0 or clamped) and counted by the poller."""
 
 
 class MetricsParseError(ValueError):
     """The body is not Prometheus text or lacks the vLLM load gauges."""
+
+
+class MetricsOutOfRange(MetricsParseError):
+    """The engine's load gauges (running, waiting) are impossible: the poll tells nothing about its load."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        super().__init__(f"out of range: {', '.join(names)}")
+        self.names = names
+
+
+MAX_REQUESTS = 10**6
+"""Running or waiting requests beyond this are not a real engine's: the whole poll is refused."""
+MAX_GPU_BLOCKS = 2**31
+MAX_BLOCK_SIZE = 4096
+MAX_COUNTER = float(2**53)
+"""Prefix-cache counters stay exact below this; above it the engine's counters are not believed."""
 
 
 _SUMMED = {
@@ -60,9 +80,14 @@ def relevant_lines(text: str) -> str:
 
 
 def parse_vllm_metrics(text: str) -> EngineLoad:
-    """Sum per-label series (several model names or DP engines) and read cache_config_info labels."""
+    """Sum per-label series (several model names or DP engines) and read cache_config_info labels.
+
+    Every number is bounded: impossible load gauges raise MetricsOutOfRange; an impossible block count,
+    block size or counter is left out and named in ``EngineLoad.rejected``; KV usage is clamped to 0..1.
+    """
     sums = dict.fromkeys(_SUMMED.values(), 0.0)
     seen: set[str] = set()
+    rejected: list[str] = []
     usage = 0.0
     block_size = num_blocks = None
     try:
@@ -77,24 +102,52 @@ def parse_vllm_metrics(text: str) -> EngineLoad:
                 elif sample.name == "vllm:kv_cache_usage_perc":
                     usage = max(usage, value)
                 elif sample.name == "vllm:cache_config_info":
-                    block_size = _int_label(sample.labels.get("block_size")) or block_size
-                    num_blocks = _int_label(sample.labels.get("num_gpu_blocks")) or num_blocks
+                    block_size = _int_label(sample.labels.get("block_size"), MAX_BLOCK_SIZE, "block_size",
+                                            rejected) or block_size
+                    num_blocks = _int_label(sample.labels.get("num_gpu_blocks"), MAX_GPU_BLOCKS, "num_gpu_blocks",
+                                            rejected) or num_blocks
     except (ValueError, TypeError, IndexError, KeyError) as exc:
         raise MetricsParseError("unparseable metrics text") from exc
     if "vllm:num_requests_running" not in seen:
         raise MetricsParseError("vllm:num_requests_running missing")
+    impossible = tuple(name for name in ("running", "waiting") if not 0 <= sums[name] <= MAX_REQUESTS)
+    if impossible:
+        raise MetricsOutOfRange(impossible)
+    for name in ("queries", "hits"):
+        if not 0 <= sums[name] <= MAX_COUNTER:
+            rejected.append(f"prefix_cache_{name}")
+            sums[name] = 0.0
     return EngineLoad(int(sums["running"]), int(sums["waiting"]), min(1.0, max(0.0, usage)), block_size,
-                      num_blocks, sums["queries"], sums["hits"])
+                      num_blocks, sums["queries"], sums["hits"], tuple(rejected))
 
 
-def _int_label(value: str | None) -> int | None:
-    if value is None:
+def _int_label(value: str | None, maximum: int, name: str, rejected: list[str]) -> int | None:
+    """A positive integer label up to ``maximum``; None (and ``name`` noted in ``rejected``) otherwise.
+
+    vLLM writes these as decimal integers; "None" means not known yet and is not a rejection.
+    """
+    if value is None or value == "None":
         return None
     try:
-        number = int(float(value))
+        number = float(value)
     except ValueError:
+        number = math.nan
+    if not (math.isfinite(number) and number.is_integer() and 0 < number <= maximum):
+        rejected.append(name)
         return None
-    return number if number > 0 else None
+    return int(number)
+
+
+_reported: set[tuple[str, str]] = set()
+
+
+def _count_rejected(engine: str, names: tuple[str, ...]) -> None:
+    """Count every rejection; log the first of each (engine, value), since a lying engine lies every poll."""
+    for name in names:
+        ENGINE_VALUES_REJECTED.labels(engine=engine, value=name).inc()
+        if (engine, name) not in _reported:
+            _reported.add((engine, name))
+            log.warning("engine reported an impossible %s; ignored", name, extra={"engine": engine})
 
 
 async def poll_metrics(engine: str, url: str, fetch: Fetch, on_load: Callable[[EngineLoad, float], None],
@@ -106,6 +159,9 @@ async def poll_metrics(engine: str, url: str, fetch: Fetch, on_load: Callable[[E
         with trio.move_on_after(timeout_s) as scope:
             try:
                 load = parse_vllm_metrics((await fetch(url)).decode("utf-8", "replace"))
+            except MetricsOutOfRange as exc:
+                outcome = "out_of_range"
+                _count_rejected(engine, exc.names)
             except MetricsParseError:
                 outcome = "malformed"
             except Exception:  # the injected fetch may fail in any way; the next tick retries
@@ -114,5 +170,6 @@ async def poll_metrics(engine: str, url: str, fetch: Fetch, on_load: Callable[[E
             outcome = "timeout"
         METRICS_POLLS.labels(engine=engine, outcome=outcome).inc()
         if outcome == "ok":
+            _count_rejected(engine, load.rejected)
             on_load(load, trio.current_time())
         await trio.sleep_until(started + interval_s)

@@ -97,10 +97,12 @@ async def handle_admin(router: Router, method: str, path: str, scope: dict, rece
         body = await _json_body(router, scope, receive)
         try:
             config = _build(EngineConfig, body, "engine")
-            config.validate("engine")
+            config.validate("engine")  # the URL rule is config.validate_engine_url, as for every other source
+            engine_id = router.add_engine(config)
         except ConfigError as exc:
             raise ApiError(400, str(exc), param=str(exc).split(":")[0]) from None
-        engine_id = router.add_engine(config)
+        except ValueError as exc:
+            raise ApiError(400, f"engine.url: {exc}", param="engine.url") from None
         await http_app.send_json(send, 201, engine_row(router, engine_id))
         return 201
     if len(parts) >= 2 and parts[0] == "engines":

@@ -118,15 +118,16 @@ class CircuitBreaker:
 
 
 class EngineHealth:
-    """One verdict from four signals: request outcomes (the breaker), ``/health`` polls, ``/metrics`` polls
-    and KV-event silence.
+    """One verdict from five signals: request outcomes (the breaker), ``/health`` polls, ``/metrics`` polls,
+    KV-event silence and faults of the engine's own background tasks.
 
     Not routable: before the first successful ``/health`` poll, after ``health_failures_down``
-    consecutive failed polls, while the breaker refuses, or when metric polls keep failing *and* events
-    are silent (the engine is up enough to answer ``/health`` but not working). Metric failures or event
-    silence alone leave it routable with a reason: an idle engine publishes no events, and a missing
-    metrics scrape only makes the load estimate older. Events count as silent when a request that should
-    have stored a full block (``note_routed``) got no event within ``event_silence_s``.
+    consecutive failed polls, while the breaker refuses, while a background task of the engine fails, or
+    when metric polls keep failing *and* events are silent (the engine is up enough to answer ``/health``
+    but not working). Metric failures or event silence alone leave it routable with a reason: an idle
+    engine publishes no events, and a missing metrics scrape only makes the load estimate older. Events
+    count as silent when a request that should have stored a full block (``note_routed``) got no event
+    within ``event_silence_s``.
     """
 
     def __init__(self, breaker: CircuitBreaker | None = None, health_failures_down: int = 2,
@@ -141,6 +142,8 @@ class EngineHealth:
         self.health_failures = 0
         self.metric_failures = 0
         self.last_error = ""
+        self.faults: dict[str, str] = {}
+        """Background tasks of this engine that are failing (task -> what went wrong): not routable."""
         self._unanswered_since: float | None = None
 
     def record_health(self, ok: bool, detail: str = "", now: float | None = None) -> None:
@@ -155,6 +158,13 @@ class EngineHealth:
         else:
             self.health_failures += 1
             self.last_error = detail
+
+    def record_fault(self, task: str, detail: str) -> None:
+        """One of the engine's own tasks (discovery, health, metrics) broke on what the engine sent."""
+        self.faults[task] = detail
+
+    def clear_fault(self, task: str) -> None:
+        self.faults.pop(task, None)
 
     def record_metrics(self, ok: bool, detail: str = "") -> None:
         if ok:
@@ -178,6 +188,8 @@ class EngineHealth:
         """(routable, reason); the reason is "ok" or names the failing signal(s)."""
         if self.health_failures >= self.health_failures_down:
             return False, f"health check failed {self.health_failures} times ({self.last_error})"
+        if self.faults:
+            return False, "; ".join(f"{task} failing: {detail}" for task, detail in sorted(self.faults.items()))
         if not self.health_checked:
             return False, "awaiting first health check"
         if not self.breaker.available(now):

@@ -16,14 +16,40 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from events.discovery import check_topic
 from gateway.admission.config import AdmissionConfig
 from gateway.config_errors import ConfigError
 from gateway.security.config import AuthConfig, TenantConfig, validate_security
 
 __all__ = ["AdmissionConfig", "AuthConfig", "ConfigError", "EngineConfig", "MeshConfig", "RouterConfig",
-           "TenantConfig", "TracingConfig", "load_config"]
+           "TenantConfig", "TracingConfig", "load_config", "validate_engine_url"]
 
 POLICIES = ("kv_aware", "approximate", "prefix_hash", "session", "least_loaded", "round_robin", "random")
+
+
+def validate_engine_url(url: str) -> str:
+    """Return ``url`` if the router can talk HTTP to it, else raise ValueError saying why.
+
+    Engine URLs arrive from the config, the admin API and the replicated registry; the pool builds the
+    Host header from the authority, so anything that is not plain ASCII (or carries userinfo) would
+    fail later, inside a background task, instead of here.
+    """
+    if not isinstance(url, str):
+        raise ValueError(f"expected an http(s) URL, got {url!r}")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"expected an http(s) URL, got {url!r} ({exc})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"expected an http(s) URL, got {url!r}")
+    if not url.isascii() or any(c.isspace() or not c.isprintable() for c in url):
+        raise ValueError(f"expected an http(s) URL of printable ASCII (punycode for IDN hosts), got {url!r}")
+    if "@" in parts.netloc:
+        raise ValueError(f"expected an http(s) URL without user:password@, got {url!r}")
+    if port is not None and port < 1:
+        raise ValueError(f"expected an http(s) URL with a port in 1..65535, got {url!r}")
+    return url
 
 
 @dataclass
@@ -38,9 +64,14 @@ class EngineConfig:
     block_size: int | None = None
 
     def validate(self, where: str) -> None:
-        parts = urlsplit(self.url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigError(f"{where}.url: expected an http(s) URL, got {self.url!r}")
+        try:
+            validate_engine_url(self.url)
+        except ValueError as exc:
+            raise ConfigError(f"{where}.url: {exc}") from None
+        try:
+            check_topic(self.topic)
+        except ValueError as exc:
+            raise ConfigError(f"{where}.topic: {exc}") from None
         for key in ("events", "replay"):
             value = getattr(self, key)
             if value is not None and not value.startswith(("tcp://", "ipc://")):

@@ -1,22 +1,28 @@
 """Per-engine background tasks: discover models and event endpoints, poll health and /metrics, subscribe.
 
-watch_engine(engine)
+watch_engine(engine)              supervised: a bug anywhere below is logged, counted and restarted
  +- health loop      (GET /health; fast while the engine is down, so it rejoins within a second)
+ +- discovery        (GET /v1/models and /kv_event_sources, until the engine answers)
+ +- models refresh   (GET /v1/models every MODELS_REFRESH_S)
  +- metrics poller   (GET /metrics -> load, KV usage, block geometry)
  +- event sources    (from config or GET /kv_event_sources), handed to EventIngest to subscribe
+
+Each task runs under :func:`gateway.engine_faults.supervise`: whatever an engine answers, the worst
+outcome is that this engine is out of rotation while its task backs off; other engines and the
+process never notice.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 
 import trio
 
-from events.discovery import EventSource, parse_kv_event_sources
+from events.discovery import EventSource, parse_kv_event_sources, parse_model_ids
 from events.metrics_poller import EngineLoad as PolledLoad
 from events.metrics_poller import poll_metrics
+from gateway.engine_faults import EngineFaults, supervise
 from gateway.engines import EngineState
 from gateway.event_ingest import EventIngest
 from gateway.upstream import UpstreamError
@@ -33,27 +39,24 @@ class Discovery:
         self.engine = engine
 
     async def models(self) -> set[str]:
+        """Raises UpstreamError while the engine cannot answer, ValueError if its answer is malformed."""
         status, body = await self.engine.pool.get("/v1/models")
         if status != 200:
             raise UpstreamError(f"/v1/models answered {status}")
-        data = json.loads(body).get("data", [])
-        return {m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)}
+        return parse_model_ids(body)
 
     async def event_sources(self) -> list[EventSource]:
+        """Raises ValueError if the configured or announced endpoints are unusable."""
         config = self.engine.config
         if config.events:
             return [EventSource(config.events, config.replay, config.topic)]
         status, body = await self.engine.pool.get("/kv_event_sources")
         if status != 200:
             return []
-        try:
-            return parse_kv_event_sources(body, self.engine.url)
-        except (ValueError, KeyError, TypeError):
-            log.warning("unreadable /kv_event_sources", extra={"engine": self.engine.id})
-            return []
+        return parse_kv_event_sources(body, self.engine.url)
 
 
-async def _health_loop(engine: EngineState, planner, interval_s: float) -> None:
+async def _health_loop(engine: EngineState, planner, faults: EngineFaults, interval_s: float) -> None:
     while True:
         try:
             status, _ = await engine.pool.get("/health", timeout=min(2.0, interval_s * 2))
@@ -62,6 +65,7 @@ async def _health_loop(engine: EngineState, planner, interval_s: float) -> None:
             status, detail = 0, str(exc)
         was_healthy = engine.healthy
         engine.health.record_health(status == 200, detail, time.monotonic())
+        faults.succeeded("health")
         if engine.healthy != was_healthy:
             log.info("engine healthy" if engine.healthy else "engine unhealthy",
                      extra={"engine": engine.id, "reason": engine.health.reason(time.monotonic())})
@@ -71,29 +75,47 @@ async def _health_loop(engine: EngineState, planner, interval_s: float) -> None:
 
 
 async def _discover(discovery: Discovery) -> tuple[set[str], list[EventSource]]:
-    """Retry until the engine answers; an engine may start after the router."""
+    """Retry until the engine answers; an engine may start after the router. A malformed answer raises
+    (ValueError) so the supervisor counts it and backs off."""
     while True:
         try:
             return await discovery.models(), await discovery.event_sources()
-        except (UpstreamError, ValueError, KeyError, AttributeError):
+        except UpstreamError:
             await trio.sleep(DOWN_POLL_S)
 
 
-async def _refresh_models(discovery: Discovery) -> None:
+async def _refresh_models(discovery: Discovery, faults: EngineFaults) -> None:
     while True:
-        await trio.sleep(MODELS_REFRESH_S)
+        if not faults.failing.get("models"):  # in a failure episode the supervisor has just backed off
+            await trio.sleep(MODELS_REFRESH_S)
         try:
             discovery.engine.models = await discovery.models() or discovery.engine.models
-        except (UpstreamError, ValueError, KeyError, AttributeError):
-            continue
+        except UpstreamError:
+            continue  # the health loop reports an engine that does not answer
+        faults.succeeded("models")
 
 
 async def watch_engine(engine: EngineState, planner, ingest: EventIngest, interval_s: float) -> None:
-    """Own every task that keeps ``engine``'s state current; cancelled when the engine is removed."""
+    """Own every task that keeps ``engine``'s state current; cancelled when the engine is removed.
+
+    Never raises (but Cancelled): a failure of the whole watcher, even a bug, restarts it after a backoff.
+    """
+    faults = EngineFaults(engine.id, engine.health)
+    await supervise(faults, "watch", lambda: _watch(engine, planner, ingest, interval_s, faults))
+
+
+async def _watch(engine: EngineState, planner, ingest: EventIngest, interval_s: float, faults: EngineFaults) -> None:
     discovery = Discovery(engine)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_health_loop, engine, planner, interval_s)
-        models, sources = await _discover(discovery)
+        nursery.start_soon(supervise, faults, "health", lambda: _health_loop(engine, planner, faults, interval_s))
+        found: dict[str, tuple[set[str], list[EventSource]]] = {}
+
+        async def discover() -> None:
+            found["result"] = await _discover(discovery)
+
+        await supervise(faults, "discovery", discover)
+        faults.succeeded("discovery")
+        models, sources = found["result"]
         if not planner.reads_events:
             sources = []  # `approximate` stands for routers that never see events: it knows what it sent
         engine.models = models or engine.models
@@ -115,6 +137,7 @@ async def watch_engine(engine: EngineState, planner, ingest: EventIngest, interv
             info = planner.cache.info(engine.id)
             if info is not None:
                 info.freshness.on_poll(now, load.running)
+            faults.succeeded("metrics")
 
         async def fetch(url: str) -> bytes:
             try:
@@ -127,9 +150,11 @@ async def watch_engine(engine: EngineState, planner, ingest: EventIngest, interv
             engine.health.record_metrics(True)
             return body
 
-        nursery.start_soon(_refresh_models, discovery)
-        nursery.start_soon(lambda: poll_metrics(engine.id, "/metrics", fetch, on_load, interval_s=interval_s))
+        nursery.start_soon(supervise, faults, "models", lambda: _refresh_models(discovery, faults))
+        nursery.start_soon(supervise, faults, "metrics",
+                           lambda: poll_metrics(engine.id, "/metrics", fetch, on_load, interval_s=interval_s))
         if sources:
             ingest.add(engine.id, model, sources)
+        faults.succeeded("watch")
         log.info("engine discovered", extra={"engine": engine.id, "models": sorted(engine.models),
                                              "event_sources": engine.event_sources})

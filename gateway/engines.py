@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from gateway.breaker import EngineHealth
-from gateway.config import EngineConfig
+from gateway.config import EngineConfig, validate_engine_url
 from gateway.upstream import EnginePool
 
 
@@ -106,6 +106,9 @@ class EngineRegistry:
         self._engines: dict[str, EngineState] = {}
 
     def add(self, config: EngineConfig) -> EngineState:
+        """Register an engine; ValueError if its URL is not one the pool can use (whatever the source:
+        config, admin API or the replicated registry)."""
+        validate_engine_url(config.url)
         engine_id = engine_id_for(config)
         if engine_id in self._engines:
             return self._engines[engine_id]

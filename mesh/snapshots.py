@@ -12,11 +12,18 @@ of the mesh could resurrect blocks that the current history never saw.
 Redis is never required: every error is counted (``kvmesh_mesh_snapshots_total{outcome="error"}``)
 and the next round retries. redis-py's asyncio client fails under trio, so the sync client runs in a
 worker thread with short socket timeouts.
+
+Redis is not trusted: whoever can write it could otherwise hand every starting replica engine URLs
+(prompts flow to them) or numbers that break replication. Each snapshot is sealed with the mesh secret
+(HMAC-SHA256, domain ``kvmesh-snapshot-v1``, bound to the cluster's key), its numbers are bounded, and a
+snapshot that fails to verify, parse or load is ignored with a counted, logged reason
+(``kvmesh_mesh_snapshots_rejected_total{reason}``): the replica starts cold.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -25,6 +32,7 @@ import redis
 import trio
 from prometheus_client import Counter as PromCounter
 
+from mesh.auth import record_mac, record_mac_ok
 from mesh.crdt_doc import Change, Epoch, ReplicatedDoc, decode_state, encode_state
 from mesh.sync_protocol import SyncProtocol
 
@@ -34,7 +42,28 @@ FORMAT = b"2"
 KEY_PREFIX = "kvmesh:snapshot:"
 LOAD_TIMEOUT_S = 1.0
 
+SEAL_DOMAIN = b"kvmesh-snapshot-v1"
+SEALED_FIELDS = ("format", "epoch_number", "epoch_owner", "base", "full", "writer", "written_at")
+MAX_EPOCH = 2**63 - 1
+"""Epoch numbers travel in msgpack frames: beyond a signed 64-bit integer every later frame would fail."""
+
 SNAPSHOTS = PromCounter("kvmesh_mesh_snapshots_total", "Redis index snapshots by outcome", ["outcome"])
+SNAPSHOTS_REJECTED = PromCounter("kvmesh_mesh_snapshots_rejected_total",
+                                 "Redis index snapshots ignored at start, by reason", ["reason"])
+
+
+class SnapshotRejected(ValueError):
+    """A stored snapshot must not be used; ``reason`` is a short label (unsealed, mac, malformed, unusable)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def _epoch_number(text: bytes) -> int:
+    if not (text.isdigit() and len(text) <= 19 and int(text) <= MAX_EPOCH):
+        raise ValueError(f"epoch number {text[:40]!r} is not in 0..2**63-1")
+    return int(text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,37 +100,67 @@ class Snapshot:
         try:
             if fields[b"format"] != FORMAT:
                 raise ValueError(f"unknown snapshot format {fields[b'format']!r}")
-            epoch = Epoch(int(fields[b"epoch_number"]), fields[b"epoch_owner"].decode())
-            base_epoch = Epoch(int(fields[b"base_epoch_number"]), fields[b"base_epoch_owner"].decode())
-            return cls(
-                epoch,
-                base_epoch,
-                decode_state(fields[b"base"]),
-                fields[b"full"],
-                fields[b"writer"].decode(),
-                float(fields[b"written_at"]),
-            )
-        except (KeyError, UnicodeDecodeError) as exc:
+            epoch = Epoch(_epoch_number(fields[b"epoch_number"]), fields[b"epoch_owner"].decode())
+            base_epoch = Epoch(_epoch_number(fields[b"base_epoch_number"]), fields[b"base_epoch_owner"].decode())
+            written_at = float(fields[b"written_at"])
+            if not math.isfinite(written_at):
+                raise ValueError("written_at is not a finite number")
+            return cls(epoch, base_epoch, decode_state(fields[b"base"]), fields[b"full"], fields[b"writer"].decode(),
+                       written_at)
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise ValueError(f"malformed snapshot: {exc!r}") from exc
 
 
-class RedisSnapshotStore:
-    """Blocking client for the snapshot hash ``kvmesh:snapshot:<cluster>``; use it from a worker thread."""
+def seal_fields(secret: bytes, key: str, fields: Mapping[str, bytes]) -> bytes:
+    """The MAC of a snapshot hash stored under ``key`` (so a snapshot of one cluster never passes in another)."""
+    return record_mac(secret, SEAL_DOMAIN, [key.encode(), *(fields[name] for name in SEALED_FIELDS)])
 
-    def __init__(self, url: str, cluster: str, socket_timeout: float = 0.5) -> None:
+
+def open_fields(secret: bytes | None, key: str, stored: Mapping[bytes, bytes]) -> Snapshot:
+    """Verify (when a secret is given) and decode a stored hash; SnapshotRejected says why it is unusable."""
+    if secret is not None:
+        mac = stored.get(b"mac")
+        if mac is None:
+            raise SnapshotRejected("unsealed", "the stored snapshot carries no MAC")
+        try:
+            sealed = {name: stored[name.encode()] for name in SEALED_FIELDS}
+        except KeyError as exc:
+            raise SnapshotRejected("malformed", f"field {exc} missing") from None
+        if not record_mac_ok(secret, SEAL_DOMAIN, [key.encode(), *sealed.values()], mac):
+            raise SnapshotRejected("mac", "the MAC does not match this cluster's secret")
+    try:
+        return Snapshot.from_fields(stored)
+    except ValueError as exc:
+        raise SnapshotRejected("malformed", str(exc)) from None
+
+
+class RedisSnapshotStore:
+    """Blocking client for the snapshot hash ``kvmesh:snapshot:<cluster>``; use it from a worker thread.
+
+    With ``secret`` (the mesh secret) snapshots are sealed on save and verified on load. Without it they
+    are neither, and Redis can rewrite this replica's start: a warning says so.
+    """
+
+    def __init__(self, url: str, cluster: str, socket_timeout: float = 0.5, *, secret: bytes | None = None) -> None:
         self._client = redis.Redis.from_url(
             url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout
         )
         self.key = KEY_PREFIX + cluster
+        self._secret = secret
+        if secret is None:
+            log.warning("Redis snapshots are not sealed: no mesh secret was given to the snapshot store")
 
     def save(self, snapshot: Snapshot) -> None:
         """One HSET of every field: readers never see half of a snapshot."""
-        self._client.hset(self.key, mapping=snapshot.to_fields())
+        fields: dict[str, bytes] = snapshot.to_fields()
+        if self._secret is not None:
+            fields["mac"] = seal_fields(self._secret, self.key, fields)
+        self._client.hset(self.key, mapping=fields)
 
     def load(self) -> Snapshot | None:
-        """The stored snapshot, or None if there is none; ValueError if it is malformed."""
+        """The stored snapshot, or None if there is none; SnapshotRejected if it is unsealed, forged or malformed."""
         fields = self._client.hgetall(self.key)
-        return Snapshot.from_fields(fields) if fields else None
+        return open_fields(self._secret, self.key, fields) if fields else None
 
     def close(self) -> None:
         self._client.close()
@@ -121,7 +180,10 @@ async def load_into(
     with trio.move_on_after(timeout) as scope:
         try:
             snapshot = await trio.to_thread.run_sync(store.load, abandon_on_cancel=True)
-        except (redis.RedisError, OSError, ValueError) as exc:
+        except SnapshotRejected as exc:
+            _reject(stats, exc)
+            return False
+        except (redis.RedisError, OSError) as exc:
             _count(stats, "error")
             log.warning("cannot load the index snapshot from Redis: %s", exc)
             return False
@@ -132,9 +194,20 @@ async def load_into(
     if snapshot is None:
         _count(stats, "absent")
         return False
-    loaded = protocol.load_snapshot(snapshot.epoch, snapshot.base_epoch, snapshot.base, snapshot.full)
+    try:
+        loaded = protocol.load_snapshot(snapshot.epoch, snapshot.base_epoch, snapshot.base, snapshot.full)
+    except Exception as exc:  # what the document or its observers make of stored bytes: never end the start
+        _reject(stats, SnapshotRejected("unusable", f"{type(exc).__name__}: {exc}"))
+        return False
     _count(stats, "loaded" if loaded else "ignored")
     return loaded
+
+
+def _reject(stats: Counter[str], exc: SnapshotRejected) -> None:
+    _count(stats, "rejected")
+    stats[f"snapshot_rejected_{exc.reason}"] += 1
+    SNAPSHOTS_REJECTED.labels(exc.reason).inc()
+    log.warning("ignoring the index snapshot in Redis (%s): starting cold", exc)
 
 
 class SnapshotWriter:

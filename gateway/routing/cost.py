@@ -46,6 +46,26 @@ def _clamp(value: float, low: float, high: float) -> float:
     return min(high, max(low, value))
 
 
+MAX_COUNT = 2**40
+"""No real engine or request counts blocks, tokens or requests beyond this. Counts are clamped to it
+where they meet float arithmetic, which an int of 309 digits (an engine claiming 1e308 blocks) would
+otherwise overflow, failing every decision that engine takes part in."""
+MAX_BLOCK_SIZE = 2**16
+
+
+def _count(value: int, high: int = MAX_COUNT) -> int:
+    """``value`` clamped to 0..high."""
+    return min(high, max(0, value))
+
+
+def _block_size(engine: EngineView) -> int:
+    return max(1, _count(engine.block_size, MAX_BLOCK_SIZE))
+
+
+def _max_tokens(request: RouteRequest) -> int | None:
+    return None if request.max_tokens is None else _count(request.max_tokens)
+
+
 def queue_depth(engine: EngineView) -> int:
     """Requests ahead of a new one on this engine.
 
@@ -57,11 +77,11 @@ def queue_depth(engine: EngineView) -> int:
     longer ahead of anyone.
     """
     routed = max(0, engine.in_flight) + max(0, engine.peer_in_flight)
-    return max(routed, engine.running - max(0, engine.finished_since_poll)) + max(0, engine.waiting)
+    return _count(max(routed, engine.running - max(0, engine.finished_since_poll)) + max(0, engine.waiting))
 
 
 def overlap_tokens(engine: EngineView, request: RouteRequest, blocks: int) -> int:
-    return max(0, min(request.prompt_tokens, blocks * max(1, engine.block_size)))
+    return max(0, min(_count(request.prompt_tokens), blocks * _block_size(engine)))
 
 
 class CostModel:
@@ -92,9 +112,9 @@ class CostModel:
         """
         if not engine.num_blocks or engine.num_blocks <= 0:
             return 0.0
-        capacity = engine.num_blocks * max(1, engine.block_size)
+        capacity = _count(engine.num_blocks) * _block_size(engine)
         free = capacity * (1.0 - _clamp(engine.kv_usage, 0.0, 1.0))
-        needed = uncached + max(0, request.max_tokens or 0)
+        needed = uncached + _count(request.max_tokens or 0)
         overflow = min(float(capacity), max(0.0, needed - free))
         return p.prefill_s(overflow)
 
@@ -111,10 +131,10 @@ class CostModel:
         held = engine.held_blocks if knowledge is Knowledge.EVENTS else engine.approx_held_blocks
         if not engine.num_blocks or held is None:
             return 0.0
-        block = max(1, engine.block_size)
-        answer = self.decode.expected_output_tokens(request.max_tokens)
+        held, block = _count(held), _block_size(engine)
+        answer = self.decode.expected_output_tokens(_max_tokens(request))
         needed = math.ceil((uncached + answer) / block)
-        evicted = min(held, max(0, needed - max(0, engine.num_blocks - held)))
+        evicted = min(held, max(0, needed - max(0, _count(engine.num_blocks) - held)))
         return _clamp(engine.reuse_ratio, 0.0, 1.0) * p.prefill_s(evicted * block)
 
     def topology_penalty_s(self, engine: EngineView, request: RouteRequest) -> float:
@@ -122,9 +142,10 @@ class CostModel:
         return self.settings.cross_island_s if crosses else 0.0
 
     def estimate(self, request: RouteRequest, engine: EngineView, knowledge: Knowledge) -> CandidateScore:
-        params = self.learner.params(engine.id, engine.max_num_seqs)
+        slots = None if engine.max_num_seqs is None else _count(engine.max_num_seqs)
+        params = self.learner.params(engine.id, slots)
         cached, trust = self.cached_tokens(engine, request, knowledge)
-        uncached = max(0, math.ceil(max(0, request.prompt_tokens) - cached - 1e-9))
+        uncached = max(0, math.ceil(_count(request.prompt_tokens) - cached - 1e-9))
         depth = queue_depth(engine)
         return CandidateScore(
             engine=engine.id,
@@ -134,11 +155,11 @@ class CostModel:
             uncached_tokens=uncached,
             confidence=trust,
             queue_depth=depth,
-            queue_s=params.queue_s(depth, engine.max_num_seqs),
+            queue_s=params.queue_s(depth, slots),
             prefill_s=params.overhead_s + params.prefill_s(uncached),
             pressure_penalty_s=self.pressure_penalty_s(engine, request, uncached, params),
             topology_penalty_s=self.topology_penalty_s(engine, request),
             live=engine.live,
-            decode_s=self.decode.decode_s(engine.id, depth, request.max_tokens),
+            decode_s=self.decode.decode_s(engine.id, depth, _max_tokens(request)),
             eviction_s=self.eviction_s(engine, request, uncached, params, knowledge),
         )

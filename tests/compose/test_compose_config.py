@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster import haproxy
 from gateway.metrics import RouterMetrics
+from mesh.auth import load_secret
 
 COMPOSE = Path(__file__).resolve().parents[2] / "compose"
 ALWAYS = {"router", "haproxy", "redis", "prometheus", "grafana"}
@@ -96,3 +97,22 @@ def test_prometheus_scrapes_routers_by_dns_and_both_engines() -> None:
     jobs = {j["job_name"]: j for j in config["scrape_configs"]}
     assert jobs["kvmesh-router"]["dns_sd_configs"][0]["names"] == ["router"]
     assert jobs["engines"]["static_configs"][0]["targets"] == ["engine-1:8000", "engine-2:8000"]
+
+
+def test_the_mesh_secret_is_generated_at_first_start_never_taken_from_the_repository(tmp_path, monkeypatch) -> None:
+    """Every replica reads one secret from the mesh-secret volume, written once by the mesh-secret service
+    before any router starts; the generator's script, run here, writes a secret load_secret accepts and
+    keeps an existing one."""
+    services = _compose_config("sim")["services"]
+    router, generator = services["router"], services["mesh-secret"]
+    assert "--mesh-secret-file=/run/kvmesh/mesh.secret" in router["command"]
+    assert router["depends_on"]["mesh-secret"]["condition"] == "service_completed_successfully"
+    assert "mesh-secret:/run/kvmesh:ro" in router["volumes"] and "secrets" not in router
+    assert not list(COMPOSE.glob("mesh.secret*"))
+    script = generator["command"][0].replace("/run/kvmesh/mesh.secret", str(tmp_path / "mesh.secret"))
+    monkeypatch.setattr("os.chown", lambda *args: None)
+    exec(script, {})
+    first = load_secret(tmp_path / "mesh.secret")
+    assert len(first) == 64 and int(first, 16) >= 0
+    exec(script, {})
+    assert load_secret(tmp_path / "mesh.secret") == first
