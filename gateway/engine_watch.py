@@ -124,7 +124,8 @@ async def _watch(engine: EngineState, planner, ingest: EventIngest, interval_s: 
         planner.register_engine(engine, has_events=bool(sources))
 
         def on_load(load: PolledLoad, now: float) -> None:
-            resized = load.block_size is not None and load.block_size != engine.load.block_size
+            resized = ((load.block_size is not None and load.block_size != engine.load.block_size)
+                       or load.num_gpu_blocks != engine.load.num_blocks)
             engine.load.running, engine.load.waiting = load.running, load.waiting
             engine.load.kv_usage, engine.load.polled_at = load.kv_cache_usage, now
             engine.load.num_blocks = load.num_gpu_blocks

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from events.counters import SUBSCRIBER_RESTARTS
 from events.discovery import EventSource
 from events.feed import EngineFeed
 from events.subscriber import run_subscriber
@@ -30,6 +31,7 @@ from mesh.node import MeshNode
 log = logging.getLogger("kvmesh.ingest")
 
 WARM_TIMEOUT_S = 2.0
+SUBSCRIBER_BACKOFF_MAX_S = 30.0
 LOAD_SLICE = 20_000
 """Blocks loaded from a peer's snapshot between two yields to the scheduler."""
 
@@ -40,6 +42,25 @@ class _Stream:
     sources: list[EventSource]
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     feeds: list[EngineFeed] = field(default_factory=list)
+
+
+async def _supervised(feed: EngineFeed, source: EventSource) -> None:
+    """Run the subscriber; an error no one expected (a publisher's frames reaching a bug) is counted, logged
+    once per episode, marks the engine's knowledge partly lost and restarts it after a backoff: one
+    engine's stream never ends the router."""
+    failures = 0
+    while True:
+        try:
+            await run_subscriber(feed, source)
+            return
+        except Exception as exc:  # the publisher is untrusted: nothing it sends may end the process
+            SUBSCRIBER_RESTARTS.labels(engine=feed.engine, reason=f"error_{type(exc).__name__}"[:64]).inc()
+            if not failures:
+                log.error("event subscriber failed; restarting", exc_info=exc, extra={"engine": feed.engine})
+            feed.freshness.on_lost(trio.current_time(), 1)
+            feed.on_publisher_lost()
+            failures += 1
+        await trio.sleep(min(SUBSCRIBER_BACKOFF_MAX_S, 0.25 * 2 ** min(failures, 10)))
 
 
 class EventIngest:
@@ -84,7 +105,7 @@ class EventIngest:
             log.info("ingesting events", extra={"engine": engine, "resume_seq": list(resume)})
             async with trio.open_nursery() as nursery:
                 for feed, source in zip(stream.feeds, stream.sources, strict=True):
-                    nursery.start_soon(run_subscriber, feed, source)
+                    nursery.start_soon(_supervised, feed, source)
 
     async def _warm(self, engine: str, sources: int) -> tuple[int | None, ...]:
         """Load the freshest peer's index of ``engine``; the seqs to resume each source from."""

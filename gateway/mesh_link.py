@@ -9,6 +9,7 @@ ingests every engine's events itself (gateway/event_ingest.py).
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from collections.abc import Sequence
@@ -17,13 +18,15 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from gateway.admin import ADMIN_STATE_KEYS
-from gateway.config import ConfigError, EngineConfig, RouterConfig
+from gateway.config import ConfigError, EngineConfig, RouterConfig, validate_engine_url
 from gateway.engines import EngineState
 from gateway.mesh_state import NAMESPACES, MeshState
 from mesh.auth import load_secret
-from mesh.node import MeshNode, MeshNodeSettings
+from mesh.node import MeshNode
+from mesh.settings import MeshSettings
 
 DISPATCH_SWEEP_S = 5.0
+log = logging.getLogger("kvmesh.mesh")
 
 if TYPE_CHECKING:
     from gateway.router import Router
@@ -40,7 +43,7 @@ def build_mesh_node(config: RouterConfig) -> MeshNode | None:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"mesh.secret_file: {exc}") from None
     replication = mesh.replication_bind or f"{mesh.bind.rsplit(':', 1)[0]}:0"
-    settings = MeshNodeSettings(
+    settings = MeshSettings(
         secret=secret, name=f"{socket.gethostname()}-{config.port}", bind=mesh.bind,
         advertise=mesh.advertise or _advertise_for(mesh.bind), seeds=tuple(mesh.seeds),
         replication_bind=replication, http_addr=f"http://{config.host}:{config.port}", island=config.island or "",
@@ -77,19 +80,42 @@ async def sweep_dispatches(state: MeshState) -> None:
             state.sweep_dispatches(time.time())
 
 
+def registry_settings(state: dict[str, Any]) -> dict[str, Any]:
+    """The admin settings of a replicated registry entry, type-checked; ValueError names the bad one."""
+    settings = {}
+    for key in ADMIN_STATE_KEYS:
+        if key not in state:
+            continue
+        value = state[key]
+        if key in ("draining", "maintenance") and not isinstance(value, bool):
+            raise ValueError(f"{key} must be a boolean")
+        if key in ("island", "zone") and not (value is None or (isinstance(value, str) and len(value) <= 64)):
+            raise ValueError(f"{key} must be null or a short string")
+        settings[key] = value
+    return settings
+
+
 def follow_mesh(router: Router, state: MeshState) -> None:
     """Subscribe the router to the mesh's change feeds; each callback is cheap and never awaits."""
     node = state.node
 
-    def on_registry(engine_id: str, state: dict[str, Any] | None) -> None:
-        if state is None or state.get("removed"):
+    def on_registry(engine_id: str, entry: dict[str, Any] | None) -> None:
+        """A peer's registry entry is untrusted like any input: a bad URL or value is counted and logged,
+        never added (prompts would flow to it) and never raised into replication."""
+        if entry is None or entry.get("removed") is True:
             if router.engines.get(engine_id) is not None:
                 router.remove_engine(engine_id, replicate=False)
             return
-        if router.engines.get(engine_id) is None and isinstance(state.get("url"), str):
-            router.add_engine(EngineConfig(url=state["url"], id=engine_id, island=state.get("island")),
-                              replicate=False)
-        router.set_engine_state(engine_id, {k: state[k] for k in ADMIN_STATE_KEYS if k in state}, replicate=False)
+        try:
+            settings = registry_settings(entry)
+            if router.engines.get(engine_id) is None and "url" in entry:
+                router.add_engine(EngineConfig(url=validate_engine_url(entry["url"]), id=engine_id,
+                                               island=settings.get("island")), replicate=False)
+        except (ValueError, TypeError) as exc:
+            state.malformed["registry"] += 1
+            log.warning("refused a replicated engine entry", extra={"engine": engine_id[:200], "reason": str(exc)})
+            return
+        router.set_engine_state(engine_id, settings, replicate=False)
 
     def on_dispatch(engine_id: str, own_key: int, expires_at: float) -> None:
         router.planner.cache.record_remote_dispatch(engine_id, own_key, trio.current_time(),

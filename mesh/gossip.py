@@ -20,7 +20,6 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 import trio
 from prometheus_client import Counter as PromCounter
@@ -28,43 +27,30 @@ from prometheus_client import Gauge
 
 from mesh.auth import AuthError, MeshAuth, load_secret
 from mesh.seeds import RedisSeedRegistry, format_hostport, parse_hostport, parse_seeds, run_seed_registry
-from mesh.swim import MalformedMessage, Member, MemberEvent, Record, State, Swim, SwimConfig
+from mesh.settings import MeshSettings
+from mesh.swim import MalformedMessage, Member, MemberEvent, Record, State, Swim
 
 log = logging.getLogger(__name__)
 
 GOSSIP_DOMAIN = "gossip"
 MAX_DATAGRAM = 65_507
 LEAVE_COPIES = 2
+MAX_ADDR_CACHE = 4096
+"""Parsed gossip addresses kept; members come and go with new addresses, so the cache is bounded."""
 
 MEMBERS = Gauge("kvmesh_mesh_members", "Peers in this replica's membership view by state", ["state"])
 PACKETS = PromCounter("kvmesh_mesh_gossip_packets_total", "Gossip datagrams by outcome", ["outcome"])
 
 
-@dataclass(frozen=True, slots=True)
-class MeshConfig:
-    """Everything a replica needs to join the mesh (the CLI's --mesh-bind/--seeds/--mesh-secret-file)."""
-
-    secret: bytes
-    name: str = "router"
-    bind: str = "127.0.0.1:7946"
-    advertise: str | None = None
-    seeds: tuple[str, ...] = ()
-    replication_addr: str = ""
-    http_addr: str = ""
-    island: str = ""
-    cluster: str = "kvmesh"
-    redis_url: str | None = None
-    redis_seed_ttl: float = 10.0
-    swim: SwimConfig = field(default_factory=SwimConfig)
-
-
 class Membership:
     """One replica's live view of the mesh, kept current by SWIM gossip over authenticated UDP."""
 
-    def __init__(self, config: MeshConfig, member_id: str | None = None) -> None:
+    def __init__(self, config: MeshSettings, member_id: str | None = None, replication_addr: str = "") -> None:
         """``member_id`` lets a caller that must know the id before joining (the replicated document
-        is keyed by it) choose it; by default it is the name plus a random suffix, unique per start."""
+        is keyed by it) choose it; by default it is the name plus a random suffix, unique per start.
+        ``replication_addr`` is what the replica advertises for its replication channel."""
         self.config = config
+        self.replication_addr = replication_addr
         self.member_id = member_id or f"{config.name}-{secrets.token_hex(4)}"
         self.stats: Counter[str] = Counter()
         self._auth = MeshAuth(config.secret, self.member_id, domain=GOSSIP_DOMAIN)
@@ -128,7 +114,7 @@ class Membership:
             advertise = cfg.advertise or format_hostport(host, bound_port)
             if parse_hostport(advertise)[0] in ("0.0.0.0", "::"):
                 raise ValueError("binding a wildcard address needs an explicit advertise address")
-            me = Member(self.member_id, advertise, cfg.replication_addr, cfg.http_addr, cfg.island)
+            me = Member(self.member_id, advertise, self.replication_addr, cfg.http_addr, cfg.island)
             self._sock = sock
             self._swim = Swim(me, cfg.swim, random.Random(), now=trio.current_time())
             self._swim.set_seeds(cfg.seeds)
@@ -138,7 +124,8 @@ class Membership:
                     nursery.start_soon(self._receive_loop)
                     nursery.start_soon(self._timer_loop)
                     if cfg.redis_url:
-                        registry = RedisSeedRegistry(cfg.redis_url, cfg.cluster, me.id, cfg.redis_seed_ttl)
+                        registry = RedisSeedRegistry(cfg.redis_url, cfg.cluster, me.id, cfg.redis_seed_ttl,
+                                                     secret=cfg.secret)
                         await nursery.start(
                             run_seed_registry, registry, advertise, self._use_discovered_seeds, self.stats
                         )
@@ -227,11 +214,13 @@ class Membership:
         if self._blocked and (addr in self._blocked or self._member_id_at(addr) in self._blocked):
             self._count("blocked")
             return
-        packet = self._auth.seal(kind, payload, time.time())
+        packet = self._auth.seal(kind, payload, time.time(), recipient=self._recipient_at(addr))
         if len(packet) > MAX_DATAGRAM:
             self._count("oversize")
             return
         try:
+            if len(self._addr_cache) > MAX_ADDR_CACHE:
+                self._addr_cache.clear()
             target = self._addr_cache.get(addr) or self._addr_cache.setdefault(addr, parse_hostport(addr))
             async with self._send_lock:
                 assert self._sock is not None
@@ -241,6 +230,12 @@ class Membership:
             log.debug("gossip send to %s failed: %s", addr, exc)
             return
         self._count("sent")
+
+    def _recipient_at(self, addr: str) -> str | None:
+        """The live member at ``addr``, whom the packet is sealed for (a copy replayed to another member then
+        fails); None for a seed not known yet, or when a restarted member may answer there under a new id."""
+        live = [m.id for m in self._running_swim().live_members() if m.gossip_addr == addr]
+        return live[0] if len(live) == 1 else None
 
     def _member_id_at(self, addr: str) -> str | None:
         for member_id, record in self._running_swim().records().items():
@@ -289,8 +284,8 @@ def _emit(**fields: object) -> None:
     print(json.dumps(fields), flush=True)
 
 
-async def _serve(config: MeshConfig, duration: float) -> None:
-    membership = Membership(config)
+async def _serve(config: MeshSettings, replication_addr: str, duration: float) -> None:
+    membership = Membership(config, replication_addr=replication_addr)
     async with trio.open_nursery() as nursery:
         await nursery.start(membership.run)
         me = membership.self_member
@@ -315,20 +310,19 @@ async def _serve(config: MeshConfig, duration: float) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m mesh.gossip`` (and a possible ``kvmesh mesh-member`` subcommand)."""
     args = _parser().parse_args(argv)
-    config = MeshConfig(
+    config = MeshSettings(
         secret=load_secret(args.mesh_secret_file),
         name=args.name,
         bind=args.mesh_bind,
         advertise=args.advertise,
         seeds=tuple(args.seeds),
-        replication_addr=args.replication_addr,
         http_addr=args.http_addr,
         island=args.island,
         cluster=args.cluster,
         redis_url=args.redis_url,
         redis_seed_ttl=args.redis_seed_ttl,
     )
-    trio.run(_serve, config, args.duration)
+    trio.run(_serve, config, args.replication_addr, args.duration)
     return 0
 
 

@@ -22,59 +22,29 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
 from mesh.auth import load_secret
 from mesh.crdt_doc import Change, Op, ReplicatedDoc
-from mesh.gossip import Membership, MeshConfig
+from mesh.gossip import Membership
 from mesh.seeds import format_hostport, parse_hostport, parse_seeds
+from mesh.settings import MeshSettings
 from mesh.snapshots import RedisSnapshotStore, SnapshotWriter, load_into
-from mesh.swim import MemberEvent, State, SwimConfig
+from mesh.swim import MemberEvent, State
 from mesh.sync import SyncService
 from mesh.sync_protocol import StateProvider, SyncProtocol
 
 log = logging.getLogger(__name__)
 
-WILDCARDS = ("0.0.0.0", "::")
 FINAL_SNAPSHOT_TIMEOUT_S = 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class MeshNodeSettings:
-    """What a replica needs to join the mesh; addresses are ``host:port`` (port 0 = any free port)."""
-
-    secret: bytes
-    name: str = "router"
-    bind: str = "127.0.0.1:7946"
-    advertise: str | None = None
-    seeds: tuple[str, ...] = ()
-    replication_bind: str = "127.0.0.1:0"
-    http_addr: str = ""
-    island: str = ""
-    cluster: str = "kvmesh"
-    redis_url: str | None = None
-    snapshot_interval: float = 5.0
-    anti_entropy_interval: float = 1.0
-    swim: SwimConfig = field(default_factory=SwimConfig)
-
-    def validate(self) -> None:
-        for name in ("snapshot_interval", "anti_entropy_interval"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
-        for bind in (self.bind, self.replication_bind):
-            if parse_hostport(bind)[0] in WILDCARDS and not self.advertise:
-                raise ValueError(f"binding the wildcard address {bind} needs an explicit advertise address")
-        for seed in self.seeds:
-            parse_hostport(seed)
 
 
 class MeshNode:
     """Membership + replicated document + state transfer for one replica (see the module docstring)."""
 
-    def __init__(self, settings: MeshNodeSettings, namespaces: Iterable[str]) -> None:
+    def __init__(self, settings: MeshSettings, namespaces: Iterable[str]) -> None:
         settings.validate()
         self.settings = settings
         self.member_id = f"{settings.name}-{secrets.token_hex(4)}"
@@ -95,7 +65,7 @@ class MeshNode:
         """Start everything, report ``self`` once gossip and replication listen, serve until cancelled
         or :meth:`leave`."""
         s = self.settings
-        snapshot_store = RedisSnapshotStore(s.redis_url, s.cluster) if s.redis_url else None
+        snapshot_store = RedisSnapshotStore(s.redis_url, s.cluster, secret=s.secret) if s.redis_url else None
         try:
             if snapshot_store is not None:
                 await load_into(snapshot_store, self.protocol, self.stats)
@@ -113,7 +83,8 @@ class MeshNode:
                     load_source=lambda: None if self._load_source is None else self._load_source(),
                 )
                 replication_port = await nursery.start(self.replication.run)
-                membership = Membership(self._mesh_config(replication_port), member_id=self.member_id)
+                membership = Membership(s, member_id=self.member_id,
+                                        replication_addr=self._replication_addr(replication_port))
                 events = membership.subscribe()
                 self._membership = await nursery.start(membership.run)
                 if snapshot_store is not None:
@@ -129,22 +100,10 @@ class MeshNode:
             if snapshot_store is not None:
                 snapshot_store.close()
 
-    def _mesh_config(self, replication_port: int) -> MeshConfig:
+    def _replication_addr(self, replication_port: int) -> str:
         s = self.settings
         host = parse_hostport(s.advertise)[0] if s.advertise else parse_hostport(s.replication_bind)[0]
-        return MeshConfig(
-            secret=s.secret,
-            name=s.name,
-            bind=s.bind,
-            advertise=s.advertise,
-            seeds=tuple(s.seeds),
-            replication_addr=format_hostport(host, replication_port),
-            http_addr=s.http_addr,
-            island=s.island,
-            cluster=s.cluster,
-            redis_url=s.redis_url,
-            swim=s.swim,
-        )
+        return format_hostport(host, replication_port)
 
     async def leave(self) -> None:
         """Graceful leave: a last snapshot if this replica writes them, tell the peers, then stop."""
@@ -365,7 +324,7 @@ def _emit(**fields: object) -> None:
     print(json.dumps(fields), flush=True)
 
 
-async def _serve(settings: MeshNodeSettings, duration: float) -> None:
+async def _serve(settings: MeshSettings, duration: float) -> None:
     node = MeshNode(settings, namespaces=())
     async with trio.open_nursery() as nursery:
         await nursery.start(node.run)
@@ -389,7 +348,7 @@ async def _serve(settings: MeshNodeSettings, duration: float) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m mesh.node`` (and a possible ``kvmesh mesh-node`` subcommand)."""
     args = _parser().parse_args(argv)
-    settings = MeshNodeSettings(
+    settings = MeshSettings(
         secret=load_secret(args.mesh_secret_file),
         name=args.name,
         bind=args.mesh_bind,

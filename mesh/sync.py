@@ -92,7 +92,7 @@ class SyncService:
     ) -> None:
         self.protocol = protocol
         self.replica_id = protocol.doc.replica_id
-        self.auth = MeshAuth(secret, self.replica_id, domain=DOMAIN)
+        self.auth = MeshAuth(secret, self.replica_id, domain=DOMAIN, require_recipient=True)
         self.counters: Counter[str] = Counter()
         self.port: int | None = None
         self.last_heard: dict[str, float] = {}
@@ -128,9 +128,10 @@ class SyncService:
                 nursery.start_soon(self._load_loop, self._load_source)
             task_status.started(self.port)
 
-    def _sealed(self, packet: bytes) -> bytes | None:
-        """The packet sealed for sending, or None (counted) when a receiver would refuse its size."""
-        sealed = self.auth.seal(FRAME_KIND, packet, self._wall_clock())
+    def _sealed(self, packet: bytes, recipient: str | None) -> bytes | None:
+        """The packet sealed for ``recipient`` (a copy replayed to another replica fails there), or None
+        (counted) when a receiver would refuse its size."""
+        sealed = self.auth.seal(FRAME_KIND, packet, self._wall_clock(), recipient=recipient)
         if len(sealed) > MAX_PACKET_BYTES:
             self.counters["dropped_oversized"] += 1
             return None
@@ -141,13 +142,12 @@ class SyncService:
 
     def send_to_all(self, packet: bytes) -> set[str]:
         """Queue ``packet`` on every outbound connection; returns the peers it was queued for."""
-        sealed: bytes | None = None
         queued = set()
         for peer_id, conn in self._outbound.items():
             if self._drop(peer_id):
                 self.counters["dropped_by_filter"] += 1
                 continue
-            sealed = sealed or self._sealed(packet)
+            sealed = self._sealed(packet, peer_id)
             if sealed is None:
                 return queued
             if conn.send(sealed):
@@ -160,7 +160,7 @@ class SyncService:
         if conn.peer_id is not None and self._drop(conn.peer_id):
             self.counters["dropped_by_filter"] += 1
             return
-        sealed = self._sealed(packet)
+        sealed = self._sealed(packet, conn.peer_id)
         if sealed is not None and not conn.send(sealed):
             self.counters["dropped_queue_full"] += 1
 

@@ -79,3 +79,24 @@ def test_an_engine_announcing_more_blocks_than_its_cache_holds_is_bounded_and_co
     assert f.freshness.lost_batches == 1
     f.on_live(live(limit + 1, 5), 1.0)
     assert view.store.block_count("e") == 1
+
+
+async def test_a_subscriber_that_hits_an_unexpected_error_is_restarted_not_fatal(monkeypatch, autojump_clock):
+    """Whatever a publisher's frames make the feed raise, the engine's ingest restarts after a backoff."""
+    import trio
+
+    from events.discovery import EventSource
+    from gateway import event_ingest
+
+    calls = []
+
+    async def exploding(feed, source):
+        calls.append(trio.current_time())
+        raise KeyError("a bug a frame found")
+
+    monkeypatch.setattr(event_ingest, "run_subscriber", exploding)
+    f = feed()
+    with trio.move_on_after(10.0):
+        await event_ingest._supervised(f, EventSource("tcp://127.0.0.1:1", None, "kv"))
+    assert [round(t - calls[0], 2) for t in calls] == [0.0, 0.5, 1.5, 3.5, 7.5]  # backing off
+    assert f.freshness.lost_batches == len(calls)

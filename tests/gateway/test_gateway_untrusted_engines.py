@@ -86,17 +86,21 @@ async def test_router_keeps_serving_next_to_engines_that_answer_garbage():
         nursery.cancel_scope.cancel()
 
 
-async def test_a_watcher_survives_a_url_the_pool_cannot_encode():
-    """Registered around the registry's check: building the Host header raises UnicodeEncodeError in the
-    health loop; it is caught, counted, the engine stays out of rotation, and the watcher keeps retrying."""
+async def test_a_watcher_survives_an_exception_nobody_expected():
+    """A pool that raises what no upstream error is (UnicodeEncodeError, as a non-ASCII URL once did while
+    building the Host header): caught, counted, the engine stays out of rotation, the watcher retries."""
 
     class Planner:
         reads_events = True
 
+    class ExplodingPool(EnginePool):
+        async def get(self, *args, **kwargs):
+            raise UnicodeEncodeError("ascii", "\u00fc", 0, 1, "ordinal not in range(128)")
+
     async with trio.open_nursery() as nursery:
         port = await nursery.start(serve_canned, HEALTHY)
-        url = f"http://\u00fc@127.0.0.1:{port}"
-        engine = EngineState("bad-url", EngineConfig(url=url), EnginePool(url))
+        url = f"http://127.0.0.1:{port}"
+        engine = EngineState("bad-url", EngineConfig(url=url), ExplodingPool(url))
         with trio.move_on_after(1.0):
             await watch_engine(engine, Planner(), ingest=None, interval_s=0.05)
         nursery.cancel_scope.cancel()

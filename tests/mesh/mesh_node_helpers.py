@@ -9,12 +9,13 @@ from dataclasses import dataclass
 import trio
 
 from gateway.mesh_state import NAMESPACES, MeshState
-from mesh.node import MeshNode, MeshNodeSettings
+from mesh.node import MeshNode
+from mesh.settings import MeshSettings
 
 SECRET = b"node-test-secret-0123456789"
 
 
-def settings(name: str, seeds: tuple[str, ...] = (), **overrides: object) -> MeshNodeSettings:
+def settings(name: str, seeds: tuple[str, ...] = (), **overrides: object) -> MeshSettings:
     values: dict = {
         "secret": SECRET,
         "name": name,
@@ -23,7 +24,7 @@ def settings(name: str, seeds: tuple[str, ...] = (), **overrides: object) -> Mes
         "anti_entropy_interval": 0.3,
     }
     values.update(overrides)
-    return MeshNodeSettings(**values)
+    return MeshSettings(**values)
 
 
 @dataclass
@@ -51,7 +52,7 @@ async def _host(node: MeshNode, *, task_status: trio.TaskStatus[trio.CancelScope
             task_status.started(scope)
 
 
-async def start_node(nursery: trio.Nursery, node_settings: MeshNodeSettings) -> Running:
+async def start_node(nursery: trio.Nursery, node_settings: MeshSettings) -> Running:
     node = MeshNode(node_settings, NAMESPACES)
     state = MeshState(node)
     scope = await nursery.start(_host, node)

@@ -8,8 +8,7 @@ import math
 import pytest
 
 from mesh.auth import PUBLIC_EXAMPLE_SECRETS, AuthError, MeshAuth, load_secret
-from mesh.gossip import MeshConfig
-from mesh.node import MeshNodeSettings
+from mesh.settings import MeshSettings
 
 SECRET = b"correct horse battery staple"
 
@@ -48,7 +47,7 @@ def test_the_secret_never_shows_in_a_repr(tmp_path):
     path.write_text("0123456789abcdef0123456789abcdef\n")
     secret = load_secret(path)
     assert secret == b"0123456789abcdef0123456789abcdef"
-    for holder in (secret, MeshNodeSettings(secret=secret), MeshConfig(secret=secret)):
+    for holder in (secret, MeshSettings(secret=secret)):
         assert "0123456789abcdef" not in repr(holder) and "0123456789abcdef" not in str(holder)
     packet = MeshAuth(secret, "s", domain="gossip").seal(1, {"ok": True}, 1.0)
     assert MeshAuth(bytes(secret), "r", domain="gossip").open(packet, 1.0).payload == {"ok": True}

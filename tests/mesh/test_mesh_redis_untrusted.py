@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import redis
 import trio
-from index.replicated import ReplicatedIndex
+from doc_replica import Replica
 
 from mesh.crdt_doc import Epoch
 from mesh.seeds import RedisSeedRegistry, SeedRejected, open_entry, run_seed_registry, seal_entry
@@ -33,7 +33,7 @@ def stored(fields: dict[str, bytes]) -> dict[bytes, bytes]:
 
 
 def sealed_snapshot(key: str = KEY, secret: bytes = SECRET, **changes: bytes) -> dict[bytes, bytes]:
-    index = ReplicatedIndex("a")
+    index = Replica("a")
     index.store("engine-1", [(1, 7)])
     fields = Snapshot.of(index.doc, 123.0).to_fields()
     fields["mac"] = seal_fields(secret, key, fields)
@@ -84,17 +84,17 @@ class FakeStore:
 
 async def test_a_rejected_snapshot_is_counted_and_the_replica_starts_cold():
     stats: Counter[str] = Counter()
-    protocol = SyncProtocol(ReplicatedIndex("b").doc)
+    protocol = SyncProtocol(Replica("b").doc)
     assert not await load_into(FakeStore(SnapshotRejected("mac", "forged")), protocol, stats)
     assert stats["snapshot_rejected_mac"] == 1 and stats["snapshot_rejected"] == 1
 
 
 async def test_a_snapshot_whose_content_breaks_an_observer_is_ignored_not_raised():
     """A nested registry value raises RecursionError in the node's document observer while it loads."""
-    source = ReplicatedIndex("a")
+    source = Replica("a")
     source.set_registry("engine-1", {"url": "http://e:8000"})
     snapshot = Snapshot.of(source.doc, 1.0)
-    target = ReplicatedIndex("b")
+    target = Replica("b")
     target.doc.subscribe(lambda changes: json.loads("[" * 100_000))
     stats: Counter[str] = Counter()
     assert not await load_into(FakeStore(snapshot), SyncProtocol(target.doc), stats)
@@ -165,16 +165,16 @@ def test_sealed_registry_skips_foreign_and_non_utf8_entries_in_a_real_redis(redi
 async def test_sealed_snapshots_round_trip_through_a_real_redis_and_forgeries_start_cold(redis_server):
     url, _ = redis_server
     store = RedisSnapshotStore(url, "c1", secret=SECRET)
-    source = ReplicatedIndex("a")
+    source = Replica("a")
     source.store("engine-1", [(1, 7), (2, 9)])
     store.save(Snapshot.of(source.doc, 5.0))
-    fresh = ReplicatedIndex("b")
+    fresh = Replica("b")
     assert await load_into(store, SyncProtocol(fresh.doc), Counter())
     assert fresh.pairs("engine-1") == source.pairs("engine-1")
     client = redis.Redis.from_url(url)
     client.hset(store.key, "epoch_number", str(2**64))
     client.close()
     stats: Counter[str] = Counter()
-    assert not await load_into(store, SyncProtocol(ReplicatedIndex("c").doc), stats)
+    assert not await load_into(store, SyncProtocol(Replica("c").doc), stats)
     assert stats["snapshot_rejected_mac"] == 1
     store.close()

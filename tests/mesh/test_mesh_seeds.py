@@ -9,8 +9,9 @@ import pytest
 import redis
 import trio
 
-from mesh.gossip import Membership, MeshConfig
+from mesh.gossip import Membership
 from mesh.seeds import RedisSeedRegistry, parse_hostport, parse_seeds
+from mesh.settings import MeshSettings
 
 SECRET = b"seed-test-secret-0123456789"
 
@@ -55,7 +56,7 @@ async def test_members_find_each_other_through_redis_and_survive_its_death(redis
     async with trio.open_nursery() as nursery:
         members = []
         for i in range(3):
-            config = MeshConfig(
+            config = MeshSettings(
                 secret=SECRET, name=f"r{i}", bind="127.0.0.1:0", redis_url=url, redis_seed_ttl=0.6
             )
             members.append(await nursery.start(Membership(config).run))

@@ -7,7 +7,8 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from mesh.gossip import Membership, MeshConfig
+from mesh.gossip import Membership
+from mesh.settings import MeshSettings
 from mesh.swim import State
 
 SECRET = b"test-secret-for-the-mesh-0123456789"
@@ -22,11 +23,11 @@ async def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None
 @asynccontextmanager
 async def mesh(n: int, secret: bytes = SECRET):
     async with trio.open_nursery() as nursery:
-        first = await nursery.start(Membership(MeshConfig(secret=SECRET, name="m0", bind="127.0.0.1:0")).run)
+        first = await nursery.start(Membership(MeshSettings(secret=SECRET, name="m0", bind="127.0.0.1:0")).run)
         seed = (first.self_member.gossip_addr,)
         members = [first]
         for i in range(1, n):
-            config = MeshConfig(secret=secret, name=f"m{i}", bind="127.0.0.1:0", seeds=seed, island=f"i{i}")
+            config = MeshSettings(secret=secret, name=f"m{i}", bind="127.0.0.1:0", seeds=seed, island=f"i{i}")
             members.append(await nursery.start(Membership(config).run))
         yield members
         nursery.cancel_scope.cancel()
@@ -84,7 +85,7 @@ async def test_wrong_secret_member_is_never_admitted_and_its_packets_are_counted
     async with mesh(2) as members, trio.open_nursery() as nursery:
         await wait_for(lambda: all(view(m) == ids(members) for m in members))
         seeds = tuple(m.self_member.gossip_addr for m in members)
-        config = MeshConfig(
+        config = MeshSettings(
             secret=b"a-different-secret-0123456789", name="intruder", bind="127.0.0.1:0", seeds=seeds
         )
         intruder = await nursery.start(Membership(config).run)
