@@ -5,7 +5,6 @@ Everything here is for operators and the chaos suite; none of it is on the reque
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -14,11 +13,13 @@ import xxhash
 from gateway import http_app
 from gateway.config import ConfigError, EngineConfig, _build
 from gateway.openai_errors import ApiError
+from gateway.request_body import load_json_object
 
 if TYPE_CHECKING:
     from gateway.router import Router
 
 ADMIN_STATE_KEYS = ("draining", "maintenance", "island", "zone")
+ADMIN_BODY_BYTES = 1024 * 1024
 
 
 def index_digest(pairs: dict[int, int]) -> str:
@@ -67,14 +68,9 @@ def index_report(router: Router) -> dict[str, Any]:
 
 
 async def _json_body(router: Router, scope: dict, receive) -> dict[str, Any]:
-    raw = await http_app.read_body(scope, receive, 1024 * 1024)
-    try:
-        body = json.loads(raw or b"{}")
-    except json.JSONDecodeError as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object")
-    return body
+    """The admin body: a JSON object within the router's limits (an empty body is an empty object)."""
+    raw = await http_app.read_body(scope, receive, ADMIN_BODY_BYTES)
+    return load_json_object(raw, router.config.limits) if raw.strip() else {}
 
 
 async def handle_admin(router: Router, method: str, path: str, scope: dict, receive, send) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 from typing import Any
@@ -20,13 +21,19 @@ from gateway.mesh_link import build_mesh_node, follow_mesh, registry_state
 from gateway.metrics import RouterMetrics
 from gateway.openai_errors import ApiError
 from gateway.proxy import Attempt, Exchange, Timeouts, forward
-from gateway.request_body import Kind, debug_route_kind, parse_request
+from gateway.request_body import Kind, check_body_headers, parse_request
 from gateway.route_planner import RoutePlanner
 
 log = logging.getLogger("kvmesh.router")
 
 INFERENCE_PATHS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
-FORWARDED_HEADERS = ("content-type", "accept", "x-request-id", "traceparent")
+ROUTE_LABELS = frozenset({*INFERENCE_PATHS, "/v1/models", "/debug/route"})
+FORWARDED_HEADERS = ("content-type", "accept", "traceparent")
+"""Client headers passed on to the engine; ``x-request-id`` is sent once, as the router's request id."""
+_VISIBLE_ASCII = re.compile(r"[\x21-\x7e]{1,128}")
+_HEADER_VALUE = re.compile(r"[\x21-\x7e](?:[\x20-\x7e\t]{0,4094}[\x21-\x7e])?")
+"""What h11 can send: visible ASCII with inner spaces. Client headers are decoded as latin-1 and may hold
+anything else, which would fail the upstream request."""
 
 
 class Router:
@@ -141,15 +148,22 @@ class Router:
             return
         path, method = scope["path"], scope["method"]
         started = time.perf_counter()
+        response = _Response(send)
         status = 500
         try:
-            status = await self._dispatch(path, method, scope, receive, send)
+            status = await self._dispatch(path, method, scope, receive, response.send)
         except ApiError as error:
             status = error.status
             if error.status != 499:
-                await http_app.send_error(send, error)
+                await response.fail(error)
+        except Exception:
+            # The last resort: a bug must cost one request a 500 in OpenAI's shape, never the connection.
+            status = 500
+            self.metrics.internal_errors.labels(endpoint_label(path)).inc()
+            log.exception("internal error", extra={"method": method, "path": path[:200]})
+            await response.fail(ApiError(500, "internal error in the router", code="internal_error"))
         finally:
-            endpoint = path if path in INFERENCE_PATHS or path.startswith(("/v1/", "/debug/")) else "other"
+            endpoint = endpoint_label(path)
             self.metrics.requests.labels(endpoint, str(status)).inc()
             self.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
 
@@ -164,8 +178,7 @@ class Router:
             _require(method, "POST")
             headers = dict(_headers(scope))
             tenant = self.gate.tenant(headers)
-            raw = await http_app.read_body(scope, receive, self.config.max_body_bytes)
-            parsed = self.gate.isolate(tenant, parse_request(raw, debug_route_kind(raw)))
+            parsed = self.gate.isolate(tenant, await self._read_request(None, scope, receive, headers))
             plan = await self.planner.plan(parsed, headers)
             await http_app.send_json(send, 200, plan.explain())
             return 200
@@ -198,16 +211,20 @@ class Router:
             tracing.record_error(span, status, "upstream failed")
             return status
 
+    async def _read_request(self, kind: Kind | None, scope: dict, receive, headers: dict[str, str]):
+        check_body_headers(headers)
+        raw = await http_app.read_body(scope, receive, self.config.max_body_bytes)
+        return parse_request(raw, kind, self.config.limits)
+
     async def _serve_inference(self, kind: Kind, scope: dict, receive, send, headers: dict[str, str], span) -> int:
         if self.shutting_down:
             raise ApiError(503, "router is shutting down", code="shutting_down")
         with tracing.step("parse"):
             tenant = self.gate.tenant(headers)
-            raw = await http_app.read_body(scope, receive, self.config.max_body_bytes)
-            parsed = self.gate.isolate(tenant, parse_request(raw, kind))
+            parsed = self.gate.isolate(tenant, await self._read_request(kind, scope, receive, headers))
             priority = self.gate.priority(tenant, headers)
         tracing.name_request(span, kind, parsed.model, parsed.max_tokens, tenant.name)
-        request_id = headers.get("x-request-id") or uuid.uuid4().hex[:16]
+        request_id = request_id_of(headers)
         self.active_requests += 1
         try:
             self.gate.precheck(tenant, priority, self.engines.for_model(parsed.model))
@@ -215,8 +232,7 @@ class Router:
             span.set_attribute("gen_ai.usage.input_tokens", plan.prompt_tokens)
             self.gate.admit(tenant, priority, parsed, plan.prompt_tokens, plan.engines)
             self.planner.dispatched(plan)
-            upstream_headers = [(k, v) for k, v in headers.items() if k in FORWARDED_HEADERS]
-            upstream_headers.append(("x-request-id", request_id))
+            upstream_headers = [*forwarded_headers(headers), ("x-request-id", request_id)]
 
             def route_header(engine: EngineState, attempts: list[Attempt]) -> list[tuple[bytes, bytes]]:
                 value = plan.header(engine.id, len(attempts))
@@ -242,6 +258,48 @@ class Router:
             return result.status
         finally:
             self.active_requests -= 1
+
+
+class _Response:
+    """ASGI ``send`` that remembers how far the response got, so an error never sends a second head."""
+
+    def __init__(self, send: http_app.Send) -> None:
+        self._send = send
+        self.started = False
+        self.finished = False
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.finished = True
+        await self._send(message)
+
+    async def fail(self, error: ApiError) -> None:
+        """Answer ``error``; after the head went out, only end the body. A client already gone is ignored."""
+        try:
+            if not self.started:
+                await http_app.send_error(self.send, error)
+            elif not self.finished:
+                await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+
+def endpoint_label(path: str) -> str:
+    """The metric label of a path: a known route, else "other" (raw paths would grow /metrics without bound)."""
+    return path if path in ROUTE_LABELS else "other"
+
+
+def request_id_of(headers: dict[str, str]) -> str:
+    """The client's ``x-request-id`` when it is a plain token, else a fresh one (it is echoed and logged)."""
+    value = headers.get("x-request-id", "")
+    return value if _VISIBLE_ASCII.fullmatch(value) else uuid.uuid4().hex[:16]
+
+
+def forwarded_headers(headers: dict[str, str]) -> list[tuple[str, str]]:
+    """The client headers the engine gets; values h11 cannot send are dropped."""
+    return [(k, v) for k, v in headers.items() if k in FORWARDED_HEADERS and _HEADER_VALUE.fullmatch(v)]
 
 
 async def _forward_until_disconnect(receive: http_app.Receive, send: http_app.Send, proxying):
