@@ -37,7 +37,7 @@ async def read_body(scope: dict[str, Any], receive: Receive, limit: int) -> byte
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise ApiError(499, "client disconnected")
+            raise ApiError(499, "client disconnected", code="client_disconnected")
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:

@@ -40,11 +40,16 @@ class ApiError(Exception):
         return out
 
 
+def error_type(status: int) -> str:
+    """OpenAI's ``error.type`` for a status."""
+    return _TYPES.get(status, "invalid_request_error")
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> bytes:
     payload = {
         "error": {
             "message": message,
-            "type": _TYPES.get(status, "invalid_request_error"),
+            "type": error_type(status),
             "param": param,
             "code": code if code is not None else status,
         }
