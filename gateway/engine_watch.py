@@ -37,7 +37,11 @@ class Discovery:
         if status != 200:
             raise UpstreamError(f"/v1/models answered {status}")
         data = json.loads(body).get("data", [])
-        return {m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)}
+        cards = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+        lengths = [m.get("max_model_len") for m in cards]
+        if lengths and all(type(n) is int and n > 0 for n in lengths):
+            self.engine.max_model_len = max(lengths)
+        return {m["id"] for m in cards}
 
     async def event_sources(self) -> list[EventSource]:
         config = self.engine.config

@@ -26,7 +26,7 @@ from index.block_hash import chain, root_seed
 from index.prefix_index import PrefixIndex
 from index.store import BlockStore
 from index.view import CacheView
-from tokenization.messages import RenderError
+from tokenization.messages import TEXT_PART_KEYS, RenderError
 from tokenization.registry import DEFAULT_TOKENIZER_DIR, TokenizerRegistry
 from tokenization.service import TokenizerService
 
@@ -65,6 +65,37 @@ def _text_of(content: Any) -> str:
     if isinstance(content, list):
         return "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
     return ""
+
+
+def _content_chars(content: Any) -> int:
+    if isinstance(content, str):
+        return len(content)
+    total = 0
+    for part in content if isinstance(content, list) else ():
+        if isinstance(part, str):
+            total += len(part)
+        elif isinstance(part, dict) and isinstance(part.get("type"), str):
+            text = part.get(TEXT_PART_KEYS.get(part["type"], "text"))
+            total += len(text) if isinstance(text, str) else 0
+    return total
+
+
+def prompt_size(parsed: ParsedRequest) -> tuple[int, int]:
+    """(text characters, token ids) of the request's longest prompt, read without rendering or encoding.
+
+    A chat prompt is counted as its messages' text: templates add to it (the few that drop earlier
+    reasoning drop far less than the slack of the bound this feeds)."""
+    if parsed.kind == "chat":
+        messages = parsed.body.get("messages", [])
+        return sum(_content_chars(m.get("content")) for m in messages if isinstance(m, dict)), 0
+    prompt = parsed.body.get("prompt")
+    if isinstance(prompt, str):
+        return len(prompt), 0
+    if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+        return 0, len(prompt)
+    items = prompt if isinstance(prompt, list) else []
+    return (max((len(p) for p in items if isinstance(p, str)), default=0),
+            max((len(p) for p in items if isinstance(p, list)), default=0))
 
 
 def request_prefix_key(parsed: ParsedRequest) -> str:
@@ -121,6 +152,33 @@ class RoutePlanner:
         except RenderError as exc:
             raise ApiError(400, exc.message, param=exc.param) from None
 
+    def _context_length(self, candidates: list[EngineState]) -> int | None:
+        """The largest context any candidate takes; None when one of them has no known length."""
+        lengths = [e.max_model_len or self.config.limits.max_model_len for e in candidates]
+        return max(lengths) if lengths and all(lengths) else None
+
+    def refuse_overlength(self, parsed: ParsedRequest, candidates: list[EngineState]) -> None:
+        """Refuse (400) a prompt that cannot fit any candidate's context, before tokenizing it.
+
+        No token covers more characters than the tokenizer's longest vocabulary entry, so a prompt of N
+        characters has at least N / longest tokens: a 1 MB prompt is refused in microseconds instead of
+        seconds of encoding. The bound never refuses a prompt the engine would take; prompts between it and
+        the context are refused by the engine. ``truncate_prompt_tokens`` makes any length fit."""
+        context = self._context_length(candidates)
+        if context is None or parsed.body.get("truncate_prompt_tokens") not in (None, -1):
+            return
+        chars, ids = prompt_size(parsed)
+        assert self.tokenizers is not None
+        try:
+            longest = self.tokenizers.longest_token(parsed.model)
+        except RenderError as exc:
+            raise ApiError(400, exc.message, param=exc.param) from None
+        fewest = max(ids, -(-chars // longest))
+        if fewest > context:
+            raise ApiError(400, f"This model's maximum context length is {context} tokens. However, your request "
+                           f"has at least {fewest} input tokens. Please reduce the length of the input.",
+                           param="messages" if parsed.kind == "chat" else "prompt", code="context_length_exceeded")
+
     def _chains(self, parsed: ParsedRequest, token_ids: list[int], engine_ids: list[str]) -> dict[int, list[int]]:
         seed = root_seed(parsed.model, None, parsed.cache_salt)
         return {size: chain(token_ids, size, seed) for size in self.cache.block_sizes(engine_ids)}
@@ -137,6 +195,7 @@ class RoutePlanner:
         now = trio.current_time()
         if self.policy.name in CACHE_POLICIES:
             with tracing.step("tokenize") as span:
+                self.refuse_overlength(parsed, candidates)
                 token_ids = await self._token_ids(parsed)
                 chains = self._chains(parsed, token_ids, ids)
                 span.set_attribute("gen_ai.usage.input_tokens", len(token_ids))

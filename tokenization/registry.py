@@ -67,6 +67,9 @@ class LoadedTokenizer:
     spec: str
     hf: PreTrainedTokenizerBase
     plan: SegmentPlan
+    longest_token: int
+    """Characters in the longest vocabulary entry: no token covers more text, so a text of N characters
+    needs at least N / longest_token tokens (byte-level entries hold one character per byte)."""
 
     @classmethod
     def load(cls, spec: str) -> LoadedTokenizer:
@@ -74,7 +77,7 @@ class LoadedTokenizer:
         added = [token.content for token in hf.added_tokens_decoder.values()]
         checked = plan(added, lambda texts: encode_plain(hf, texts),
                        lambda text: hf.encode(text, add_special_tokens=True), _rendered_probes(hf))
-        return cls(spec, hf, checked)
+        return cls(spec, hf, checked, max(map(len, hf.get_vocab()), default=1))
 
 
 class TokenizerRegistry:

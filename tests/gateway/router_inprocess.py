@@ -5,27 +5,37 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 from gateway import router as router_module
 from gateway.config import EngineConfig, RouterConfig
 from gateway.proxy import Attempt, Exchange, ProxyResult
 from gateway.router import Router
-from tokenization.registry import DEFAULT_TOKENIZER_DIR, load_tokenizer
+from tokenization.registry import DEFAULT_TOKENIZER_DIR, LoadedTokenizer
 from tokenization.render import prompt_token_ids_sync
 
 MODEL = "m"
+
+
+@cache
+def embedded_tokenizer() -> LoadedTokenizer:
+    return LoadedTokenizer.load(str(DEFAULT_TOKENIZER_DIR))
 
 
 class InlineTokenizers:
     """The planner's tokenizer service, encoding on the spot with the embedded tokenizer."""
 
     def __init__(self) -> None:
+        self.tokenizer = embedded_tokenizer()
         self.calls = 0
+
+    def longest_token(self, model: object) -> int:
+        return self.tokenizer.longest_token
 
     async def token_ids(self, model: object, body: dict[str, Any], kind: str) -> list[int]:
         self.calls += 1
-        return prompt_token_ids_sync(load_tokenizer(str(DEFAULT_TOKENIZER_DIR)), body, kind)
+        return prompt_token_ids_sync(self.tokenizer.hf, body, kind)
 
 
 @dataclass
