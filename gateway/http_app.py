@@ -6,8 +6,11 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import trio
+
 from gateway.openai_errors import ApiError
 
+DRAIN_TIMEOUT_S = 5.0
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -45,6 +48,20 @@ async def read_body(scope: dict[str, Any], receive: Receive, limit: int) -> byte
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
+
+
+async def drain_body(receive: Receive, limit: int) -> None:
+    """Read and drop what is left of a refused body, after the answer went out: a server that closes while
+    the client is still writing makes the client see a connection reset instead of the answer. Bounded by
+    bytes and time; past either the connection is closed anyway."""
+    received, more = 0, True
+    with trio.move_on_after(DRAIN_TIMEOUT_S):
+        while more and received <= limit:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            received += len(message.get("body", b""))
+            more = message.get("more_body", False)
 
 
 def header(scope: dict[str, Any], name: bytes) -> str | None:

@@ -158,7 +158,9 @@ class Router:
         except ApiError as error:
             status = error.status
             record.refused(error)
-            if error.status != 499:
+            if error.code == "body_too_large":
+                await response.fail_then_drain(error, receive, 2 * self.config.max_body_bytes)
+            elif error.status != 499:
                 await response.fail(error)
         except Exception:
             # The last resort: a bug must cost one request a 500 in OpenAI's shape, never the connection.
@@ -351,6 +353,18 @@ class _Response:
                 await self.send({"type": "http.response.body", "body": b"", "more_body": False})
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
             pass
+
+    async def fail_then_drain(self, error: ApiError, receive: http_app.Receive, budget: int) -> None:
+        """A refused body: the whole answer goes out at once (its content-length tells the client it is
+        complete), but the exchange ends only once the rest of the body is read. Hypercorn closes a
+        connection whose request is unfinished when the response ends, and a client still writing then
+        sees a reset instead of the answer."""
+        body = error.body()
+        await self.send({"type": "http.response.start", "status": error.status,
+                         "headers": [*error.headers(), (b"content-length", str(len(body)).encode())]})
+        await self.send({"type": "http.response.body", "body": body, "more_body": True})
+        await http_app.drain_body(receive, budget)
+        await self.send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def endpoint_label(path: str) -> str:

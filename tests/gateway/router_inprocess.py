@@ -44,6 +44,8 @@ class Answer:
     headers: dict[str, str]
     body: bytes
     starts: int = 0
+    unread: int = 0
+    """Request body chunks the application never received."""
 
     def json(self) -> Any:
         return json.loads(self.body)
@@ -83,12 +85,16 @@ def make_router(monkeypatch, upstream: StubUpstream | None = None, **config: Any
     return router
 
 
-async def call(app, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None) -> Answer:
-    """One ASGI request; fails the test if the application raises or sends two response heads."""
+async def call(app, method: str, path: str, body: bytes | list[bytes] = b"",
+               headers: dict[str, str] | None = None) -> Answer:
+    """One ASGI request (a list of bodies arrives in chunks); fails the test if the application raises or
+    sends two response heads."""
     given = {"content-type": "application/json"} if headers is None else headers
     scope = {"type": "http", "method": method, "path": path, "query_string": b"",
              "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in given.items()]}
-    messages = [{"type": "http.request", "body": body, "more_body": False}]
+    chunks = body if isinstance(body, list) else [body]
+    messages = [{"type": "http.request", "body": chunk, "more_body": i < len(chunks) - 1}
+                for i, chunk in enumerate(chunks)]
     sent: list[dict[str, Any]] = []
 
     async def receive() -> dict[str, Any]:
@@ -100,9 +106,9 @@ async def call(app, method: str, path: str, body: bytes = b"", headers: dict[str
     await app(scope, receive, send)
     starts = [m for m in sent if m["type"] == "http.response.start"]
     assert len(starts) == 1, f"expected one response head, got {starts}"
-    chunks = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    body_bytes = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     head = {k.decode(): v.decode("latin-1") for k, v in starts[0]["headers"]}
-    return Answer(starts[0]["status"], head, chunks, len(starts))
+    return Answer(starts[0]["status"], head, body_bytes, len(starts), len(messages))
 
 
 def assert_openai_error(answer: Answer, status: int | None = None) -> dict[str, Any]:

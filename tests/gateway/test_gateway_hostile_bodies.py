@@ -282,3 +282,13 @@ async def test_the_admin_body_parser_refuses_hostile_bodies(monkeypatch, raw):
     answer = await call(router, "PATCH", f"/admin/engines/{engine}", raw)
     assert_openai_error(answer, 400)
     assert router.engines.get(engine).draining is False
+
+
+async def test_an_oversized_body_is_answered_then_read_to_its_end(monkeypatch):
+    """The 413 goes out first; the rest of the body is still read, so the client never sees a reset."""
+    router = make_router(monkeypatch, max_body_bytes=1000)
+    answer = await call(router, "POST", CHAT, [b"x" * 600] * 3)
+    assert assert_openai_error(answer, 413)["code"] == "body_too_large"
+    assert answer.unread == 0
+    answer = await call(router, "POST", CHAT, [b"x" * 600] * 10)
+    assert answer.status == 413 and answer.unread > 0  # past twice the limit the connection is given up
