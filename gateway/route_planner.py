@@ -67,35 +67,36 @@ def _text_of(content: Any) -> str:
     return ""
 
 
-def _content_chars(content: Any) -> int:
+def _content_texts(content: Any) -> list[str]:
     if isinstance(content, str):
-        return len(content)
-    total = 0
+        return [content]
+    texts = []
     for part in content if isinstance(content, list) else ():
         if isinstance(part, str):
-            total += len(part)
+            texts.append(part)
         elif isinstance(part, dict) and isinstance(part.get("type"), str):
             text = part.get(TEXT_PART_KEYS.get(part["type"], "text"))
-            total += len(text) if isinstance(text, str) else 0
-    return total
+            if isinstance(text, str):
+                texts.append(text)
+    return texts
 
 
-def prompt_size(parsed: ParsedRequest) -> tuple[int, int]:
-    """(text characters, token ids) of the request's longest prompt, read without rendering or encoding.
+def prompt_texts(parsed: ParsedRequest) -> tuple[list[str], int]:
+    """(texts, token ids) of the request's longest prompt, read without rendering or encoding.
 
     A chat prompt is counted as its messages' text: templates add to it (the few that drop earlier
-    reasoning drop far less than the slack of the bound this feeds)."""
+    reasoning drop far less than the slack of the bounds this feeds)."""
     if parsed.kind == "chat":
         messages = parsed.body.get("messages", [])
-        return sum(_content_chars(m.get("content")) for m in messages if isinstance(m, dict)), 0
+        return [t for m in messages if isinstance(m, dict) for t in _content_texts(m.get("content"))], 0
     prompt = parsed.body.get("prompt")
     if isinstance(prompt, str):
-        return len(prompt), 0
+        return [prompt], 0
     if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
-        return 0, len(prompt)
+        return [], len(prompt)
     items = prompt if isinstance(prompt, list) else []
-    return (max((len(p) for p in items if isinstance(p, str)), default=0),
-            max((len(p) for p in items if isinstance(p, list)), default=0))
+    longest = max((p for p in items if isinstance(p, str)), key=len, default="")
+    return [longest], max((len(p) for p in items if isinstance(p, list)), default=0)
 
 
 def request_prefix_key(parsed: ParsedRequest) -> str:
@@ -160,20 +161,19 @@ class RoutePlanner:
     def refuse_overlength(self, parsed: ParsedRequest, candidates: list[EngineState]) -> None:
         """Refuse (400) a prompt that cannot fit any candidate's context, before tokenizing it.
 
-        No token covers more characters than the tokenizer's longest vocabulary entry, so a prompt of N
-        characters has at least N / longest tokens: a 1 MB prompt is refused in microseconds instead of
-        seconds of encoding. The bound never refuses a prompt the engine would take; prompts between it and
-        the context are refused by the engine. ``truncate_prompt_tokens`` makes any length fit."""
+        The token count is bounded from below by characters and words (``tokenization.bounds``): a 1 MB
+        prompt is refused in milliseconds instead of seconds of encoding. The bound never refuses a prompt
+        the engine would take; prompts between it and the context are refused by the engine.
+        ``truncate_prompt_tokens`` makes any length fit."""
         context = self._context_length(candidates)
         if context is None or parsed.body.get("truncate_prompt_tokens") not in (None, -1):
             return
-        chars, ids = prompt_size(parsed)
+        texts, ids = prompt_texts(parsed)
         assert self.tokenizers is not None
         try:
-            longest = self.tokenizers.longest_token(parsed.model)
+            fewest = max(ids, self.tokenizers.fewest_tokens(parsed.model, texts, context))
         except RenderError as exc:
             raise ApiError(400, exc.message, param=exc.param) from None
-        fewest = max(ids, -(-chars // longest))
         if fewest > context:
             raise ApiError(400, f"This model's maximum context length is {context} tokens. However, your request "
                            f"has at least {fewest} input tokens. Please reduce the length of the input.",

@@ -30,8 +30,8 @@ class InlineTokenizers:
         self.tokenizer = embedded_tokenizer()
         self.calls = 0
 
-    def longest_token(self, model: object) -> int:
-        return self.tokenizer.longest_token
+    def fewest_tokens(self, model: object, texts, above: int) -> int:
+        return self.tokenizer.fewest_tokens(texts, above)
 
     async def token_ids(self, model: object, body: dict[str, Any], kind: str) -> list[int]:
         self.calls += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -33,6 +34,16 @@ async def test_a_1mb_prompt_is_refused_without_tokenizing(monkeypatch):
     assert error["code"] == "context_length_exceeded" and f"maximum context length is {CONTEXT}" in error["message"]
     assert router.planner.tokenizers.calls == 0
     print(f"1 MB prompt refused in {elapsed * 1000:.1f} ms")
+
+
+async def test_words_refuse_a_1mb_prompt_when_the_vocabulary_has_long_tokens(monkeypatch):
+    """Real vocabularies hold entries of 100+ characters (runs of spaces): the character bound alone would
+    let a 1 MB prompt through to a 32k context; its 200k words cannot fit."""
+    router = make_router(monkeypatch, limits=LimitsConfig(max_model_len=32_768))
+    router.planner.tokenizers.tokenizer = dataclasses.replace(embedded_tokenizer(), longest_token=256)
+    answer = await call(router, "POST", CHAT, chat(MEGABYTE))
+    assert assert_openai_error(answer, 400)["code"] == "context_length_exceeded"
+    assert router.planner.tokenizers.calls == 0
 
 
 async def test_the_engines_reported_context_is_used(monkeypatch):
