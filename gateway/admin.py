@@ -70,7 +70,7 @@ def index_report(router: Router) -> dict[str, Any]:
 
 async def _json_body(router: Router, scope: dict, receive) -> dict[str, Any]:
     """The admin body: a JSON object within the router's limits (an empty body is an empty object)."""
-    raw = await http_app.read_body(scope, receive, ADMIN_BODY_BYTES)
+    raw = await http_app.read_body(scope, receive, ADMIN_BODY_BYTES, router.config.limits.body_timeout_s)
     return load_json_object(raw, router.config.limits) if raw.strip() else {}
 
 

@@ -21,6 +21,8 @@ class LimitsConfig:
     """Content parts per chat message."""
     max_string_chars: int = 4 * 1024 * 1024
     """Characters in any one JSON string (a prompt, a message, a key)."""
+    body_timeout_s: float = 60.0
+    """Time to receive a whole body (8 MiB at 1 Mbit/s takes about 64 s)."""
     max_model_len: int = 0
     """Context length assumed for engines that do not report one in ``/v1/models`` (0: no assumption)."""
 
@@ -28,5 +30,7 @@ class LimitsConfig:
         for key in ("max_depth", "max_messages", "max_content_parts", "max_string_chars"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{where}.{key}: must be at least 1")
+        if not self.body_timeout_s > 0:
+            raise ConfigError(f"{where}.body_timeout_s: must be positive")
         if self.max_model_len < 0:
             raise ConfigError(f"{where}.max_model_len: must not be negative")

@@ -30,24 +30,27 @@ async def send_error(send: Send, error: ApiError) -> None:
     await send_bytes(send, error.status, error.body(), error.headers())
 
 
-async def read_body(scope: dict[str, Any], receive: Receive, limit: int) -> bytes:
-    """Read the whole request body, refusing early when it is larger than ``limit``."""
+async def read_body(scope: dict[str, Any], receive: Receive, limit: int, timeout_s: float = 60.0) -> bytes:
+    """Read the whole request body, refusing early when it is larger than ``limit`` (413) and when it has
+    not arrived within ``timeout_s`` (408): a client trickling bytes must not hold a request open forever."""
     for key, value in scope.get("headers", []):
         if key == b"content-length" and value.isdigit() and int(value) > limit:
             raise ApiError(413, f"request body is larger than the {limit}-byte limit", code="body_too_large")
     chunks: list[bytes] = []
     size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ApiError(499, "client disconnected", code="client_disconnected")
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body is larger than the {limit}-byte limit", code="body_too_large")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
+    with trio.move_on_after(timeout_s):
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ApiError(499, "client disconnected", code="client_disconnected")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"request body is larger than the {limit}-byte limit", code="body_too_large")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+    raise ApiError(408, f"request body not received within {timeout_s:g} s", code="body_timeout")
 
 
 async def drain_body(receive: Receive, limit: int) -> None:

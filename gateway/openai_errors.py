@@ -11,6 +11,7 @@ _TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_error",

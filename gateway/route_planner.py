@@ -6,6 +6,7 @@ it gathers what they need, calls them once per request, and feeds measured TTFTs
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from tokenization.service import TokenizerService
 # Policies that look at prompt blocks; the others route without tokenizing at all.
 CACHE_POLICIES = frozenset({"kv_aware", "approximate"})
 SESSION_HEADERS = ("x-session-id", "x-kvmesh-session")
+MAX_KEY_CHARS = 256
 # SSE events of a stream that carry no new token: the role chunk (chat) and data: [DONE].
 STREAM_FRAMING_EVENTS = 2
 
@@ -99,10 +101,20 @@ def prompt_texts(parsed: ParsedRequest) -> tuple[list[str], int]:
     return [longest], max((len(p) for p in items if isinstance(p, list)), default=0)
 
 
+def bounded_key(key: str | None) -> str | None:
+    """A session key of at most ``MAX_KEY_CHARS``: longer ones are replaced by their blake2b digest, so
+    hashing a client's multi-megabyte ``user`` costs milliseconds, not the event loop's seconds, and the
+    key-hash cache holds small keys only."""
+    if key is None or len(key) <= MAX_KEY_CHARS:
+        return key
+    return "blake2b:" + hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+
 def request_prefix_key(parsed: ParsedRequest) -> str:
     if parsed.kind == "completion":
         prompt = parsed.body.get("prompt")
-        return prefix_key(parsed.model, "", prompt if isinstance(prompt, str) else str(prompt)[:256])
+        # Any 100 items print as more than 256 characters: the same key without printing a huge id list.
+        return prefix_key(parsed.model, "", prompt if isinstance(prompt, str) else str(prompt[:100])[:256])
     messages = parsed.body.get("messages", [])
     system = next((_text_of(m.get("content")) for m in messages if m.get("role") in ("system", "developer")), "")
     user = next((_text_of(m.get("content")) for m in messages if m.get("role") == "user"), "")
@@ -233,7 +245,7 @@ class RoutePlanner:
                 held_blocks=held, approx_held_blocks=recorded, reuse_ratio=engine.load.reuse.ratio,
             ))
         block_size = min(chains) if chains else 16
-        session = next((headers[h] for h in SESSION_HEADERS if headers.get(h)), None) or parsed.user
+        session = bounded_key(next((headers[h] for h in SESSION_HEADERS if headers.get(h)), None) or parsed.user)
         request = RouteRequest(model=parsed.model, prompt_tokens=len(token_ids),
                                total_blocks=len(token_ids) // block_size, prefix_key=request_prefix_key(parsed),
                                session_key=session, router_island=self.config.island, max_tokens=parsed.max_tokens)

@@ -227,7 +227,7 @@ class Router:
 
     async def _read_request(self, kind: Kind | None, scope: dict, receive, headers: dict[str, str]):
         check_body_headers(headers)
-        raw = await http_app.read_body(scope, receive, self.config.max_body_bytes)
+        raw = await http_app.read_body(scope, receive, self.config.max_body_bytes, self.config.limits.body_timeout_s)
         return parse_request(raw, kind, self.config.limits)
 
     async def _serve_inference(self, kind: Kind, scope: dict, receive, send, headers: dict[str, str], span,
