@@ -191,7 +191,11 @@ class Router:
             tenant = self.gate.tenant(headers)
             record.tenant = tenant.name
             parsed = self.gate.isolate(tenant, await self._read_request(None, scope, receive, headers))
+            # Scoring tokenizes like a request: it is admitted and charged like one.
+            priority = self.gate.priority(tenant, headers)
+            self.gate.precheck(tenant, priority, self.engines.for_model(parsed.model))
             plan = await self.planner.plan(parsed, headers)
+            self.gate.admit(tenant, priority, parsed, plan.prompt_tokens, plan.engines)
             await http_app.send_json(send, 200, plan.explain())
             return 200
         if method == "HEAD" and path in HEAD_PATHS:

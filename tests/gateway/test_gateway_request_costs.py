@@ -14,6 +14,8 @@ from router_inprocess import MODEL, assert_openai_error, call, make_router
 from gateway.body_limits import LimitsConfig
 from gateway.request_body import parse_request
 from gateway.route_planner import MAX_KEY_CHARS, bounded_key, request_prefix_key
+from gateway.security.config import AuthConfig, TenantConfig
+from gateway.security.keys import hash_key
 
 
 async def test_a_trickling_body_gets_a_408(monkeypatch, autojump_clock):
@@ -65,3 +67,14 @@ def test_the_completion_prefix_key_reads_only_the_first_items(prompt):
     body = {**parsed.body, "prompt": prompt}
     expected = f"m\x1f\x1f{str(prompt)[:256]}"
     assert request_prefix_key(dataclasses.replace(parsed, body=body)) == expected
+
+
+async def test_debug_route_is_admitted_and_charged_like_a_request(monkeypatch):
+    key = "kvm-debugger"
+    tenant = TenantConfig("debugger", keys=[hash_key(key)], requests_per_second=1.0)
+    router = make_router(monkeypatch, auth=AuthConfig(enabled=True), tenants=[tenant])
+    headers = {"content-type": "application/json", "authorization": f"Bearer {key}"}
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    assert (await call(router, "POST", "/debug/route", body, headers)).status == 200
+    refused = await call(router, "POST", "/debug/route", body, headers)
+    assert assert_openai_error(refused, 429)["code"] and "retry-after" in refused.headers
