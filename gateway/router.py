@@ -363,12 +363,18 @@ class _Response:
         complete), but the exchange ends only once the rest of the body is read. Hypercorn closes a
         connection whose request is unfinished when the response ends, and a client still writing then
         sees a reset instead of the answer."""
+        if self.started:
+            await self.fail(error)
+            return
         body = error.body()
-        await self.send({"type": "http.response.start", "status": error.status,
-                         "headers": [*error.headers(), (b"content-length", str(len(body)).encode())]})
-        await self.send({"type": "http.response.body", "body": body, "more_body": True})
-        await http_app.drain_body(receive, budget)
-        await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+        try:
+            await self.send({"type": "http.response.start", "status": error.status,
+                             "headers": [*error.headers(), (b"content-length", str(len(body)).encode())]})
+            await self.send({"type": "http.response.body", "body": body, "more_body": True})
+            await http_app.drain_body(receive, budget)
+            await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
 
 
 def endpoint_label(path: str) -> str:
