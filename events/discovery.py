@@ -29,8 +29,9 @@ def load_json(body: bytes | str) -> Any:
         raise ValueError("JSON nested too deeply") from None
 
 
-def parse_model_ids(body: bytes | str) -> set[str]:
-    """The model ids of an OpenAI ``GET /v1/models`` answer: ``{"data": [{"id": ...}, ...]}``.
+def parse_models(body: bytes | str) -> tuple[set[str], int | None]:
+    """The model ids of an OpenAI ``GET /v1/models`` answer (``{"data": [{"id": ...}, ...]}``) and the
+    longest context they report (vLLM's ``max_model_len``; None unless every entry gives a sane one).
 
     Entries that are not objects with a string id are skipped; anything else is a ValueError. A server
     still loading its model may answer ``"data": null``: that is "no models yet", not an error.
@@ -40,10 +41,16 @@ def parse_model_ids(body: bytes | str) -> set[str]:
         raise ValueError("/v1/models must answer a JSON object")
     models = data.get("data")
     if models is None:
-        return set()
+        return set(), None
     if not isinstance(models, list):
         raise ValueError(f"/v1/models: data must be a list, got {type(models).__name__}")
-    return {m["id"] for m in models if isinstance(m, dict) and _is_model_id(m.get("id"))}
+    cards = [m for m in models if isinstance(m, dict) and _is_model_id(m.get("id"))]
+    lengths = [m.get("max_model_len") for m in cards]
+    sane = lengths and all(type(n) is int and 0 < n <= MAX_MODEL_LEN for n in lengths)
+    return {m["id"] for m in cards}, max(lengths) if sane else None
+
+
+MAX_MODEL_LEN = 1 << 30
 
 
 def _is_model_id(value: Any) -> bool:

@@ -5,7 +5,6 @@ Everything here is for operators and the chaos suite; none of it is on the reque
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -14,11 +13,14 @@ import xxhash
 from gateway import http_app
 from gateway.config import ConfigError, EngineConfig, _build
 from gateway.openai_errors import ApiError
+from gateway.request_body import load_json_object
 
 if TYPE_CHECKING:
     from gateway.router import Router
 
 ADMIN_STATE_KEYS = ("draining", "maintenance", "island", "zone")
+BOOLEAN_STATE_KEYS = ("draining", "maintenance")
+ADMIN_BODY_BYTES = 1024 * 1024
 
 
 def index_digest(pairs: dict[int, int]) -> str:
@@ -67,14 +69,9 @@ def index_report(router: Router) -> dict[str, Any]:
 
 
 async def _json_body(router: Router, scope: dict, receive) -> dict[str, Any]:
-    raw = await http_app.read_body(scope, receive, 1024 * 1024)
-    try:
-        body = json.loads(raw or b"{}")
-    except json.JSONDecodeError as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object")
-    return body
+    """The admin body: a JSON object within the router's limits (an empty body is an empty object)."""
+    raw = await http_app.read_body(scope, receive, ADMIN_BODY_BYTES, router.config.limits.body_timeout_s)
+    return load_json_object(raw, router.config.limits) if raw.strip() else {}
 
 
 async def handle_admin(router: Router, method: str, path: str, scope: dict, receive, send) -> int:
@@ -86,9 +83,9 @@ async def handle_admin(router: Router, method: str, path: str, scope: dict, rece
         await http_app.send_json(send, 200, router.mesh_report())
         return 200
     if parts == ["mesh", "isolate"] and method == "POST":
-        body = await _json_body(router, scope, receive)
-        router.isolate(bool(body.get("isolated", True)))
-        await http_app.send_json(send, 200, {"isolated": bool(body.get("isolated", True))})
+        isolated = _flag(await _json_body(router, scope, receive), "isolated")
+        router.isolate(isolated)
+        await http_app.send_json(send, 200, {"isolated": isolated})
         return 200
     if parts == ["engines"] and method == "GET":
         await http_app.send_json(send, 200, {"engines": [engine_row(router, e.id) for e in router.engines.all()]})
@@ -117,16 +114,35 @@ async def handle_admin(router: Router, method: str, path: str, scope: dict, rece
             body = await _json_body(router, scope, receive)
             return await _set_state(router, engine_id, body, send)
         if len(parts) == 3 and parts[2] in ("drain", "maintenance") and method == "POST":
-            body = await _json_body(router, scope, receive)
+            enabled = _flag(await _json_body(router, scope, receive), "enabled")
             flag = "draining" if parts[2] == "drain" else "maintenance"
-            return await _set_state(router, engine_id, {flag: bool(body.get("enabled", True))}, send)
+            return await _set_state(router, engine_id, {flag: enabled}, send)
     raise ApiError(404, f"no admin route for {method} {path}", code="not_found")
 
 
-async def _set_state(router: Router, engine_id: str, body: dict[str, Any], send) -> int:
+def _flag(body: dict[str, Any], key: str) -> bool:
+    """A boolean setting, true when absent; ``"false"`` is refused rather than read as true."""
+    value = body.get(key, True)
+    if not isinstance(value, bool):
+        raise ApiError(400, f"'{key}' must be true or false", param=key)
+    return value
+
+
+def _check_state(body: dict[str, Any]) -> None:
+    """Engine settings are replicated fleet-wide as given: each must have its type."""
     unknown = set(body) - set(ADMIN_STATE_KEYS)
     if unknown:
         raise ApiError(400, f"unknown engine setting(s): {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
+    for key, value in body.items():
+        if key in BOOLEAN_STATE_KEYS:
+            if not isinstance(value, bool):
+                raise ApiError(400, f"'{key}' must be true or false", param=key)
+        elif value is not None and not (isinstance(value, str) and 0 < len(value) <= 64 and value.isprintable()):
+            raise ApiError(400, f"'{key}' must be null or a printable string of up to 64 characters", param=key)
+
+
+async def _set_state(router: Router, engine_id: str, body: dict[str, Any], send) -> int:
+    _check_state(body)
     router.set_engine_state(engine_id, body)
     await http_app.send_json(send, 200, engine_row(router, engine_id))
     return 200

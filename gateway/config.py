@@ -18,11 +18,12 @@ from urllib.parse import urlsplit
 
 from events.discovery import check_topic
 from gateway.admission.config import AdmissionConfig
+from gateway.body_limits import LimitsConfig
 from gateway.config_errors import ConfigError
 from gateway.security.config import AuthConfig, TenantConfig, validate_security
 
-__all__ = ["AdmissionConfig", "AuthConfig", "ConfigError", "EngineConfig", "MeshConfig", "RouterConfig",
-           "TenantConfig", "TracingConfig", "load_config", "validate_engine_url"]
+__all__ = ["AdmissionConfig", "AuthConfig", "ConfigError", "EngineConfig", "LimitsConfig", "MeshConfig",
+           "RouterConfig", "TenantConfig", "TracingConfig", "load_config", "validate_engine_url"]
 
 POLICIES = ("kv_aware", "approximate", "prefix_hash", "session", "least_loaded", "round_robin", "random")
 
@@ -124,6 +125,7 @@ class RouterConfig:
     tenants: list[TenantConfig] = field(default_factory=list)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -147,6 +149,7 @@ class RouterConfig:
         validate_security(self.auth, self.tenants)
         self.admission.validate("admission")
         self.tracing.validate()
+        self.limits.validate("limits")
 
 
 def _coerce(value: Any, hint: Any, where: str) -> Any:

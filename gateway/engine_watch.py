@@ -19,7 +19,7 @@ import time
 
 import trio
 
-from events.discovery import EventSource, parse_kv_event_sources, parse_model_ids
+from events.discovery import EventSource, parse_kv_event_sources, parse_models
 from events.metrics_poller import EngineLoad as PolledLoad
 from events.metrics_poller import poll_metrics
 from gateway.engine_faults import EngineFaults, supervise
@@ -43,7 +43,10 @@ class Discovery:
         status, body = await self.engine.pool.get("/v1/models")
         if status != 200:
             raise UpstreamError(f"/v1/models answered {status}")
-        return parse_model_ids(body)
+        ids, max_model_len = parse_models(body)
+        if max_model_len is not None:
+            self.engine.max_model_len = max_model_len
+        return ids
 
     async def event_sources(self) -> list[EventSource]:
         """Raises ValueError if the configured or announced endpoints are unusable."""

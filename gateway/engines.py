@@ -68,6 +68,8 @@ class EngineState:
     maintenance: bool = False
     zone: str | None = None
     event_sources: list[str] = field(default_factory=list)
+    max_model_len: int | None = None
+    """The context length the engine reports in ``/v1/models`` (vLLM does), if any."""
 
     @property
     def url(self) -> str:

@@ -14,6 +14,10 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("kvmesh_requests", "Requests answered", ["endpoint", "status"], registry=r)
+        self.internal_errors = Counter("kvmesh_internal_errors", "Requests that hit a router bug (answered 500)",
+                                       ["endpoint"], registry=r)
+        self.request_errors = Counter("kvmesh_request_errors", "Non-2xx answers by endpoint, status and reason "
+                                      "(the error code)", ["endpoint", "status", "code"], registry=r)
         self.latency = Histogram("kvmesh_request_duration_seconds", "Whole request time", ["endpoint"],
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("kvmesh_time_to_first_byte_seconds", "Time to the engine's first body chunk",

@@ -11,6 +11,7 @@ _TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_error",
@@ -40,11 +41,16 @@ class ApiError(Exception):
         return out
 
 
+def error_type(status: int) -> str:
+    """OpenAI's ``error.type`` for a status."""
+    return _TYPES.get(status, "invalid_request_error")
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> bytes:
     payload = {
         "error": {
             "message": message,
-            "type": _TYPES.get(status, "invalid_request_error"),
+            "type": error_type(status),
             "param": param,
             "code": code if code is not None else status,
         }

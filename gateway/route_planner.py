@@ -6,6 +6,7 @@ it gathers what they need, calls them once per request, and feeds measured TTFTs
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,13 +26,14 @@ from gateway.routing.cost import Knowledge
 from index.block_hash import chain, root_seed
 from index.prefix_index import PrefixIndex
 from index.view import CacheView
-from tokenization.messages import RenderError
+from tokenization.messages import TEXT_PART_KEYS, RenderError
 from tokenization.registry import DEFAULT_TOKENIZER_DIR, TokenizerRegistry
 from tokenization.service import TokenizerService
 
 # Policies that look at prompt blocks; the others route without tokenizing at all.
 CACHE_POLICIES = frozenset({"kv_aware", "approximate"})
 SESSION_HEADERS = ("x-session-id", "x-kvmesh-session")
+MAX_KEY_CHARS = 256
 # SSE events of a stream that carry no new token: the role chunk (chat) and data: [DONE].
 STREAM_FRAMING_EVENTS = 2
 
@@ -66,10 +68,52 @@ def _text_of(content: Any) -> str:
     return ""
 
 
+def _content_texts(content: Any) -> list[str]:
+    if isinstance(content, str):
+        return [content]
+    texts = []
+    for part in content if isinstance(content, list) else ():
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and isinstance(part.get("type"), str):
+            text = part.get(TEXT_PART_KEYS.get(part["type"], "text"))
+            if isinstance(text, str):
+                texts.append(text)
+    return texts
+
+
+def prompt_texts(parsed: ParsedRequest) -> tuple[list[str], int]:
+    """(texts, token ids) of the request's longest prompt, read without rendering or encoding.
+
+    A chat prompt is counted as its messages' text: templates add to it (the few that drop earlier
+    reasoning drop far less than the slack of the bounds this feeds)."""
+    if parsed.kind == "chat":
+        messages = parsed.body.get("messages", [])
+        return [t for m in messages if isinstance(m, dict) for t in _content_texts(m.get("content"))], 0
+    prompt = parsed.body.get("prompt")
+    if isinstance(prompt, str):
+        return [prompt], 0
+    if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+        return [], len(prompt)
+    items = prompt if isinstance(prompt, list) else []
+    longest = max((p for p in items if isinstance(p, str)), key=len, default="")
+    return [longest], max((len(p) for p in items if isinstance(p, list)), default=0)
+
+
+def bounded_key(key: str | None) -> str | None:
+    """A session key of at most ``MAX_KEY_CHARS``: longer ones are replaced by their blake2b digest, so
+    hashing a client's multi-megabyte ``user`` costs milliseconds, not the event loop's seconds, and the
+    key-hash cache holds small keys only."""
+    if key is None or len(key) <= MAX_KEY_CHARS:
+        return key
+    return "blake2b:" + hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+
 def request_prefix_key(parsed: ParsedRequest) -> str:
     if parsed.kind == "completion":
         prompt = parsed.body.get("prompt")
-        return prefix_key(parsed.model, "", prompt if isinstance(prompt, str) else str(prompt)[:256])
+        # Any 100 items print as more than 256 characters: the same key without printing a huge id list.
+        return prefix_key(parsed.model, "", prompt if isinstance(prompt, str) else str(prompt[:100])[:256])
     messages = parsed.body.get("messages", [])
     system = next((_text_of(m.get("content")) for m in messages if m.get("role") in ("system", "developer")), "")
     user = next((_text_of(m.get("content")) for m in messages if m.get("role") == "user"), "")
@@ -119,6 +163,32 @@ class RoutePlanner:
         except RenderError as exc:
             raise ApiError(400, exc.message, param=exc.param) from None
 
+    def _context_length(self, candidates: list[EngineState]) -> int | None:
+        """The largest context any candidate takes; None when one of them has no known length."""
+        lengths = [e.max_model_len or self.config.limits.max_model_len for e in candidates]
+        return max(lengths) if lengths and all(lengths) else None
+
+    def refuse_overlength(self, parsed: ParsedRequest, candidates: list[EngineState]) -> None:
+        """Refuse (400) a prompt that cannot fit any candidate's context, before tokenizing it.
+
+        The token count is bounded from below by characters and words (``tokenization.bounds``): a 1 MB
+        prompt is refused in milliseconds instead of seconds of encoding. The bound never refuses a prompt
+        the engine would take; prompts between it and the context are refused by the engine.
+        ``truncate_prompt_tokens`` makes any length fit."""
+        context = self._context_length(candidates)
+        if context is None or parsed.body.get("truncate_prompt_tokens") not in (None, -1):
+            return
+        texts, ids = prompt_texts(parsed)
+        assert self.tokenizers is not None
+        try:
+            fewest = max(ids, self.tokenizers.fewest_tokens(parsed.model, texts, context))
+        except RenderError as exc:
+            raise ApiError(400, exc.message, param=exc.param) from None
+        if fewest > context:
+            raise ApiError(400, f"This model's maximum context length is {context} tokens. However, your request "
+                           f"has at least {fewest} input tokens. Please reduce the length of the input.",
+                           param="messages" if parsed.kind == "chat" else "prompt", code="context_length_exceeded")
+
     def _chains(self, parsed: ParsedRequest, token_ids: list[int], engine_ids: list[str]) -> dict[int, list[int]]:
         seed = root_seed(parsed.model, None, parsed.cache_salt)
         return {size: chain(token_ids, size, seed) for size in self.cache.block_sizes(engine_ids)}
@@ -135,6 +205,7 @@ class RoutePlanner:
         now = trio.current_time()
         if self.policy.name in CACHE_POLICIES:
             with tracing.step("tokenize") as span:
+                self.refuse_overlength(parsed, candidates)
                 token_ids = await self._token_ids(parsed)
                 chains = self._chains(parsed, token_ids, ids)
                 span.set_attribute("gen_ai.usage.input_tokens", len(token_ids))
@@ -172,7 +243,7 @@ class RoutePlanner:
                 held_blocks=held, approx_held_blocks=recorded, reuse_ratio=engine.load.reuse.ratio,
             ))
         block_size = min(chains) if chains else 16
-        session = next((headers[h] for h in SESSION_HEADERS if headers.get(h)), None) or parsed.user
+        session = bounded_key(next((headers[h] for h in SESSION_HEADERS if headers.get(h)), None) or parsed.user)
         request = RouteRequest(model=parsed.model, prompt_tokens=len(token_ids),
                                total_blocks=len(token_ids) // block_size, prefix_key=request_prefix_key(parsed),
                                session_key=session, router_island=self.config.island, max_tokens=parsed.max_tokens)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -20,16 +22,23 @@ from gateway.gatekeeper import Gatekeeper
 from gateway.mesh_link import build_mesh_node, follow_mesh, registry_state, sweep_dispatches
 from gateway.mesh_state import MeshState
 from gateway.metrics import RouterMetrics
-from gateway.openai_errors import ApiError
-from gateway.proxy import Attempt, Exchange, Timeouts, forward
-from gateway.request_body import Kind, debug_route_kind, parse_request
+from gateway.openai_errors import ApiError, error_type
+from gateway.proxy import Attempt, Exchange, Timeouts, UpstreamFailure, forward
+from gateway.request_body import Kind, check_body_headers, parse_request
 from gateway.route_planner import RoutePlanner
 
 log = logging.getLogger("kvmesh.router")
 
 INFERENCE_PATHS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
-FORWARDED_HEADERS = ("content-type", "accept", "x-request-id", "traceparent", "connection")
-"""Candidates for the engine; the proxy drops hop-by-hop ones, including those ``connection`` names."""
+ROUTE_LABELS = frozenset({*INFERENCE_PATHS, "/v1/models", "/debug/route"})
+HEAD_PATHS = frozenset({"/health", "/ready", "/metrics"})
+FORWARDED_HEADERS = ("content-type", "accept", "traceparent", "connection")
+"""Client headers passed on to the engine (the proxy drops hop-by-hop ones, including those ``connection``
+names); ``x-request-id`` is sent once, as the router's request id."""
+_VISIBLE_ASCII = re.compile(r"[\x21-\x7e]{1,128}")
+_HEADER_VALUE = re.compile(r"[\x21-\x7e](?:[\x20-\x7e\t]{0,4094}[\x21-\x7e])?")
+"""What h11 can send: visible ASCII with inner spaces. Client headers are decoded as latin-1 and may hold
+anything else, which would fail the upstream request."""
 
 
 class Router:
@@ -157,22 +166,38 @@ class Router:
             return
         path, method = scope["path"], scope["method"]
         started = time.perf_counter()
+        response = _Response(send)
+        record = RequestRecord(request_id_of(dict(_headers(scope))))
         status = 500
         try:
-            status = await self._dispatch(path, method, scope, receive, send)
+            status = await self._dispatch(path, method, scope, receive, response.send, record)
         except ApiError as error:
             status = error.status
-            if error.status != 499:
-                await http_app.send_error(send, error)
+            record.refused(error)
+            if error.code == "body_too_large":
+                await response.fail_then_drain(error, receive, 2 * self.config.max_body_bytes)
+            elif error.status != 499:
+                await response.fail(error)
+        except Exception:
+            # The last resort: a bug must cost one request a 500 in OpenAI's shape, never the connection.
+            status = 500
+            self.metrics.internal_errors.labels(endpoint_label(path)).inc()
+            record.code = "internal_error"
+            log.exception("internal error", extra=record.log_fields(method, path, status))
+            await response.fail(ApiError(500, "internal error in the router", code="internal_error"))
         finally:
-            endpoint = path if path in INFERENCE_PATHS or path.startswith(("/v1/", "/debug/")) else "other"
+            endpoint = endpoint_label(path)
             self.metrics.requests.labels(endpoint, str(status)).inc()
             self.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+            if status >= 400:
+                self.metrics.request_errors.labels(endpoint, str(status), record.reason(status)).inc()
+                if record.code != "internal_error":
+                    log.warning("request failed", extra=record.log_fields(method, path, status))
 
-    async def _dispatch(self, path: str, method: str, scope: dict, receive, send) -> int:
+    async def _dispatch(self, path: str, method: str, scope: dict, receive, send, record: RequestRecord) -> int:
         if path in INFERENCE_PATHS:
             _require(method, "POST")
-            return await self._inference(INFERENCE_PATHS[path], scope, receive, send)
+            return await self._inference(INFERENCE_PATHS[path], scope, receive, send, record)
         if path.startswith("/admin/"):
             self.gate.require_admin(dict(_headers(scope)))
             return await handle_admin(self, method, path, scope, receive, send)
@@ -180,11 +205,17 @@ class Router:
             _require(method, "POST")
             headers = dict(_headers(scope))
             tenant = self.gate.tenant(headers)
-            raw = await http_app.read_body(scope, receive, self.config.max_body_bytes)
-            parsed = self.gate.isolate(tenant, parse_request(raw, debug_route_kind(raw)))
+            record.tenant = tenant.name
+            parsed = self.gate.isolate(tenant, await self._read_request(None, scope, receive, headers))
+            # Scoring tokenizes like a request: it is admitted and charged like one.
+            priority = self.gate.priority(tenant, headers)
+            self.gate.precheck(tenant, priority, self.engines.for_model(parsed.model))
             plan = await self.planner.plan(parsed, headers)
+            self.gate.admit(tenant, priority, parsed, plan.prompt_tokens, plan.engines)
             await http_app.send_json(send, 200, plan.explain())
             return 200
+        if method == "HEAD" and path in HEAD_PATHS:
+            method, send = "GET", _without_body(send)
         _require(method, "GET")
         if path == "/v1/models":
             models = [{"id": m, "object": "model", "owned_by": "kvmesh", "created": 0} for m in self.engines.models()]
@@ -201,29 +232,35 @@ class Router:
             content_type = [(b"content-type", b"text/plain; version=0.0.4")]
             await http_app.send_bytes(send, 200, self.metrics.render(), content_type)
             return 200
-        raise ApiError(404, f"no route for {method} {path}", code="not_found")
+        raise ApiError(404, f"no route for {method} {path[:200]}", code="not_found")
 
-    async def _inference(self, kind: Kind, scope: dict, receive, send) -> int:
+    async def _inference(self, kind: Kind, scope: dict, receive, send, record: RequestRecord) -> int:
         headers = dict(_headers(scope))
         with tracing.request_span(kind, headers) as span:
             try:
-                status = await self._serve_inference(kind, scope, receive, send, headers, span)
+                status = await self._serve_inference(kind, scope, receive, send, headers, span, record)
             except ApiError as error:
                 tracing.record_error(span, error.status, error.message)
                 raise
             tracing.record_error(span, status, "upstream failed")
             return status
 
-    async def _serve_inference(self, kind: Kind, scope: dict, receive, send, headers: dict[str, str], span) -> int:
+    async def _read_request(self, kind: Kind | None, scope: dict, receive, headers: dict[str, str]):
+        check_body_headers(headers)
+        raw = await http_app.read_body(scope, receive, self.config.max_body_bytes, self.config.limits.body_timeout_s)
+        return parse_request(raw, kind, self.config.limits)
+
+    async def _serve_inference(self, kind: Kind, scope: dict, receive, send, headers: dict[str, str], span,
+                               record: RequestRecord) -> int:
         if self.shutting_down:
             raise ApiError(503, "router is shutting down", code="shutting_down")
         with tracing.step("parse"):
             tenant = self.gate.tenant(headers)
-            raw = await http_app.read_body(scope, receive, self.config.max_body_bytes)
-            parsed = self.gate.isolate(tenant, parse_request(raw, kind))
+            record.tenant = tenant.name
+            parsed = self.gate.isolate(tenant, await self._read_request(kind, scope, receive, headers))
             priority = self.gate.priority(tenant, headers)
         tracing.name_request(span, kind, parsed.model, parsed.max_tokens, tenant.name)
-        request_id = headers.get("x-request-id") or uuid.uuid4().hex[:16]
+        request_id = record.request_id
         self.active_requests += 1
         try:
             self.gate.precheck(tenant, priority, self.engines.for_model(parsed.model))
@@ -231,26 +268,38 @@ class Router:
             span.set_attribute("gen_ai.usage.input_tokens", plan.prompt_tokens)
             self.gate.admit(tenant, priority, parsed, plan.prompt_tokens, plan.engines)
             self.planner.dispatched(plan)
-            upstream_headers = [(k, v) for k, v in headers.items() if k in FORWARDED_HEADERS]
-            upstream_headers.append(("x-request-id", request_id))
+            upstream_headers = [*forwarded_headers(headers), ("x-request-id", request_id)]
 
             def route_header(engine: EngineState, attempts: list[Attempt]) -> list[tuple[bytes, bytes]]:
                 value = plan.header(engine.id, len(attempts))
                 return [(b"x-kvmesh-route", value.encode()), (b"x-request-id", request_id.encode())]
 
-            result = await _forward_until_disconnect(
-                receive, send,
-                lambda send_: forward(plan.engines, Exchange("POST", scope["path"], plan.body(), upstream_headers,
-                                                             send_, self.timeouts, route_header, parsed.stream),
-                                      self.config.max_attempts),
-            )
+            try:
+                result = await _forward_until_disconnect(
+                    receive, send,
+                    lambda send_: forward(plan.engines, Exchange("POST", scope["path"], plan.body(),
+                                                                 upstream_headers, send_, self.timeouts,
+                                                                 route_header, parsed.stream),
+                                          self.config.max_attempts),
+                )
+            except UpstreamFailure as error:
+                record.attempts = _attempt_records(error.attempts)
+                for attempt in error.attempts:
+                    self.metrics.upstream_errors.labels(attempt.engine, attempt.outcome.split(" ")[0]).inc()
+                raise _without_engine_details(error, record) from None
+            except ApiError as error:
+                raise _without_engine_details(error, record) from None
             if result is None:
-                log.info("client disconnected", extra={"request_id": request_id})
+                record.code = "client_disconnected"
                 return 499
+            record.attempts = _attempt_records(result.attempts)
             for attempt in result.attempts:
                 if attempt.outcome != "ok":
                     self.metrics.upstream_errors.labels(attempt.engine, attempt.outcome.split(" ")[0]).inc()
             self.planner.observe(plan, result)
+            if result.status >= 400:
+                record.code = "engine_error"
+                return result.status
             log.info("routed", extra={"request_id": request_id, "tenant": tenant.name, "model": parsed.model,
                                       "engine": result.engine.id if result.engine else None,
                                       "attempts": len(result.attempts), "reason": plan.decision.reason,
@@ -260,11 +309,120 @@ class Router:
             self.active_requests -= 1
 
 
+def _attempt_records(attempts: list[Attempt]) -> list[dict[str, Any]]:
+    return [{"engine": a.engine, "outcome": a.outcome, "status": a.status} for a in attempts]
+
+
 def _drop_labels(gauges, gone: set[str]) -> None:
     for gauge in gauges:
         for label in gone:
             with contextlib.suppress(KeyError):
                 gauge.remove(label)
+
+
+@dataclass
+class RequestRecord:
+    """What the one log line of a failed request says: who asked, why it failed, what each engine did."""
+
+    request_id: str
+    tenant: str | None = None
+    code: str | None = None
+    detail: str | None = None
+    """Log-only detail (engine addresses, errno text) kept out of the client's answer."""
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+
+    def refused(self, error: ApiError) -> None:
+        self.code = self.code or error.code or error_type(error.status)
+        self.detail = self.detail or error.message
+
+    def reason(self, status: int) -> str:
+        """A bounded metric label: the error code (a literal in the code base) or the status class."""
+        return self.code or error_type(status)
+
+    def log_fields(self, method: str, path: str, status: int) -> dict[str, Any]:
+        return {"request_id": self.request_id, "tenant": self.tenant, "method": method, "path": path[:200],
+                "status": status, "code": self.reason(status), "detail": self.detail, "attempts": self.attempts}
+
+
+def _without_engine_details(error: ApiError, record: RequestRecord) -> ApiError:
+    """The proxy's "no engine could serve" names every engine and its errno text: that goes to the log;
+    the client gets the status, the code and its request id."""
+    if error.code != "no_engine_available":
+        return error
+    record.code, record.detail = error.code, error.message
+    return ApiError(error.status, f"no engine could serve the request (request id {record.request_id})",
+                    code=error.code, retry_after=error.retry_after)
+
+
+def _without_body(send: http_app.Send) -> http_app.Send:
+    """A HEAD answer: the GET's head (its content-length included) and no body bytes."""
+
+    async def head_only(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            message = {**message, "body": b""}
+        await send(message)
+
+    return head_only
+
+
+class _Response:
+    """ASGI ``send`` that remembers how far the response got, so an error never sends a second head."""
+
+    def __init__(self, send: http_app.Send) -> None:
+        self._send = send
+        self.started = False
+        self.finished = False
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.finished = True
+        await self._send(message)
+
+    async def fail(self, error: ApiError) -> None:
+        """Answer ``error``; after the head went out, only end the body. A client already gone is ignored."""
+        try:
+            if not self.started:
+                await http_app.send_error(self.send, error)
+            elif not self.finished:
+                await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    async def fail_then_drain(self, error: ApiError, receive: http_app.Receive, budget: int) -> None:
+        """A refused body: the whole answer goes out at once (its content-length tells the client it is
+        complete), but the exchange ends only once the rest of the body is read. Hypercorn closes a
+        connection whose request is unfinished when the response ends, and a client still writing then
+        sees a reset instead of the answer."""
+        if self.started:
+            await self.fail(error)
+            return
+        body = error.body()
+        try:
+            await self.send({"type": "http.response.start", "status": error.status,
+                             "headers": [*error.headers(), (b"content-length", str(len(body)).encode())]})
+            await self.send({"type": "http.response.body", "body": body, "more_body": True})
+            await http_app.drain_body(receive, budget)
+            await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+
+def endpoint_label(path: str) -> str:
+    """The metric label of a path: a known route, else "other" (raw paths would grow /metrics without bound)."""
+    return path if path in ROUTE_LABELS else "other"
+
+
+def request_id_of(headers: dict[str, str]) -> str:
+    """The client's ``x-request-id`` when it is a plain token, else a fresh one (it is echoed and logged)."""
+    value = headers.get("x-request-id", "")
+    return value if _VISIBLE_ASCII.fullmatch(value) else uuid.uuid4().hex[:16]
+
+
+def forwarded_headers(headers: dict[str, str]) -> list[tuple[str, str]]:
+    """The client headers the engine gets; values h11 cannot send are dropped."""
+    return [(k, v) for k, v in headers.items() if k in FORWARDED_HEADERS and _HEADER_VALUE.fullmatch(v)]
 
 
 async def _forward_until_disconnect(receive: http_app.Receive, send: http_app.Send, proxying):

@@ -20,6 +20,7 @@ from hypercorn.trio import serve
 from gateway.config import ConfigError, RouterConfig
 from gateway.logs import setup_logging
 from gateway.router import Router
+from gateway.security.posture import log_posture
 from gateway.tracing import setup_tracing
 
 log = logging.getLogger("kvmesh.server")
@@ -55,6 +56,7 @@ async def serve_router(config: RouterConfig, task_status: trio.TaskStatus = trio
         binds = await nursery.start(lambda task_status: serve(router, hypercorn_config(config),
                                                               shutdown_trigger=stop.wait, task_status=task_status))
         log.info("router listening", extra={"binds": binds, "policy": config.policy})
+        log_posture(config)
         print(READY_PREFIX + json.dumps({"url": binds[0], "pid": os.getpid()}), flush=True)
         task_status.started(router)
         await stop.wait()

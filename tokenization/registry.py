@@ -15,6 +15,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from tokenization.bounds import fewest_tokens, splits_at_whitespace
 from tokenization.messages import RenderError
 from tokenization.render import render_chat
 from tokenization.segments import SegmentPlan, plan
@@ -67,6 +68,14 @@ class LoadedTokenizer:
     spec: str
     hf: PreTrainedTokenizerBase
     plan: SegmentPlan
+    longest_token: int
+    """Characters in the longest vocabulary entry (see ``tokenization.bounds``)."""
+    splits_words: bool
+    """No token spans two whitespace-separated words (see ``tokenization.bounds``)."""
+
+    def fewest_tokens(self, texts: Sequence[str], above: int) -> int:
+        """A lower bound on the tokens of ``texts`` joined into one prompt, without encoding them."""
+        return fewest_tokens(texts, self.longest_token, self.splits_words, above)
 
     @classmethod
     def load(cls, spec: str) -> LoadedTokenizer:
@@ -74,7 +83,7 @@ class LoadedTokenizer:
         added = [token.content for token in hf.added_tokens_decoder.values()]
         checked = plan(added, lambda texts: encode_plain(hf, texts),
                        lambda text: hf.encode(text, add_special_tokens=True), _rendered_probes(hf))
-        return cls(spec, hf, checked)
+        return cls(spec, hf, checked, max(map(len, hf.get_vocab()), default=1), splits_at_whitespace(hf))
 
 
 class TokenizerRegistry:

@@ -68,6 +68,11 @@ class TokenizerService:
                       inline_max_chars=inline_max_chars, verify_every=verify_every)
             nursery.cancel_scope.cancel()
 
+    def fewest_tokens(self, model: object, texts: Sequence[str], above: int) -> int:
+        """A lower bound on the tokens of the model's prompt made of ``texts``, without encoding (see
+        ``tokenization.bounds``); counting stops once it passes ``above``."""
+        return self.tokenizers[self.registry.spec_for(model)].fewest_tokens(texts, above)
+
     async def token_ids(self, model: object, body: dict[str, Any], kind: Kind) -> list[int]:
         """The ids vLLM computes for this request (the first prompt of a completions batch).
 

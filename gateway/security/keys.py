@@ -15,6 +15,16 @@ import sys
 KEY_PREFIX = "kvm-"
 
 
+def key_problem(raw: str) -> str | None:
+    """Why a key could never authenticate, or None. Request headers arrive as bytes read as latin-1 and a
+    bearer token ends at whitespace, so only visible ASCII hashes the same on both sides."""
+    if not raw:
+        return "empty key"
+    if not all("!" <= c <= "~" for c in raw):
+        return "keys must be visible ASCII (no spaces, control or non-ASCII characters)"
+    return None
+
+
 def hash_key(raw: str) -> str:
     return "sha256:" + hashlib.sha256(raw.encode()).hexdigest()
 
@@ -44,8 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hash: {hash_key(key)}")
         return 0
     key = args.key if args.key is not None else _read_key()
-    if not key:
-        print("kvmesh keys hash: empty key", file=sys.stderr)
+    problem = key_problem(key)
+    if problem is not None:
+        print(f"kvmesh keys hash: {problem}", file=sys.stderr)
         return 2
     print(hash_key(key))
     return 0

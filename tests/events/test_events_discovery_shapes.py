@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events.discovery import EventSource, parse_kv_event_sources, parse_model_ids
+from events.discovery import EventSource, parse_kv_event_sources, parse_models
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
@@ -28,7 +28,7 @@ SOURCES = st.dictionaries(st.sampled_from(["0", "1", "01", "-1", "4097", "x", "\
 @given(JSON | st.fixed_dictionaries({"data": JSON | st.lists(st.fixed_dictionaries({"id": JSON}))}))
 def test_model_list_parser_returns_ids_or_raises_value_error(data):
     try:
-        models = parse_model_ids(json.dumps(data))
+        models = parse_models(json.dumps(data))[0]
     except ValueError:
         return
     assert all(isinstance(m, str) and m for m in models)
@@ -49,12 +49,12 @@ def test_event_source_parser_returns_usable_sources_or_raises_value_error(data):
 @pytest.mark.parametrize("body", [b'{"data": 5}', b'{"data": {}}', b"[1]", b"null", b"\xff", b"[" * 100_000])
 def test_malformed_model_lists_are_value_errors(body):
     with pytest.raises(ValueError):
-        parse_model_ids(body)
+        parse_models(body)
 
 
 def test_a_model_list_of_null_means_no_models_yet():
-    assert parse_model_ids(b'{"object": "list", "data": null}') == set()
-    assert parse_model_ids(b'{"data": [{"id": "m"}, {"id": 5}, "x", {"id": ""}]}') == {"m"}
+    assert parse_models(b'{"object": "list", "data": null}')[0] == set()
+    assert parse_models(b'{"data": [{"id": "m"}, {"id": 5}, "x", {"id": ""}]}')[0] == {"m"}
 
 
 @pytest.mark.parametrize("body", [

@@ -61,7 +61,7 @@ def test_impossible_load_gauges_refuse_the_whole_poll(changes):
 
 
 async def test_the_poller_counts_rejections_per_engine_and_value():
-    engine, loads = "liar", []
+    engine, loads = "poller-liar", []  # a name no other test uses: the registry is process-wide
     bodies = iter([page(blocks="1e308").encode(), page(running="1e9").encode()])
 
     async def fetch(_url: str) -> bytes:

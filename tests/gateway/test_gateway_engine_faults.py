@@ -93,7 +93,7 @@ async def test_a_poll_answer_over_the_limit_is_an_upstream_error_not_a_buffer():
     async with trio.open_nursery() as nursery:
         port = await nursery.start(serve_canned, {"/metrics": b"x" * 5000, "/health": b"{}"})
         pool = EnginePool(f"http://127.0.0.1:{port}")
-        with pytest.raises(UpstreamError, match="more than 4096 bytes"):
-            await pool.get("/metrics", limit=4096)
-        assert await pool.get("/health", limit=4096) == (200, b"{}")
+        with pytest.raises(UpstreamError, match="4096 byte limit"):
+            await pool.get("/metrics", max_bytes=4096)
+        assert await pool.get("/health", max_bytes=4096) == (200, b"{}")
         nursery.cancel_scope.cancel()

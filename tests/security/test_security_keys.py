@@ -36,3 +36,11 @@ def test_generate_prints_a_fresh_key_and_its_hash(capsys):
     lines = dict(line.split(": ", 1) for line in capsys.readouterr().out.strip().splitlines())
     assert lines["hash"].strip() == hash_key(lines["key"].strip())
     assert generate_key() != generate_key() and len(generate_key()) > 40
+
+
+def test_keys_that_could_never_authenticate_are_refused(capsys):
+    """Headers are read as latin-1 and a bearer token ends at whitespace: such a key's hash never matches."""
+    for key in ("kvm-é", "kvm-a b", "kvm-\x01", "kvm-\u2603"):
+        assert main(["hash", key]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and "visible ASCII" in captured.err and key not in captured.err

@@ -1,0 +1,80 @@
+"""What one request may cost the router: a body must arrive in time, and long keys are hashed cheaply."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import trio
+from hypothesis import given
+from hypothesis import strategies as st
+from router_inprocess import MODEL, assert_openai_error, call, make_router
+
+from gateway.body_limits import LimitsConfig
+from gateway.request_body import parse_request
+from gateway.route_planner import MAX_KEY_CHARS, bounded_key, request_prefix_key
+from gateway.security.config import AuthConfig, TenantConfig
+from gateway.security.keys import hash_key
+
+
+async def test_a_trickling_body_gets_a_408(monkeypatch, autojump_clock):
+    router = make_router(monkeypatch, limits=LimitsConfig(body_timeout_s=30))
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "query_string": b"",
+             "headers": [(b"content-type", b"application/json")]}
+    chunks = [{"type": "http.request", "body": b'{"model": "m", ', "more_body": True}]
+    sent = []
+
+    async def receive():
+        if chunks:
+            return chunks.pop()
+        await trio.sleep_forever()
+
+    async def send(message):
+        sent.append(message)
+
+    started = trio.current_time()
+    await router(scope, receive, send)
+    assert trio.current_time() - started >= 30
+    assert sent[0]["status"] == 408
+    assert json.loads(sent[1]["body"])["error"]["code"] == "body_timeout"
+
+
+def test_long_session_keys_become_short_digests():
+    assert bounded_key(None) is None and bounded_key("alice") == "alice"
+    assert bounded_key("a" * MAX_KEY_CHARS) == "a" * MAX_KEY_CHARS
+    first, second = bounded_key("u" * 4_000_000), bounded_key("u" * 3_999_999 + "v")
+    assert len(first) <= MAX_KEY_CHARS and first != second and first == bounded_key("u" * 4_000_000)
+
+
+async def test_a_multi_megabyte_user_routes_by_session_quickly(monkeypatch):
+    router = make_router(monkeypatch, policy="session")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "user": "u" * 4_000_000}
+    started = time.perf_counter()
+    answer = await call(router, "POST", "/v1/chat/completions", json.dumps(body).encode())
+    print(f"4 MB user routed in {(time.perf_counter() - started) * 1000:.0f} ms")
+    assert answer.status == 200 and "session-sticky" in answer.headers["x-kvmesh-route"]
+    body["user"] = 5
+    assert_openai_error(await call(router, "POST", "/v1/chat/completions", json.dumps(body).encode()), 400)
+
+
+items = st.integers(0, 10**6) | st.text(max_size=3) | st.lists(st.integers(0, 9), max_size=2)
+
+
+@given(st.lists(items, min_size=1, max_size=300))
+def test_the_completion_prefix_key_reads_only_the_first_items(prompt):
+    parsed = parse_request(json.dumps({"model": "m", "prompt": "x"}).encode(), "completion")
+    body = {**parsed.body, "prompt": prompt}
+    expected = f"m\x1f\x1f{str(prompt)[:256]}"
+    assert request_prefix_key(dataclasses.replace(parsed, body=body)) == expected
+
+
+async def test_debug_route_is_admitted_and_charged_like_a_request(monkeypatch):
+    key = "kvm-debugger"
+    tenant = TenantConfig("debugger", keys=[hash_key(key)], requests_per_second=1.0)
+    router = make_router(monkeypatch, auth=AuthConfig(enabled=True), tenants=[tenant])
+    headers = {"content-type": "application/json", "authorization": f"Bearer {key}"}
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    assert (await call(router, "POST", "/debug/route", body, headers)).status == 200
+    refused = await call(router, "POST", "/debug/route", body, headers)
+    assert assert_openai_error(refused, 429)["code"] and "retry-after" in refused.headers
