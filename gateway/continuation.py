@@ -268,7 +268,9 @@ class StreamSplicer:
 
     def ending(self, finish_reason: str | None) -> bytes:
         """Close the stream without another engine: a last chunk with ``finish_reason`` (unless one was
-        sent), the usage chunk when asked for and not sent yet, and ``[DONE]``."""
+        sent), the usage chunk when asked for and not sent yet, and ``[DONE]``; nothing after ``[DONE]``."""
+        if self.done:
+            return b""
         head = self._head or {"id": "", "created": 0, "model": ""}
         base = {"id": head["id"], "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
                 "created": head["created"], "model": head["model"]}

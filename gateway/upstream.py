@@ -13,6 +13,7 @@ of their own: a stale request connection must not make a healthy engine look dow
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -220,6 +221,9 @@ class EnginePool:
         self._requests = _IdleConnections(max_idle, idle_limit_s)
         """Connections for requests; polls use ``_polls``, so a stale one never fails a health check."""
         self._polls = _IdleConnections(POLL_CONNECTIONS, idle_limit_s)
+        self.drain_at = math.inf
+        """Trio time at which streams still running on this engine are continued elsewhere (a drain with a
+        deadline); the proxy reads it between chunks."""
 
     async def _connect(self, timeout: float) -> _Connection:
         """A fresh connection; for https the TLS handshake is part of it, under the same timeout."""
