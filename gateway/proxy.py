@@ -5,7 +5,10 @@ point (connect error, 5xx, 429, a stall before the first token) is retried on th
 two exceptions. A server error that a second engine repeats is the request's fault: the client gets it
 (``gateway.failover``). A non-streamed request whose engine took it but has not answered in time is not
 sent elsewhere: vLLM answers it only when generation ends, so the engine is still working on it; the
-client gets a 504 and no breaker moves. When every engine answers 429, so does the router.
+client gets a 504 and no breaker moves. But a non-streamed request whose engine dies before the router
+answered (the connection closed, or the answer broke off) is sent again in full to another engine, at
+most ``MAX_CONTINUATIONS`` more times; the answer is read whole before the client gets any of it.
+When every engine answers 429, so does the router.
 After the first byte, a stream that breaks (engine gone, stalled, an SSE error event, drained) is
 continued on the next engine in cost order and spliced into the client's (``gateway.continuation``),
 at most ``ContinuationSpec.max_continuations`` times and not past the request timeout. Streams that
@@ -26,12 +29,19 @@ from typing import Any
 import trio
 
 from gateway import tracing
-from gateway.continuation import ContinuationSpec, StreamSplicer, continuation_body
+from gateway.continuation import MAX_CONTINUATIONS, ContinuationSpec, StreamSplicer, continuation_body
 from gateway.engines import EngineState
 from gateway.failover import ErrorAnswer, ErrorLedger
 from gateway.metrics import RouterMetrics
 from gateway.openai_errors import ApiError, sse_error_event
-from gateway.upstream import POLL_BODY_LIMIT, SEND_TIMEOUT_S, UpstreamError, UpstreamResponse, UpstreamTimeout
+from gateway.upstream import (
+    POLL_BODY_LIMIT,
+    SEND_TIMEOUT_S,
+    UpstreamError,
+    UpstreamLost,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
 
 log = logging.getLogger("kvmesh.proxy")
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -40,6 +50,9 @@ _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _TAIL_BYTES = 4096
 ERROR_BODY_LIMIT = 64 * 1024
 ERROR_BODY_TIMEOUT_S = 5.0
+NON_STREAMED_BUFFER = 16 * 1024 * 1024
+LOST = "lost"
+"""The outcome of an attempt whose engine took the request and died before answering it."""
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "te", "trailer", "transfer-encoding", "upgrade"})
 _OWN_RESPONSE_HEADERS = frozenset({"server", "date"})
 """Set by the router's own HTTP server."""
@@ -140,6 +153,23 @@ def _note_chunk(result: ProxyResult, chunk: bytes) -> None:
     result.tail = (result.tail + chunk)[-_TAIL_BYTES:]
 
 
+async def _whole_answer(first: bytes, rest: Any, idle_timeout: float) -> bytes:
+    """A non-streamed answer read to its end (up to ``NON_STREAMED_BUFFER``) before the client gets any of
+    it, so an engine that breaks it can be replaced; a bigger answer is passed on as it comes."""
+    chunks, size = [first], len(first)
+    while size < NON_STREAMED_BUFFER:
+        try:
+            with trio.fail_after(idle_timeout):
+                chunk = await anext(rest)
+        except StopAsyncIteration:
+            break
+        except trio.TooSlowError:
+            raise UpstreamError("engine stalled mid-answer") from None
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
 async def _first_chunk(upstream: UpstreamResponse, timeouts: Timeouts) -> tuple[bytes | None, Any]:
     """Read until the first body chunk so a stall or drop before it can still fail over."""
     body = upstream.iter_body(timeouts.idle)
@@ -195,7 +225,7 @@ async def forward(candidates: list[EngineState], exchange: Exchange, max_attempt
     result = ProxyResult()
     ledger = ErrorLedger()
     start = time.perf_counter()
-    tried = 0
+    tried = lost = 0
     try:
         for engine in candidates:
             if tried >= max_attempts:
@@ -214,6 +244,10 @@ async def forward(candidates: list[EngineState], exchange: Exchange, max_attempt
                 engine.in_flight -= 1
                 if engine.load.poll_generation != generation:
                     engine.load.finished_since_poll += 1
+            if outcome is False and not exchange.is_stream and result.attempts[-1].outcome.startswith(LOST):
+                lost += 1
+                if lost > MAX_CONTINUATIONS:
+                    break  # generated in full that many times already: not again
             if outcome is True:
                 result.total_s = time.perf_counter() - start
                 _settle(candidates, ledger)
@@ -278,6 +312,10 @@ async def _try_engine(engine: EngineState, exchange: Exchange, result: ProxyResu
         engine.health.breaker.record_failure(time.monotonic(), "no response")
         result.attempts.append(Attempt(engine.id, f"unreachable ({exc})"))
         return False
+    except UpstreamLost as exc:
+        engine.health.breaker.record_failure(time.monotonic(), "lost")
+        result.attempts.append(Attempt(engine.id, f"{LOST} ({exc})"))
+        return False
     except UpstreamError as exc:
         engine.health.breaker.record_failure(time.monotonic(), "unreachable")
         result.attempts.append(Attempt(engine.id, f"unreachable ({exc})"))
@@ -292,6 +330,13 @@ async def _try_engine(engine: EngineState, exchange: Exchange, result: ProxyResu
             engine.health.breaker.record_failure(time.monotonic(), "no first byte")
             result.attempts.append(Attempt(engine.id, f"failed before first byte ({exc or 'timeout'})"))
             return False
+        if not exchange.is_stream and first is not None:
+            try:
+                first = await _whole_answer(first, rest, exchange.timeouts.idle)
+            except UpstreamError as exc:
+                engine.health.breaker.record_failure(time.monotonic(), "broken answer")
+                result.attempts.append(Attempt(engine.id, f"{LOST} mid-answer ({exc})"))
+                return False
         result.ttft_s = time.perf_counter() - start
         result.engine = engine
         result.status = upstream.status

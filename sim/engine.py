@@ -65,7 +65,7 @@ class Faults:
     error_after: int = 0
     """Streams end with vLLM's mid-stream SSE error event (then ``[DONE]``) after this many tokens (0: never)."""
     die_after: int = 0
-    """The engine dies (as with ``die``) once a stream has sent this many tokens (0: never)."""
+    """The engine dies (as with ``die``) once a request has generated this many tokens (0: never)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,9 +329,6 @@ class SimEngine:
                     yield sse(json.loads(ApiError("simulated engine failure mid-stream", status=500).body()))
                     yield DONE
                     return
-                if n == self.faults.die_after:
-                    assert self._cancel is not None
-                    self._cancel.cancel()
         if params.include_usage:
             yield head.usage_chunk(usage(len(sreq.prompt_ids), n, cached))
         yield DONE
@@ -348,11 +345,16 @@ class SimEngine:
             self.core.add(sreq)
             self._wakeup()
             first = True
+            sent = 0
             async for out in recv:
                 if first:
                     self.metrics.ttft.observe(trio.current_time() - arrival)
                     first = False
                 yield out
+                sent += 1
+                if sent == self.faults.die_after:
+                    assert self._cancel is not None
+                    self._cancel.cancel()
                 if out.finish_reason is not None:
                     finished = True
                     self.success[out.finish_reason] = self.success.get(out.finish_reason, 0) + 1

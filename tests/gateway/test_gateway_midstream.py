@@ -13,7 +13,7 @@ from proxy_harness import Sink, failures, sim_engines
 
 from gateway.continuation import ContinuationSpec
 from gateway.engines import EngineState
-from gateway.proxy import Exchange, ProxyResult, Timeouts, forward
+from gateway.proxy import Exchange, ProxyResult, Timeouts, UpstreamFailure, forward
 
 pytestmark = pytest.mark.integration
 MODEL = "kvmesh-tiny"
@@ -166,3 +166,30 @@ async def test_a_budget_spent_at_the_break_ends_the_stream_without_another_engin
     result = await forward(states, exchange(sink, {**CHAT, "max_tokens": 20}, prompt_tokens=prompt), max_attempts=3)
     assert not result.continuations
     assert_one_complete_answer(sink, 20, prompt)
+
+
+async def test_a_non_streamed_request_whose_engine_dies_is_generated_again_elsewhere(nursery):
+    sims, states = await sim_engines(nursery, 3)
+    sims[0].faults.die_after = 20
+    sink = Sink()
+    body = {**CHAT, "stream": False}
+    del body["stream_options"]
+    result = await forward(states, Exchange("POST", "/v1/chat/completions", json.dumps(body).encode(),
+                                            [("content-type", "application/json")], sink.send, Timeouts(),
+                                            lambda engine, attempts: [], False), max_attempts=3)
+    answer = json.loads(sink.body)
+    assert sink.status == 200 and answer["usage"]["completion_tokens"] == 300
+    assert [a.outcome.split(" ")[0] for a in result.attempts] == ["lost", "ok"]
+
+
+async def test_non_streamed_retries_after_engine_deaths_are_bounded(nursery):
+    sims, states = await sim_engines(nursery, 4)
+    for sim in sims:
+        sim.faults.die_after = 5
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 50}
+    sink = Sink()
+    with pytest.raises(UpstreamFailure) as caught:
+        await forward(states, Exchange("POST", "/v1/completions", json.dumps(body).encode(), [], sink.send,
+                                       Timeouts(), lambda engine, attempts: [], False), max_attempts=4)
+    assert [a.outcome.split(" ")[0] for a in caught.value.attempts] == ["lost", "lost", "lost"]
+    assert sims[3].success == {} and sims[3].inflight == 0, "generated in full a fourth time"
