@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -114,3 +115,34 @@ def test_an_sse_error_event_after_20_chunks_is_continued(engines, router):
         finish, usage, _, _ = read_whole(client, max_tokens=60)
         assert finish == ["length"] and usage.completion_tokens == 60
     assert continuations(router) == 1
+
+
+def admin(router, path: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(router.url + path, json.dumps(body).encode(), method="POST",
+                                     headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_a_drain_deadline_moves_running_streams_to_other_engines(engines, router):
+    client = api(router)
+    drained = []
+
+    def drain_at_20(i: int, headers) -> None:
+        if i == 20:
+            engine = route_engine(headers["x-kvmesh-route"])
+            status, row = admin(router, f"/admin/engines/{engine}/drain", {"deadline_s": 0.2})
+            assert status == 200 and row["draining"] and row["drain_deadline_in_s"] == 0.2
+            drained.append(engine)
+
+    finish, usage, _, _ = read_whole(client, drain_at_20)
+    assert finish == ["length"] and usage.completion_tokens == 300
+    assert continuations(router) == 1
+    with urllib.request.urlopen(router.url + "/admin/engines", timeout=5) as response:
+        row = next(r for r in json.loads(response.read())["engines"] if r["id"] == drained[0])
+    assert row["in_flight"] == 0 and row["healthy"], "a drained engine is not charged for the move"
+    status, error = admin(router, f"/admin/engines/{drained[0]}/drain", {"deadline_s": "soon"})
+    assert status == 400 and error["error"]["param"] == "deadline_s"
