@@ -25,6 +25,9 @@ HEAL_TIMEOUT_S = 90.0
 STREAM_TOKENS = 200
 """Answer length in the streaming scenarios: long enough that kills land mid-stream."""
 TAIL_S = 5.0
+STREAM_TAIL_S = 15.0
+"""More tail for long streams: a request is recorded when it ends, and the last fault's watch (a restarted
+engine's first request) needs the streams started after its heal to have ended."""
 # The load may outlast the requested duration this much while slow restarts push the schedule back.
 MAX_STRETCH_S = 180.0
 
@@ -105,7 +108,8 @@ async def run_chaos(state: ClusterState, options: ChaosOptions) -> ChaosRun:
             nursery.start_soon(monitor.run)
             nursery.start_soon(load.run, options.rate, options.duration + MAX_STRETCH_S)
             last_heal = await apply_schedule(injector, events, t0)
-            await trio.sleep_until(t0 + max(options.duration, last_heal + TAIL_S))
+            tail = TAIL_S + (STREAM_TAIL_S if streaming else 0.0)
+            await trio.sleep_until(t0 + max(options.duration, last_heal + tail))
             run_end = clock()
             nursery.cancel_scope.cancel()
     finally:
