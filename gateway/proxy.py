@@ -153,18 +153,15 @@ def _note_chunk(result: ProxyResult, chunk: bytes) -> None:
     result.tail = (result.tail + chunk)[-_TAIL_BYTES:]
 
 
-async def _whole_answer(first: bytes, rest: Any, idle_timeout: float) -> bytes:
+async def _whole_answer(first: bytes, rest: Any) -> bytes:
     """A non-streamed answer read to its end (up to ``NON_STREAMED_BUFFER``) before the client gets any of
     it, so an engine that breaks it can be replaced; a bigger answer is passed on as it comes."""
     chunks, size = [first], len(first)
     while size < NON_STREAMED_BUFFER:
         try:
-            with trio.fail_after(idle_timeout):
-                chunk = await anext(rest)
+            chunk = await anext(rest)  # raises UpstreamError when the engine breaks or stalls
         except StopAsyncIteration:
             break
-        except trio.TooSlowError:
-            raise UpstreamError("engine stalled mid-answer") from None
         chunks.append(chunk)
         size += len(chunk)
     return b"".join(chunks)
@@ -332,7 +329,7 @@ async def _try_engine(engine: EngineState, exchange: Exchange, result: ProxyResu
             return False
         if not exchange.is_stream and first is not None:
             try:
-                first = await _whole_answer(first, rest, exchange.timeouts.idle)
+                first = await _whole_answer(first, rest)
             except UpstreamError as exc:
                 engine.health.breaker.record_failure(time.monotonic(), "broken answer")
                 result.attempts.append(Attempt(engine.id, f"{LOST} mid-answer ({exc})"))
