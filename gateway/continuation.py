@@ -15,6 +15,7 @@ client gets; ``continuation_body`` builds the next engine's request. The I/O is 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -22,6 +23,9 @@ Kind = Literal["chat", "completion"]
 MAX_CONTINUATIONS = 2
 """Continuations per request; past that, a broken stream ends with an SSE error event as before."""
 DONE = b"data: [DONE]\n\n"
+_TEXT = re.compile(rb'"(?:content|text)":\s*"([^"\\]*(?:\\.[^"\\]*)*)"')
+_KEYS = re.compile(rb'"(finish_reason|usage|error|tool_calls|reasoning_content|reasoning)":\s*([\[{"])')
+"""Keys of a chunk whose value is not null: finish, usage, an error, and what a continuation cannot rebuild."""
 _STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
 
@@ -112,6 +116,8 @@ class ContinuationSpec:
 
 def _events(buffer: bytes) -> tuple[list[bytes], bytes]:
     """Complete SSE events (each with its blank line) and what is left over."""
+    if len(buffer) > 2 and buffer.find(b"\n\n") == len(buffer) - 2:
+        return [buffer], b""  # the usual chunk: one whole event
     end = buffer.rfind(b"\n\n")
     if end < 0:
         return [], buffer
@@ -120,8 +126,18 @@ def _events(buffer: bytes) -> tuple[list[bytes], bytes]:
 
 
 def _data(event: bytes) -> bytes | None:
+    if event.startswith(b"data: ") and event.find(b"\n") == len(event) - 2:
+        return event[6:-2]  # the usual one-line event
     lines = [line[5:].removeprefix(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
     return b"\n".join(lines) if lines else None
+
+
+def _object(data: bytes) -> dict[str, Any] | None:
+    try:
+        obj = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    return obj if isinstance(obj, dict) else None
 
 
 def _sse(obj: dict[str, Any]) -> bytes:
@@ -146,6 +162,7 @@ class StreamSplicer:
     include_usage: bool = False
     prompt_tokens: int | None = None
     text: list[str] = field(default_factory=list)
+    """Text of the continuation legs (the first leg's is kept JSON-escaped in ``_escaped``)."""
     tokens: int = 0
     """Tokens the client has received: one per event that carried text."""
     finished: bool = False
@@ -154,6 +171,7 @@ class StreamSplicer:
     unsplicable: str | None = None
     """Set when the answer carries something a continuation cannot rebuild (tool calls, reasoning)."""
     usage_sent: bool = False
+    _escaped: list[bytes] = field(default_factory=list)
     _head: dict[str, Any] | None = None
     _buffer: bytes = b""
     _continuing: bool = False
@@ -162,7 +180,8 @@ class StreamSplicer:
 
     @property
     def generated(self) -> str:
-        return "".join(self.text)
+        first = json.loads(b'"' + b"".join(self._escaped) + b'"') if self._escaped else ""
+        return first + "".join(self.text)
 
     @property
     def continued(self) -> bool:
@@ -179,7 +198,8 @@ class StreamSplicer:
         """Bytes for the client from one upstream chunk. Nothing after an engine's error event."""
         if self.engine_error is not None or self.done:
             return b""
-        events, self._buffer = _events((self._buffer + chunk).replace(b"\r\n", b"\n"))
+        data = self._buffer + chunk if self._buffer else chunk
+        events, self._buffer = _events(data.replace(b"\r\n", b"\n") if b"\r" in data else data)
         out = []
         for event in events:
             piece = self._event(event)
@@ -195,24 +215,18 @@ class StreamSplicer:
         if data.strip() == b"[DONE]":
             self.done = True
             return DONE
-        try:
-            obj = json.loads(data)
-        except (ValueError, RecursionError):
-            return b"" if self._continuing else event
-        if not isinstance(obj, dict):
-            return b"" if self._continuing else event
+        if not self._continuing:
+            return self._pass(event, data)
+        obj = _object(data)
+        if obj is None:
+            return b""
         if "error" in obj:
-            error = obj["error"]
-            message = error.get("message") if isinstance(error, dict) else error
-            self.engine_error = str(message or "engine error")[:500]
+            self._error(obj["error"])
             return b""
         if self._head is None:
             self._head = {k: obj.get(k) for k in ("id", "created", "model")}
         counted = self._read_choices(obj)
         usage = obj.get("usage")
-        if not self._continuing:
-            self.usage_sent = self.usage_sent or isinstance(usage, dict)
-            return event
         if isinstance(usage, dict):
             obj["usage"] = self._usage(usage)
             self.usage_sent = True
@@ -220,6 +234,36 @@ class StreamSplicer:
             return b""  # the new engine's role chunk: the client had one already
         obj.update(self._head)
         return _sse(obj)
+
+    def _pass(self, event: bytes, data: bytes) -> bytes:
+        """A first-leg event: forwarded as it is unless it is the engine's error."""
+        keys = dict(_KEYS.findall(data))
+        if self._head is None or b"error" in keys:
+            obj = _object(data)
+            if obj is not None and "error" in obj:
+                self._error(obj["error"])
+                return b""
+            if obj is not None and self._head is None:
+                self._head = {k: obj.get(k) for k in ("id", "created", "model")}
+        self._scan(data, keys)
+        return event
+
+    def _error(self, error: Any) -> None:
+        message = error.get("message") if isinstance(error, dict) else error
+        self.engine_error = str(message or "engine error")[:500]
+
+    def _scan(self, data: bytes, keys: dict[bytes, bytes]) -> None:
+        """What a first-leg event carries, read without decoding it: it passes through unchanged and its
+        text is only needed if the stream breaks (this keeps the common case cheap)."""
+        text = _TEXT.search(data)
+        if text is not None and text.group(1):
+            self._escaped.append(text.group(1))
+            self.tokens += 1
+        if keys:
+            self.finished = self.finished or b"finish_reason" in keys
+            self.usage_sent = self.usage_sent or b"usage" in keys
+            if b"reasoning" in keys or b"reasoning_content" in keys or b"tool_calls" in keys:
+                self.unsplicable = "tool calls or reasoning in the answer"
 
     def _read_choices(self, obj: dict[str, Any]) -> bool:
         """Collect the event's text; True when it carried some (one token)."""

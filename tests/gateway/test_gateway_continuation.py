@@ -47,7 +47,8 @@ def content(event: dict, chat: bool) -> str:
     return (choice["delta"].get("content") or "") if chat else choice["text"]
 
 
-words = st.lists(st.text(alphabet="abc xyz\u00e9\u4e2d", min_size=1, max_size=4), min_size=1, max_size=12)
+words = st.lists(st.text(alphabet='abc xyz\u00e9\u4e2d"\\\n\U0001f600', min_size=1, max_size=4), min_size=1,
+                 max_size=12)
 cuts = st.lists(st.integers(0, 4000), max_size=12)
 
 
@@ -108,6 +109,19 @@ def test_an_engine_error_event_is_never_forwarded(pieces, after, at):
     assert splicer.engine_error == "engine overloaded" and not splicer.done
     assert b"error" not in out and b"[DONE]" not in out
     assert splicer.tokens == after
+
+
+def test_tool_calls_or_reasoning_in_the_answer_make_it_unsplicable():
+    head = ResponseHead("id-1", 100, "m", True)
+    for delta in ({"reasoning_content": "hmm"}, {"tool_calls": [{"index": 0, "function": {"name": "f"}}]}):
+        splicer = StreamSplicer("chat")
+        event = sse({"id": "id-1", "object": "chat.completion.chunk", "created": 100, "model": "m",
+                     "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+        assert splicer.feed(head.role_chunk() + event) == head.role_chunk() + event
+        assert splicer.unsplicable is not None
+    plain = StreamSplicer("chat")
+    plain.feed(head.role_chunk() + head.text_chunk("the error: none", None))
+    assert plain.unsplicable is None and plain.engine_error is None and plain.generated == "the error: none"
 
 
 def test_ending_closes_a_stream_whose_token_budget_is_spent():
