@@ -432,7 +432,7 @@ class _Relay:
             return f"engine error event: {self.splicer.engine_error}"
         while True:
             try:
-                with trio.move_on_at(engine.pool.drain_at) as drain:
+                with trio.move_on_at(engine.pool.drain_at if engine.draining else math.inf) as drain:
                     chunk = await anext(body)
             except StopAsyncIteration:
                 return None if self.splicer.done or self.splicer.finished else "stream ended early"
@@ -507,7 +507,7 @@ class _Relay:
         for engine in self.candidates:
             now = time.monotonic()
             if (engine.id in self.failed or engine.draining or engine.maintenance
-                    or engine.pool.drain_at < math.inf or not engine.health.breaker.allow(now)):
+                    or not engine.health.breaker.allow(now)):
                 continue
             engine.in_flight += 1
             upstream = None

@@ -233,7 +233,7 @@ class EnginePool:
         self._polls = _IdleConnections(POLL_CONNECTIONS, idle_limit_s)
         self.drain_at = math.inf
         """Trio time at which streams still running on this engine are continued elsewhere (a drain with a
-        deadline); the proxy reads it between chunks."""
+        deadline; only while the engine is draining); the proxy reads it between chunks."""
 
     async def _connect(self, timeout: float) -> _Connection:
         """A fresh connection; for https the TLS handshake is part of it, under the same timeout."""

@@ -157,6 +157,10 @@ async def test_a_drain_deadline_moves_running_streams_without_charging_the_engin
     assert result.continuations[0].reason == "drained" and failures(states[0]) == 0
     await trio.sleep(0.1)
     assert sims[0].inflight == 0, "the drained engine stopped generating"
+    states[0].draining = False  # back in rotation (PATCH draining=false): an old deadline no longer applies
+    sink = Sink()
+    result = await forward([states[0]], exchange(sink, CHAT, prompt_tokens=prompt), max_attempts=1)
+    assert not result.continuations and sink.body.endswith(b"data: [DONE]\n\n")
 
 
 async def test_a_budget_spent_at_the_break_ends_the_stream_without_another_engine(nursery):
