@@ -395,12 +395,12 @@ class _Relay:
                     engine.health.breaker.record_success(time.monotonic())
                     await self._finish(self.splicer.ending(None))
                     return
-                await self._broken(engine, why)
+                self._broken(engine, why)
                 if upstream is not None:
                     await upstream.aclose()
                     engine.in_flight -= 1
                     upstream = None
-                refusal = self._refusal()
+                refusal = self._refusal(engine, why)
                 if refusal is not None:
                     await self._finish(refusal)
                     return
@@ -455,27 +455,28 @@ class _Relay:
             await self.exchange.send({"type": "http.response.body", "body": out, "more_body": True})
         return self.splicer.engine_error is not None
 
-    async def _broken(self, engine: EngineState, why: str) -> None:
+    def _broken(self, engine: EngineState, why: str) -> None:
         """Charge the engine (a drained one did nothing wrong) and note the break."""
-        if why != DRAINED:
+        if why == DRAINED:
+            self.result.attempts.append(Attempt(engine.id, "drained mid-stream"))
+        else:
             engine.health.breaker.record_failure(time.monotonic(), "broken stream")
+            self.result.attempts.append(Attempt(engine.id, f"broken mid-stream ({why})"))
         self.result.broken_after_first_byte = True
-        self.result.attempts.append(Attempt(engine.id, f"broken mid-stream ({why})"))
         self.failed.add(engine.id)
 
-    def _refusal(self) -> bytes | None:
+    def _refusal(self, engine: EngineState, why: str) -> bytes | None:
         """How the stream ends when it is not continued; None when it may be."""
         splicer = self.splicer
         if splicer.finished:
             return splicer.ending(None)  # only the usage chunk or [DONE] were missing
-        last = self.result.attempts[-1]
         reason = (splicer.unsplicable
                   or ("continuation limit reached" if len(self.result.continuations) >= self.spec.max_continuations
                       else None)
                   or ("request timeout reached" if trio.current_time() >= self.deadline else None))
         if reason is None:
             return None
-        return sse_error_event(f"engine {last.engine} failed mid-stream ({last.outcome}); not continued: {reason}")
+        return sse_error_event(f"engine {engine.id} failed mid-stream ({why}); not continued: {reason}")
 
     async def _finish(self, tail: bytes) -> None:
         await self.exchange.send({"type": "http.response.body", "body": tail, "more_body": False})

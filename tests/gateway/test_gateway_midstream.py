@@ -197,3 +197,12 @@ async def test_non_streamed_retries_after_engine_deaths_are_bounded(nursery):
                                        Timeouts(), lambda engine, attempts: [], False), max_attempts=4)
     assert [a.outcome.split(" ")[0] for a in caught.value.attempts] == ["lost", "lost", "lost"]
     assert sims[3].success == {} and sims[3].inflight == 0, "generated in full a fourth time"
+
+
+async def test_a_client_gone_during_a_continuation_stops_the_next_engine(nursery):
+    sims, states, prompt = await three_engines(nursery)
+    sims[0].faults.die_after = 5
+    with trio.CancelScope() as scope:
+        await forward(states, exchange(CountingSink(10, scope.cancel), CHAT, prompt_tokens=prompt), max_attempts=3)
+    await trio.sleep(0.2)
+    assert sims[1].success == {} and sims[1].inflight == 0 and [s.in_flight for s in states] == [0, 0, 0]
