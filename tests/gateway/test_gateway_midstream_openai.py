@@ -106,6 +106,9 @@ def test_a_stream_stalled_after_20_chunks_is_finished_by_another_engine(engines,
                                                                                   {"stall": 30}))
     assert finish == ["length"] and usage.completion_tokens == 300
     assert continuations(router) == 1
+    [line] = [json.loads(x) for x in router.stderr().splitlines() if '"msg": "continued"' in x]
+    assert line["continued_from"] != line["continued_to"] and line["sent_tokens"][0] >= 20
+    assert "served_by=" in line["route"] and line["latency_ms"][0] > 0
 
 
 def test_an_sse_error_event_after_20_chunks_is_continued(engines, router):
