@@ -17,9 +17,10 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-Kind = Literal["chat", "completion"]
+from gateway.request_body import Kind
+
 MAX_CONTINUATIONS = 2
 """Continuations per request; past that, a broken stream ends with an SSE error event as before."""
 DONE = b"data: [DONE]\n\n"
