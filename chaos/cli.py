@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     req = data["requests"]
     print(f"kvmesh chaos {args.scenario}: {req['total']} requests, {req['ok']} ok, {req['failed']} failed; "
           f"{'all invariants held' if not failed else 'FAILED: ' + ', '.join(failed)}")
+    print(report.continuation_line(data))
     print(f"report: {json_path} and {md_path}")
     return 0 if not failed else 1
 

@@ -29,16 +29,18 @@ class ChaosWorkload:
     """Request bodies by index; ``systems`` shared prompts of ``system_tokens`` tokens each."""
 
     def __init__(self, model: str, seed: int = 0, systems: int = 6, system_tokens: int = 300,
-                 max_tokens: int = 8) -> None:
+                 max_tokens: int = 8, streamed_only: bool = False) -> None:
         rng = random.Random(f"chaos-{seed}")
         self.model = model
         self.seed = seed
         self.max_tokens = max_tokens
+        self.streamed_only = streamed_only
+        """Every request streamed, and its usage must count ``max_tokens`` (simulated engines)."""
         self.systems = [f"System {s}:" + text(rng, system_tokens) for s in range(systems)]
 
     def body(self, i: int) -> dict:
         rng = random.Random(f"chaos-{self.seed}-{i}")
-        stream = i % 4 != 3
+        stream = self.streamed_only or i % 4 != 3
         if i % 5 == 4:
             messages = [{"role": "user", "content": f"Note {self.seed}-{i}:" + text(rng, 60)}]
         else:
@@ -48,8 +50,10 @@ class ChaosWorkload:
 
 
 async def measure(client: HttpClient, url: str, body: dict, index: int, clock: Clock,
-                  timeout: float = 30.0) -> RequestRecord:
-    """Send one request and record what happened; never raises for a failure of the cluster."""
+                  timeout: float = 30.0, expect_tokens: int | None = None) -> RequestRecord:
+    """Send one request and record what happened; never raises for a failure of the cluster.
+    ``expect_tokens``: a stream's usage must count exactly that many (engines that always generate
+    ``max_tokens``, as the simulated ones do)."""
     stream = bool(body.get("stream"))
     record = RequestRecord(index, clock(), stream=stream)
     splitter, answer = SseSplitter(), StreamedAnswer()
@@ -60,8 +64,11 @@ async def measure(client: HttpClient, url: str, body: dict, index: int, clock: C
             record.first_byte = clock()
         chunks.append(chunk)
         for payload in splitter.feed(chunk) if stream else ():
+            chunks_before = answer.content_chunks
             if answer.apply(payload) and record.first_token is None:
                 record.first_token = clock()
+            if answer.content_chunks > chunks_before:
+                record.token_times.append(clock())
 
     response = None
     with trio.move_on_after(timeout) as scope:
@@ -83,6 +90,8 @@ async def measure(client: HttpClient, url: str, body: dict, index: int, clock: C
         record.error, record.detail = rec.SSE_ERROR, answer.error
     elif stream and not answer.done:
         record.error = rec.INCOMPLETE
+    elif stream and expect_tokens is not None and answer.output_tokens != expect_tokens:
+        record.error, record.detail = rec.SHORT, f"usage counts {answer.output_tokens} of {expect_tokens} tokens"
     elif not stream:
         record.error = "" if _complete_json(raw) else rec.MALFORMED
     return record
@@ -127,6 +136,8 @@ class LoadGenerator:
 
     async def _send(self, i: int, _started: float) -> RequestResult:
         self.started += 1
-        record = await measure(self.client, self.endpoint, self.workload.body(i), i, self.clock, self.timeout)
+        expect = self.workload.max_tokens if self.workload.streamed_only else None
+        record = await measure(self.client, self.endpoint, self.workload.body(i), i, self.clock, self.timeout,
+                               expect)
         self.records.append(record)
         return record.as_result()

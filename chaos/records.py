@@ -16,6 +16,8 @@ TIMEOUT = "timeout"
 SSE_ERROR = "sse_error"
 INCOMPLETE = "incomplete"
 MALFORMED = "malformed"
+SHORT = "short"
+"""A stream whose usage counts fewer tokens than asked for (the simulated engines always generate them all)."""
 
 # Fault actions.
 KILL = "kill"
@@ -44,6 +46,8 @@ class RequestRecord:
     error: str = ""
     detail: str = ""
     stream: bool = True
+    token_times: list[float] = field(default_factory=list)
+    """When each content chunk of a stream arrived: a continued stream shows the kill-to-next-token wait."""
 
     @property
     def ok(self) -> bool:

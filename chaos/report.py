@@ -8,7 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bench.stats import summarize
+from bench.stats import percentile, summarize
 from chaos.runner import ChaosRun
 
 
@@ -31,6 +31,9 @@ def build(run: ChaosRun) -> dict[str, Any]:
                      "ttft_p50_ms": _num(summary.ttft_p50 * 1000, 1), "ttft_p95_ms": _num(summary.ttft_p95 * 1000, 1),
                      "latency_p99_ms": _num(summary.latency_p99 * 1000, 1),
                      "per_engine": summary.routes},
+        "continuations": {"streams": len(ev.continued),
+                          "latency_p50_ms": _num(percentile(ev.continued, 50) * 1000, 1),
+                          "latency_p99_ms": _num(percentile(ev.continued, 99) * 1000, 1)},
         "failures_by_cause": failures,
         "violations": ev.violations,
         "faults": [{**asdict(o), "hit_rate_pre": _num(o.hit_rate_pre), "convergence_s": _num(o.convergence_s),
@@ -50,6 +53,14 @@ def build(run: ChaosRun) -> dict[str, Any]:
     }
 
 
+def continuation_line(report: dict[str, Any]) -> str:
+    c = report["continuations"]
+    if not c["streams"]:
+        return "No stream was under way on a killed engine."
+    return (f"{c['streams']} streams were continued after their engine was killed; kill to next token "
+            f"p50 {c['latency_p50_ms']} ms, p99 {c['latency_p99_ms']} ms.")
+
+
 def markdown(report: dict[str, Any]) -> str:
     verdict = "PASSED" if report["passed"] else "FAILED"
     req = report["requests"]
@@ -58,6 +69,7 @@ def markdown(report: dict[str, Any]) -> str:
              f"{req['skipped_at_cap']} skipped at the in-flight cap; TTFT p50 {req['ttft_p50_ms']} ms, "
              f"p95 {req['ttft_p95_ms']} ms.", "", "| invariant | held |", "| --- | --- |"]
     lines += [f"| {name} | {'yes' if held else '**NO**'} |" for name, held in report["invariants"].items()]
+    lines += ["", continuation_line(report)]
     lines += ["", "| cause | requests | allowed |", "| --- | --- | --- |"]
     lines += [f"| {c} | {n} | {'no' if c in report['violations'] else 'yes'} |"
               for c, n in sorted(report["failures_by_cause"].items())] or ["| (none) | 0 | |"]

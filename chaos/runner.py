@@ -18,11 +18,16 @@ from chaos.invariants import Evaluation, Limits, evaluate
 from chaos.load import ChaosWorkload, LoadGenerator
 from chaos.monitor import Monitor
 from chaos.records import FaultAction, RequestRecord, Sample
-from chaos.scenarios import FaultEvent, Topology, schedule, warmup_for
+from chaos.scenarios import STREAMING, FaultEvent, Topology, schedule, warmup_for
 from cluster.state import ClusterState
 
 HEAL_TIMEOUT_S = 90.0
+STREAM_TOKENS = 200
+"""Answer length in the streaming scenarios: long enough that kills land mid-stream."""
 TAIL_S = 5.0
+STREAM_TAIL_S = 15.0
+"""More tail for long streams: a request is recorded when it ends, and the last fault's watch (a restarted
+engine's first request) needs the streams started after its heal to have ended."""
 # The load may outlast the requested duration this much while slow restarts push the schedule back.
 MAX_STRETCH_S = 180.0
 
@@ -92,7 +97,9 @@ async def run_chaos(state: ClusterState, options: ChaosOptions) -> ChaosRun:
         return trio.current_time() - t0
 
     try:
-        workload = ChaosWorkload(await model_name(client, state.haproxy_url), options.seed)
+        streaming = options.scenario in STREAMING
+        workload = ChaosWorkload(await model_name(client, state.haproxy_url), options.seed,
+                                 max_tokens=STREAM_TOKENS if streaming else 8, streamed_only=streaming)
         t0 = trio.current_time()
         injector = FaultInjector(state, client, clock)
         monitor = Monitor(state, client, clock, options.interval)
@@ -101,13 +108,14 @@ async def run_chaos(state: ClusterState, options: ChaosOptions) -> ChaosRun:
             nursery.start_soon(monitor.run)
             nursery.start_soon(load.run, options.rate, options.duration + MAX_STRETCH_S)
             last_heal = await apply_schedule(injector, events, t0)
-            await trio.sleep_until(t0 + max(options.duration, last_heal + TAIL_S))
+            tail = TAIL_S + (STREAM_TAIL_S if streaming else 0.0)
+            await trio.sleep_until(t0 + max(options.duration, last_heal + tail))
             run_end = clock()
             nursery.cancel_scope.cancel()
     finally:
         await client.aclose()
     evaluation = evaluate(load.records, injector.actions, monitor.samples, [r.name for r in state.by_role("router")],
                           [engine_id(r) for r in state.by_role("engine")], run_end, warmup_for(options.duration),
-                          options.limits)
+                          options.limits, streams_continue=options.scenario in STREAMING)
     return ChaosRun(options, events, load.records, load.skipped(run_end), injector.actions, monitor.samples,
                     run_end, evaluation)

@@ -22,7 +22,10 @@ FAULT_ROLES = {
 # The mixed order alternates roles so consecutive faults do not pile onto the same kind of process.
 MIXED_ORDER = ("kill-engine", "pause-router", "drop-events", "kill-router", "pause-engine", "kill-redis",
                "restart-engine", "partition-router")
-SCENARIOS = (*FAULT_ROLES, "mixed")
+STREAMING = {"kill-engine-streaming": "kill-engine"}
+"""Scenarios under long streamed answers, by the fault they repeat: a stream whose engine dies must be
+continued elsewhere, so no client sees a failure while an engine is alive."""
+SCENARIOS = (*FAULT_ROLES, "mixed", *STREAMING)
 # A restart is its own heal: the engine comes back cold as soon as it can.
 INSTANT_HEAL = frozenset({"restart-engine"})
 RECOVERY_S = 10.0
@@ -81,11 +84,12 @@ def schedule(name: str, duration: float, topology: Topology, fault_s: float = 2.
         if slot < fault_s + 3.0:
             raise ValueError(f"mixed needs at least {warmup + len(kinds) * (fault_s + 3.0):.0f} s on this cluster")
     else:
-        reason = feasible(name, topology)
+        kind = STREAMING.get(name, name)
+        reason = feasible(kind, topology)
         if reason:
             raise ValueError(f"{name}: {reason}")
         slot = fault_s + RECOVERY_S
-        kinds = [name] * max(1, math.floor((duration - warmup) / slot))
+        kinds = [kind] * max(1, math.floor((duration - warmup) / slot))
     counts = {"router": topology.routers, "engine": topology.engines, "redis": 1}
     used = dict.fromkeys(counts, 0)
     events = []

@@ -5,6 +5,7 @@ Everything here is for operators and the chaos suite; none of it is on the reque
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -113,10 +114,11 @@ async def handle_admin(router: Router, method: str, path: str, scope: dict, rece
         if len(parts) == 2 and method in ("PATCH", "POST"):
             body = await _json_body(router, scope, receive)
             return await _set_state(router, engine_id, body, send)
-        if len(parts) == 3 and parts[2] in ("drain", "maintenance") and method == "POST":
+        if len(parts) == 3 and parts[2] == "drain" and method == "POST":
+            return await _drain(router, engine_id, await _json_body(router, scope, receive), send)
+        if len(parts) == 3 and parts[2] == "maintenance" and method == "POST":
             enabled = _flag(await _json_body(router, scope, receive), "enabled")
-            flag = "draining" if parts[2] == "drain" else "maintenance"
-            return await _set_state(router, engine_id, {flag: enabled}, send)
+            return await _set_state(router, engine_id, {"maintenance": enabled}, send)
     raise ApiError(404, f"no admin route for {method} {path}", code="not_found")
 
 
@@ -126,6 +128,25 @@ def _flag(body: dict[str, Any], key: str) -> bool:
     if not isinstance(value, bool):
         raise ApiError(400, f"'{key}' must be true or false", param=key)
     return value
+
+
+async def _drain(router: Router, engine_id: str, body: dict[str, Any], send) -> int:
+    """Take the engine out of rotation. With ``deadline_s``, streams still running on it that many seconds
+    later are continued on other engines (``gateway.proxy``) rather than cut, so it can then be stopped
+    without failing anyone. The deadline is this replica's: send the drain to every replica."""
+    enabled = _flag(body, "enabled")
+    deadline = body.get("deadline_s")
+    if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, int | float)
+                                 or not 0 <= deadline < 86400):
+        raise ApiError(400, "'deadline_s' must be a number of seconds from 0 to 86400", param="deadline_s")
+    engine = router.engines.get(engine_id)
+    assert engine is not None
+    engine.pool.drain_at = trio.current_time() + deadline if enabled and deadline is not None else math.inf
+    router.set_engine_state(engine_id, {"draining": enabled})
+    row = engine_row(router, engine_id)
+    row["drain_deadline_in_s"] = None if math.isinf(engine.pool.drain_at) else deadline
+    await http_app.send_json(send, 200, row)
+    return 200
 
 
 def _check_state(body: dict[str, Any]) -> None:

@@ -46,6 +46,10 @@ class RouterMetrics:
                                 ["engine"], registry=r)
         self.peer_silence = Gauge("kvmesh_mesh_peer_silence_seconds", "Time since each replica was last heard "
                                   "on the replication channel (the replication lag bound)", ["peer"], registry=r)
+        self.continuations = Counter("kvmesh_stream_continuations", "Broken streams, by whether another engine "
+                                     "continued them", ["outcome"], registry=r)
+        self.continuation_latency = Histogram("kvmesh_continuation_latency_seconds", "From a stream's break to the "
+                                              "next token the client got", buckets=LATENCY_BUCKETS, registry=r)
         self._refresh: Callable[[RouterMetrics], None] = lambda metrics: None
 
     def on_scrape(self, refresh: Callable[[RouterMetrics], None]) -> None:

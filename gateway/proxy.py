@@ -5,12 +5,21 @@ point (connect error, 5xx, 429, a stall before the first token) is retried on th
 two exceptions. A server error that a second engine repeats is the request's fault: the client gets it
 (``gateway.failover``). A non-streamed request whose engine took it but has not answered in time is not
 sent elsewhere: vLLM answers it only when generation ends, so the engine is still working on it; the
-client gets a 504 and no breaker moves. When every engine answers 429, so does the router.
-After the first byte a broken engine ends the stream with an SSE error event the OpenAI client raises.
+client gets a 504 and no breaker moves. But a non-streamed request whose engine dies before the router
+answered (the connection closed, or the answer broke off) is sent again in full to another engine, at
+most ``MAX_CONTINUATIONS`` more times; the answer is read whole before the client gets any of it.
+When every engine answers 429, so does the router.
+After the first byte, a stream that breaks (engine gone, stalled, an SSE error event, drained) is
+continued on the next engine in cost order and spliced into the client's (``gateway.continuation``),
+at most ``ContinuationSpec.max_continuations`` times and not past the request timeout. Streams that
+cannot be continued (n > 1, logprobs, echo, tools...) end with an SSE error event the OpenAI client raises.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import math
 import re
 import time
 from collections.abc import Awaitable, Callable
@@ -20,17 +29,30 @@ from typing import Any
 import trio
 
 from gateway import tracing
+from gateway.continuation import MAX_CONTINUATIONS, ContinuationSpec, StreamSplicer, continuation_body
 from gateway.engines import EngineState
 from gateway.failover import ErrorAnswer, ErrorLedger
+from gateway.metrics import RouterMetrics
 from gateway.openai_errors import ApiError, sse_error_event
-from gateway.upstream import SEND_TIMEOUT_S, UpstreamError, UpstreamResponse, UpstreamTimeout
+from gateway.upstream import (
+    POLL_BODY_LIMIT,
+    SEND_TIMEOUT_S,
+    UpstreamError,
+    UpstreamLost,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
 
+log = logging.getLogger("kvmesh.proxy")
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _TAIL_BYTES = 4096
 ERROR_BODY_LIMIT = 64 * 1024
 ERROR_BODY_TIMEOUT_S = 5.0
+NON_STREAMED_BUFFER = 16 * 1024 * 1024
+LOST = "lost"
+"""The outcome of an attempt whose engine took the request and died before answering it."""
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "te", "trailer", "transfer-encoding", "upgrade"})
 _OWN_RESPONSE_HEADERS = frozenset({"server", "date"})
 """Set by the router's own HTTP server."""
@@ -42,6 +64,8 @@ class Timeouts:
     first_byte: float = 120.0
     idle: float = 120.0
     send: float = SEND_TIMEOUT_S
+    request: float = 600.0
+    """No continuation is started, or waited for, past this many seconds after the request arrived."""
 
 
 @dataclass
@@ -49,6 +73,33 @@ class Attempt:
     engine: str
     outcome: str
     status: int | None = None
+
+
+@dataclass
+class Continued:
+    """One continuation of a broken stream: the engine that broke and why, the engine that went on
+    (None when none could), tokens the client had before, and its wait from the break to the next token."""
+
+    from_engine: str
+    reason: str
+    sent_tokens: int
+    to_engine: str | None = None
+    latency_s: float | None = None
+
+
+def report_continued(metrics: RouterMetrics, request_id: str, continued: list[Continued], route: str) -> None:
+    """Count a request's continuations and log them with the route of the final answer (its header was
+    sent before the break, so this line is where the final explanation goes)."""
+    for record in continued:
+        metrics.continuations.labels("continued" if record.latency_s is not None else "failed").inc()
+        if record.latency_s is not None:
+            metrics.continuation_latency.observe(record.latency_s)
+    log.info("continued", extra={"request_id": request_id, "continued_from": [c.from_engine for c in continued],
+                                 "continued_to": [c.to_engine for c in continued],
+                                 "reasons": [c.reason for c in continued],
+                                 "sent_tokens": [c.sent_tokens for c in continued],
+                                 "latency_ms": [None if c.latency_s is None else round(c.latency_s * 1000, 2)
+                                                for c in continued], "route": route})
 
 
 @dataclass
@@ -63,6 +114,7 @@ class ProxyResult:
     """SSE events of a stream (about one per output token), to learn each engine's decode speed."""
     tail: bytes = b""
     """The last bytes of the answer, where the engine's usage (cached prompt tokens) is."""
+    continuations: list[Continued] = field(default_factory=list)
 
     def cached_tokens(self) -> int | None:
         """``usage.prompt_tokens_details.cached_tokens`` as the engine reported it, if it did."""
@@ -101,6 +153,20 @@ def _note_chunk(result: ProxyResult, chunk: bytes) -> None:
     result.tail = (result.tail + chunk)[-_TAIL_BYTES:]
 
 
+async def _whole_answer(first: bytes, rest: Any) -> bytes:
+    """A non-streamed answer read to its end (up to ``NON_STREAMED_BUFFER``) before the client gets any of
+    it, so an engine that breaks it can be replaced; a bigger answer is passed on as it comes."""
+    chunks, size = [first], len(first)
+    while size < NON_STREAMED_BUFFER:
+        try:
+            chunk = await anext(rest)  # raises UpstreamError when the engine breaks or stalls
+        except StopAsyncIteration:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
 async def _first_chunk(upstream: UpstreamResponse, timeouts: Timeouts) -> tuple[bytes | None, Any]:
     """Read until the first body chunk so a stall or drop before it can still fail over."""
     body = upstream.iter_body(timeouts.idle)
@@ -123,6 +189,8 @@ class Exchange:
     timeouts: Timeouts
     route_header: Callable[[EngineState, list[Attempt]], list[tuple[bytes, bytes]]]
     is_stream: bool
+    continuation: ContinuationSpec | None = None
+    """Set for a stream that may be continued on another engine when it breaks."""
 
 
 @dataclass
@@ -154,7 +222,7 @@ async def forward(candidates: list[EngineState], exchange: Exchange, max_attempt
     result = ProxyResult()
     ledger = ErrorLedger()
     start = time.perf_counter()
-    tried = 0
+    tried = lost = 0
     try:
         for engine in candidates:
             if tried >= max_attempts:
@@ -167,12 +235,16 @@ async def forward(candidates: list[EngineState], exchange: Exchange, max_attempt
             generation = engine.load.poll_generation
             try:
                 with tracing.upstream_span(engine.id, engine.url) as span:
-                    outcome = await _try_engine(engine, exchange, result, start)
+                    outcome = await _try_engine(engine, exchange, result, start, candidates)
                     span.set_attribute("kvmesh.outcome", result.attempts[-1].outcome if result.attempts else "")
             finally:
                 engine.in_flight -= 1
                 if engine.load.poll_generation != generation:
                     engine.load.finished_since_poll += 1
+            if outcome is False and not exchange.is_stream and result.attempts[-1].outcome.startswith(LOST):
+                lost += 1
+                if lost > MAX_CONTINUATIONS:
+                    break  # generated in full that many times already: not again
             if outcome is True:
                 result.total_s = time.perf_counter() - start
                 _settle(candidates, ledger)
@@ -218,7 +290,7 @@ async def _error_answer(engine: EngineState, upstream: UpstreamResponse, timeout
 
 
 async def _try_engine(engine: EngineState, exchange: Exchange, result: ProxyResult,
-                      start: float) -> bool | ErrorAnswer:
+                      start: float, candidates: list[EngineState]) -> bool | ErrorAnswer:
     """One attempt: True when the client got a response, the engine's answer when it was a retryable
     error status, False when the engine failed (already charged)."""
     try:
@@ -237,6 +309,10 @@ async def _try_engine(engine: EngineState, exchange: Exchange, result: ProxyResu
         engine.health.breaker.record_failure(time.monotonic(), "no response")
         result.attempts.append(Attempt(engine.id, f"unreachable ({exc})"))
         return False
+    except UpstreamLost as exc:
+        engine.health.breaker.record_failure(time.monotonic(), "lost")
+        result.attempts.append(Attempt(engine.id, f"{LOST} ({exc})"))
+        return False
     except UpstreamError as exc:
         engine.health.breaker.record_failure(time.monotonic(), "unreachable")
         result.attempts.append(Attempt(engine.id, f"unreachable ({exc})"))
@@ -251,12 +327,23 @@ async def _try_engine(engine: EngineState, exchange: Exchange, result: ProxyResu
             engine.health.breaker.record_failure(time.monotonic(), "no first byte")
             result.attempts.append(Attempt(engine.id, f"failed before first byte ({exc or 'timeout'})"))
             return False
+        if not exchange.is_stream and first is not None:
+            try:
+                first = await _whole_answer(first, rest)
+            except UpstreamError as exc:
+                engine.health.breaker.record_failure(time.monotonic(), "broken answer")
+                result.attempts.append(Attempt(engine.id, f"{LOST} mid-answer ({exc})"))
+                return False
         result.ttft_s = time.perf_counter() - start
         result.engine = engine
         result.status = upstream.status
         result.attempts.append(Attempt(engine.id, "ok", upstream.status))
         await exchange.send({"type": "http.response.start", "status": upstream.status,
                     "headers": _response_headers(upstream, exchange.route_header(engine, result.attempts))})
+        if exchange.continuation is not None and upstream.status == 200:
+            deadline = trio.current_time() + exchange.timeouts.request - (time.perf_counter() - start)
+            await _Relay(exchange, exchange.continuation, result, candidates, deadline).run(engine, first, rest)
+            return True
         if first is not None:
             _note_chunk(result, first)
             await exchange.send({"type": "http.response.body", "body": first, "more_body": True})
@@ -275,3 +362,176 @@ async def _try_engine(engine: EngineState, exchange: Exchange, result: ProxyResu
         return True
     finally:
         await upstream.aclose()
+
+
+DRAINED = "drained"
+_TOKENIZE_KEYS = ("model", "messages", "prompt", "add_generation_prompt", "continue_final_message",
+                  "add_special_tokens", "chat_template_kwargs", "tools", "documents", "cache_salt")
+"""The fields of vLLM's tokenize requests a chat or completion body shares with them."""
+
+
+class _Relay:
+    """A continuable stream on its way to the client, engine after engine (see ``gateway.continuation``)."""
+
+    def __init__(self, exchange: Exchange, spec: ContinuationSpec, result: ProxyResult,
+                 candidates: list[EngineState], deadline: float) -> None:
+        self.exchange = exchange
+        self.spec = spec
+        self.result = result
+        self.candidates = candidates
+        self.deadline = deadline
+        self.splicer = StreamSplicer(spec.kind, spec.include_usage, spec.prompt_tokens)
+        self.failed = {a.engine for a in result.attempts if a.outcome != "ok"}
+        self._waiting: tuple[Continued, float] | None = None
+        """The continuation whose first token has not reached the client yet, and when its stream broke."""
+
+    async def run(self, engine: EngineState, first: bytes | None, body: Any) -> None:
+        upstream: UpstreamResponse | None = None
+        """The current leg's response when it is a continuation (the first leg is closed by its caller)."""
+        try:
+            while True:
+                why = await self._pump(engine, first, body)
+                if why is None:
+                    engine.health.breaker.record_success(time.monotonic())
+                    await self._finish(self.splicer.ending(None))
+                    return
+                self._broken(engine, why)
+                if upstream is not None:
+                    await upstream.aclose()
+                    engine.in_flight -= 1
+                    upstream = None
+                refusal = self._refusal(engine, why)
+                if refusal is not None:
+                    await self._finish(refusal)
+                    return
+                request = continuation_body(self.spec.body, self.spec.kind, self.splicer.generated,
+                                            self.splicer.tokens)
+                if request is None:
+                    await self._finish(self.splicer.ending("length"))
+                    return
+                record = Continued(engine.id, why, self.splicer.tokens)
+                self.result.continuations.append(record)
+                self._waiting = (record, time.perf_counter())
+                opened = await self._open(json.dumps(request).encode())
+                if opened is None:
+                    await self._finish(sse_error_event(f"engine {engine.id} failed mid-stream ({why}) and no "
+                                                       "engine could continue the answer"))
+                    return
+                engine, upstream, first, body = opened
+                record.to_engine = engine.id
+                await self._count_prompt(engine)
+                self.splicer.begin_continuation()
+        finally:
+            if upstream is not None:
+                await upstream.aclose()
+                engine.in_flight -= 1
+
+    async def _pump(self, engine: EngineState, first: bytes | None, body: Any) -> str | None:
+        """Forward one engine's stream; None when it ended cleanly, else why it broke."""
+        if first is not None and await self._emit(first):
+            return f"engine error event: {self.splicer.engine_error}"
+        while True:
+            try:
+                with trio.move_on_at(engine.pool.drain_at if engine.draining else math.inf) as drain:
+                    chunk = await anext(body)
+            except StopAsyncIteration:
+                return None if self.splicer.done or self.splicer.finished else "stream ended early"
+            except UpstreamError as exc:
+                return str(exc)
+            if drain.cancelled_caught:
+                return DRAINED
+            if await self._emit(chunk):
+                return f"engine error event: {self.splicer.engine_error}"
+
+    async def _emit(self, chunk: bytes) -> bool:
+        """Send what the splicer makes of ``chunk``; True when the engine reported an error instead."""
+        _note_chunk(self.result, chunk)
+        out = self.splicer.feed(chunk)
+        if out:
+            if self._waiting is not None:
+                record, broke_at = self._waiting
+                record.latency_s = time.perf_counter() - broke_at
+                self._waiting = None
+            await self.exchange.send({"type": "http.response.body", "body": out, "more_body": True})
+        return self.splicer.engine_error is not None
+
+    def _broken(self, engine: EngineState, why: str) -> None:
+        """Charge the engine (a drained one did nothing wrong) and note the break."""
+        if why == DRAINED:
+            self.result.attempts.append(Attempt(engine.id, "drained mid-stream"))
+        else:
+            engine.health.breaker.record_failure(time.monotonic(), "broken stream")
+            self.result.attempts.append(Attempt(engine.id, f"broken mid-stream ({why})"))
+        self.result.broken_after_first_byte = True
+        self.failed.add(engine.id)
+
+    def _refusal(self, engine: EngineState, why: str) -> bytes | None:
+        """How the stream ends when it is not continued; None when it may be."""
+        splicer = self.splicer
+        if splicer.finished:
+            return splicer.ending(None)  # only the usage chunk or [DONE] were missing
+        reason = (splicer.unsplicable
+                  or ("continuation limit reached" if len(self.result.continuations) >= self.spec.max_continuations
+                      else None)
+                  or ("request timeout reached" if trio.current_time() >= self.deadline else None))
+        if reason is None:
+            return None
+        return sse_error_event(f"engine {engine.id} failed mid-stream ({why}); not continued: {reason}")
+
+    async def _finish(self, tail: bytes) -> None:
+        await self.exchange.send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    async def _count_prompt(self, engine: EngineState) -> None:
+        """The original prompt's size by the engine's own ``/tokenize``, for the usage chunk, when the
+        router did not count it (a policy that does not tokenize). Without it the usage chunk estimates
+        the prompt as the continuation's less the tokens sent before."""
+        if self.splicer.prompt_tokens is not None or not self.spec.include_usage:
+            return
+        request = json.dumps({k: v for k, v in self.spec.body.items() if k in _TOKENIZE_KEYS}).encode()
+        timeouts = self.exchange.timeouts
+        try:
+            with trio.fail_after(min(timeouts.first_byte, ERROR_BODY_TIMEOUT_S)):
+                response = await engine.pool.request("POST", "/tokenize", request,
+                                                     [("content-type", "application/json")], timeouts.connect)
+                try:
+                    count = json.loads(await response.read(timeouts.idle, POLL_BODY_LIMIT)).get("count")
+                finally:
+                    await response.aclose()
+        except (UpstreamError, trio.TooSlowError, ValueError, AttributeError):
+            return
+        if response.status == 200 and isinstance(count, int) and count > 0:
+            self.splicer.prompt_tokens = count
+
+    async def _open(self, body: bytes) -> tuple[EngineState, UpstreamResponse, bytes | None, Any] | None:
+        """The continuation's first chunk from the next engine in cost order that gives one in time."""
+        timeouts = self.exchange.timeouts
+        for engine in self.candidates:
+            now = time.monotonic()
+            if (engine.id in self.failed or engine.draining or engine.maintenance
+                    or not engine.health.breaker.allow(now)):
+                continue
+            engine.in_flight += 1
+            upstream = None
+            with trio.move_on_at(self.deadline):
+                try:
+                    upstream = await engine.pool.request("POST", self.exchange.target, body,
+                                                         tracing.inject(self.exchange.headers), timeouts.connect,
+                                                         timeouts.first_byte, timeouts.send)
+                    if upstream.status == 200:
+                        first, rest = await _first_chunk(upstream, timeouts)
+                        self.result.attempts.append(Attempt(engine.id, "ok", 200))
+                        return engine, upstream, first, rest
+                    answer = await _error_answer(engine, upstream, timeouts)
+                    self.result.attempts.append(Attempt(engine.id, f"status {answer.status}", answer.status))
+                    if answer.status >= 500:
+                        engine.health.breaker.record_failure(time.monotonic(), f"status {answer.status}")
+                    else:
+                        engine.health.breaker.abstain(time.monotonic())
+                except (UpstreamError, trio.TooSlowError) as exc:
+                    engine.health.breaker.record_failure(time.monotonic(), "continuation failed")
+                    self.result.attempts.append(Attempt(engine.id, f"unreachable ({exc or 'timeout'})"))
+            if upstream is not None:
+                await upstream.aclose()
+            engine.in_flight -= 1
+            self.failed.add(engine.id)
+        return None

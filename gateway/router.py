@@ -15,6 +15,7 @@ import trio
 from gateway import http_app, tracing
 from gateway.admin import ADMIN_STATE_KEYS, handle_admin
 from gateway.config import EngineConfig, RouterConfig
+from gateway.continuation import ContinuationSpec
 from gateway.engine_watch import watch_engine
 from gateway.engines import EngineRegistry, EngineState
 from gateway.event_ingest import EventIngest
@@ -23,7 +24,7 @@ from gateway.mesh_link import build_mesh_node, follow_mesh, registry_state, swee
 from gateway.mesh_state import MeshState
 from gateway.metrics import RouterMetrics
 from gateway.openai_errors import ApiError, error_type
-from gateway.proxy import Attempt, Exchange, Timeouts, UpstreamFailure, forward
+from gateway.proxy import Attempt, Exchange, Timeouts, UpstreamFailure, forward, report_continued
 from gateway.request_body import Kind, check_body_headers, parse_request
 from gateway.route_planner import RoutePlanner
 
@@ -274,12 +275,13 @@ class Router:
                 value = plan.header(engine.id, len(attempts))
                 return [(b"x-kvmesh-route", value.encode()), (b"x-request-id", request_id.encode())]
 
+            continuation = ContinuationSpec.of(parsed.body, kind, parsed.stream, plan.prompt_tokens)
             try:
                 result = await _forward_until_disconnect(
                     receive, send,
                     lambda send_: forward(plan.engines, Exchange("POST", scope["path"], plan.body(),
                                                                  upstream_headers, send_, self.timeouts,
-                                                                 route_header, parsed.stream),
+                                                                 route_header, parsed.stream, continuation),
                                           self.config.max_attempts),
                 )
             except UpstreamFailure as error:
@@ -297,6 +299,9 @@ class Router:
                 if attempt.outcome != "ok":
                     self.metrics.upstream_errors.labels(attempt.engine, attempt.outcome.split(" ")[0]).inc()
             self.planner.observe(plan, result)
+            if result.continuations:
+                final = plan.header(result.continuations[-1].to_engine or "", len(result.attempts))
+                report_continued(self.metrics, request_id, result.continuations, final)
             if result.status >= 400:
                 record.code = "engine_error"
                 return result.status

@@ -13,6 +13,7 @@ of their own: a stale request connection must not make a healthy engine look dow
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -44,8 +45,18 @@ class UpstreamTimeout(UpstreamError):
     it: vLLM sends a non-streamed answer's head only when generation ends."""
 
 
+class UpstreamLost(UpstreamError):
+    """The engine took the whole request on a fresh connection and closed it before any response byte:
+    it died (or was killed) while working on the request."""
+
+
 class _Stale(Exception):
-    """The connection failed before any response byte: the engine may have closed it as idle."""
+    """The connection failed before any response byte: the engine may have closed it as idle.
+    ``taken`` when the whole request had been written."""
+
+    def __init__(self, detail: str, taken: bool) -> None:
+        super().__init__(detail)
+        self.taken = taken
 
 
 @dataclass
@@ -220,6 +231,9 @@ class EnginePool:
         self._requests = _IdleConnections(max_idle, idle_limit_s)
         """Connections for requests; polls use ``_polls``, so a stale one never fails a health check."""
         self._polls = _IdleConnections(POLL_CONNECTIONS, idle_limit_s)
+        self.drain_at = math.inf
+        """Trio time at which streams still running on this engine are continued elsewhere (a drain with a
+        deadline; only while the engine is draining); the proxy reads it between chunks."""
 
     async def _connect(self, timeout: float) -> _Connection:
         """A fresh connection; for https the TLS handshake is part of it, under the same timeout."""
@@ -261,7 +275,7 @@ class EnginePool:
             except trio.TooSlowError:
                 raise UpstreamError(f"{self.label} did not take the request within {send_timeout}s") from None
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                raise _Stale(str(exc) or type(exc).__name__) from None
+                raise _Stale(str(exc) or type(exc).__name__, taken=False) from None
             try:
                 with trio.fail_after(first_byte_timeout):
                     event = await connection.next_event()
@@ -272,9 +286,9 @@ class EnginePool:
             except (trio.BrokenResourceError, trio.ClosedResourceError, h11.RemoteProtocolError, OSError) as exc:
                 if connection.received:
                     raise UpstreamError(f"{self.label} broke the response head: {exc}") from None
-                raise _Stale(str(exc) or type(exc).__name__) from None
+                raise _Stale(str(exc) or type(exc).__name__, taken=True) from None
             if isinstance(event, h11.ConnectionClosed):
-                raise _Stale("closed the connection")
+                raise _Stale("closed the connection", taken=True)
         except BaseException:
             await _close_quietly(connection)
             raise
@@ -293,7 +307,8 @@ class EnginePool:
         try:
             return await self._exchange(idle, fresh, request, body, send_timeout, first_byte_timeout)
         except _Stale as exc:
-            raise UpstreamError(f"{self.label} failed before answering: {exc}") from None
+            failure = UpstreamLost if exc.taken else UpstreamError
+            raise failure(f"{self.label} failed before answering: {exc}") from None
 
     async def request(
         self,

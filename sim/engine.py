@@ -8,11 +8,13 @@ sampled tokens to the waiting HTTP handlers.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import math
 import random
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +38,7 @@ from sim.openai_api import (
     new_id,
     parse_generation,
     parse_json,
+    sse,
     usage,
 )
 from sim.profiles import get_profile
@@ -59,6 +62,10 @@ class Faults:
     fail_status: int = 500
     """What a failed request is answered with (429 comes with a Retry-After)."""
     stall_s: float = 0.0
+    error_after: int = 0
+    """Streams end with vLLM's mid-stream SSE error event (then ``[DONE]``) after this many tokens (0: never)."""
+    die_after: int = 0
+    """The engine dies (as with ``die``) once a request has generated this many tokens (0: never)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +249,11 @@ class SimEngine:
                 if type(status) is not int or not 400 <= status <= 599:
                     raise ValueError("fail_status must be an HTTP error status")
                 f.fail_status = status
+            for key in ("error_after", "die_after"):
+                if key in body:
+                    if type(body[key]) is not int or body[key] < 0:
+                        raise ValueError(f"{key} must be a token count >= 0")
+                    setattr(f, key, body[key])
             if "stall" in body:
                 f.stall_s = max(float(body["stall"]), 0.0)
                 self._wakeup()
@@ -306,12 +318,17 @@ class SimEngine:
     async def _stream(self, head: ResponseHead, sreq: SimRequest, params: GenParams) -> AsyncIterator[bytes]:
         n = 0
         cached = 0
-        async for out in self.run_request(sreq):
-            if n == 0 and head.chat:
-                yield head.role_chunk()
-            n += 1
-            cached = out.cached_tokens
-            yield head.text_chunk(self.tok.token_text[out.token_id], out.finish_reason)
+        async with aclosing(self.run_request(sreq)) as outputs:
+            async for out in outputs:
+                if n == 0 and head.chat:
+                    yield head.role_chunk()
+                n += 1
+                cached = out.cached_tokens
+                yield head.text_chunk(self.tok.token_text[out.token_id], out.finish_reason)
+                if out.finish_reason is None and n == self.faults.error_after:
+                    yield sse(json.loads(ApiError("simulated engine failure mid-stream", status=500).body()))
+                    yield DONE
+                    return
         if params.include_usage:
             yield head.usage_chunk(usage(len(sreq.prompt_ids), n, cached))
         yield DONE
@@ -328,11 +345,16 @@ class SimEngine:
             self.core.add(sreq)
             self._wakeup()
             first = True
+            sent = 0
             async for out in recv:
                 if first:
                     self.metrics.ttft.observe(trio.current_time() - arrival)
                     first = False
                 yield out
+                sent += 1
+                if sent == self.faults.die_after:
+                    assert self._cancel is not None
+                    self._cancel.cancel()
                 if out.finish_reason is not None:
                     finished = True
                     self.success[out.finish_reason] = self.success.get(out.finish_reason, 0) + 1

@@ -167,3 +167,20 @@ def test_evaluate_flags_the_violations_and_keeps_allowed_failures():
                    ["router-0", "router-1"], ENGINES, 20.0, 1.0)
     assert not bad.invariants["no_engine_fault_leaked_before_first_byte"]
     assert bad.violations == {"router_error_502": 1}
+
+
+def test_under_streaming_load_a_killed_engines_sse_error_is_a_violation_and_continuations_are_timed():
+    kill = action(rec.KILL, 5.0)
+    continued = request(4.0, 6.0, status=200, first_byte=4.1, engine=E0, token_times=[4.2, 4.9, 5.04, 5.1])
+    elsewhere = request(4.0, 6.0, status=200, first_byte=4.1, engine=E1, token_times=[4.2, 5.5])
+    broken = request(4.0, 5.1, status=200, first_byte=4.1, error=rec.SSE_ERROR, engine=E0, token_times=[4.2])
+    lenient = evaluate([continued, elsewhere, broken], [kill], [], [], ENGINES, 10.0, 1.0)
+    assert "no_client_visible_failure_while_an_engine_lives" not in lenient.invariants
+    assert all(lenient.invariants[k] for k in ("mid_stream_errors_only_from_killed_engines",
+                                               "no_other_request_failures"))
+    strict = evaluate([continued, elsewhere, broken], [kill], [], [], ENGINES, 10.0, 1.0, streams_continue=True)
+    assert strict.invariants["no_client_visible_failure_while_an_engine_lives"] is False
+    assert strict.violations == {"sse_error_engine_killed": 1}
+    assert [round(t, 3) for t in strict.continued] == [0.04]
+    assert evaluate([continued, elsewhere], [kill], [], [], ENGINES, 10.0, 1.0,
+                    streams_continue=True).invariants["no_client_visible_failure_while_an_engine_lives"]

@@ -26,5 +26,7 @@ def test_report_round_trips_and_names_the_violation(tmp_path):
     assert data["passed"] is False and data["failures_by_cause"] == {"router_error_503": 1}
     assert data["invariants"]["every_fault_applied"] is False
     assert data["faults"][0]["hit_rate_pre"] is None  # no counters sampled: NaN is written as null
+    assert data["continuations"] == {"streams": 0, "latency_p50_ms": None, "latency_p99_ms": None}
     page = md_path.read_text()
+    assert "No stream was under way on a killed engine." in page
     assert "(FAILED)" in page and "| router_error_503 | 1 | no |" in page and "boom" in page

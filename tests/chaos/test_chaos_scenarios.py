@@ -36,6 +36,13 @@ def test_mixed_runs_every_kind_once_in_a_minute_and_rotates_targets():
     assert routers == [0, 1, 2]
 
 
+def test_the_streaming_scenario_repeats_engine_kills():
+    events = schedule("kill-engine-streaming", 60, FULL)
+    assert events and {(e.kind, e.role) for e in events} == {("kill-engine", "engine")}
+    with pytest.raises(ValueError, match="at least 2 engines"):
+        schedule("kill-engine-streaming", 60, Topology(3, 1, True))
+
+
 def test_mixed_without_redis_skips_kill_redis_and_single_fault_repeats():
     assert "kill-redis" not in {e.kind for e in schedule("mixed", 60, Topology(3, 3, False))}
     repeated = schedule("kill-engine", 120, FULL)

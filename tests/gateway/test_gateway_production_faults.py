@@ -132,13 +132,15 @@ def test_sigterm_lets_the_stream_finish_and_refuses_new_connections(fleet, confi
             set_fault(url, clear=True)
 
 
-def test_engine_death_mid_stream_is_an_error_event_the_openai_client_raises(router, fleet):
-    """Last in this module: the engine that serves the stream dies for good."""
+def test_engine_death_mid_stream_that_cannot_be_continued_is_an_error_event_the_openai_client_raises(router, fleet):
+    """Last in this module: the engine that serves the stream dies for good. With logprobs the stream
+    cannot be continued elsewhere (test_gateway_midstream_openai has those that can)."""
     for url in fleet.urls:
         set_fault(url, slow=100)
     api = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=30)
     raw = api.chat.completions.with_raw_response.create(
-        model=MODEL, messages=[{"role": "user", "content": "die mid stream"}], max_tokens=300, stream=True)
+        model=MODEL, messages=[{"role": "user", "content": "die mid stream"}], max_tokens=300, stream=True,
+        logprobs=True)
     victim = served_by(raw.headers["x-kvmesh-route"])
     stream = iter(raw.parse())
     next(stream)
