@@ -13,7 +13,7 @@ from typing import Any
 
 import msgpack
 
-from index.block_hash import engine_hash_to_int
+from index.block_hash import KEY_MASK, U64_MASK, engine_hash_to_int
 from index.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
 
 SEQ_BYTES = 8
@@ -121,11 +121,8 @@ def _stored(fields: dict[Any, Any]) -> BlockStored:
     if isinstance(block_size, bool) or not isinstance(block_size, int) or not 0 < block_size <= MAX_BLOCK_SIZE:
         raise DecodeError("block_size")
     tokens = fields.get("token_ids")
-    if not isinstance(tokens, list) or len(tokens) != len(hashes) * block_size:
+    if not isinstance(tokens, list) or len(tokens) != len(hashes) * block_size or not _all_u32(tokens):
         raise DecodeError("token_ids")
-    for token in tokens:
-        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= MAX_TOKEN_ID:
-            raise DecodeError("token_ids")
     parent = fields.get("parent_block_hash")
     extra = fields.get("extra_keys")
     if extra is not None and (not isinstance(extra, list) or len(extra) != len(hashes)):
@@ -152,7 +149,20 @@ def _hash(value: Any) -> int:
 def _hashes(value: Any) -> tuple[int, ...]:
     if not isinstance(value, list) or not value:
         raise DecodeError("block_hashes")
+    if set(map(type, value)) == _INT_ONLY and min(value) >= 0 and max(value) <= U64_MASK:
+        return tuple(item & KEY_MASK for item in value)  # the u64 form vLLM sends by default, checked in C
     return tuple(_hash(item) for item in value)
+
+
+_INT_ONLY = {int}
+
+
+def _all_u32(values: list[Any]) -> bool:
+    """Whether every value is a plain int in 0..2**32-1 (bools refused); the loops run in C: this check is
+    on the path of every token of every stored block."""
+    if not values:
+        return True
+    return set(map(type, values)) == _INT_ONLY and min(values) >= 0 and max(values) <= MAX_TOKEN_ID
 
 
 def _opt_str(value: Any) -> str | None:

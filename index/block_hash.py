@@ -40,12 +40,16 @@ def tokens_to_bytes(token_ids: Sequence[int]) -> bytes:
 
 def chain(token_ids: Sequence[int], block_size: int, seed: int) -> list[int]:
     """Own keys of every FULL block of `token_ids`; a trailing partial block is never cached by vLLM."""
+    return chain_from(seed, token_ids, block_size)
+
+
+def chain_from(parent: int, token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Keys of the full blocks of `token_ids` chained after `parent` (a root seed or a held block's key)."""
     data = tokens_to_bytes(token_ids)
     step = block_size * 4
     view = memoryview(data)
     digest = xxhash.xxh3_64_intdigest
     keys: list[int] = []
-    parent = seed
     for start in range(0, len(data) - step + 1, step):
         parent = digest(view[start : start + step], parent) & KEY_MASK
         keys.append(parent)

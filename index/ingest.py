@@ -18,7 +18,7 @@ from typing import Any
 
 import msgpack
 
-from index.block_hash import next_key, root_seed
+from index.block_hash import chain_from, next_key, root_seed
 from index.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from index.store import BlockStore
 
@@ -104,22 +104,27 @@ class EngineIngest:
             return
         extras = event.extra_keys or (None,) * len(event.block_hashes)
         first = event.parent_block_hash is None
+        plain = all(extra is None for extra in extras[1 if first else 0 :])
         if first:
             head = split_extra_keys(extras[0], event.lora_name, first_block=True)
             parent: int | None = root_seed(self.model, head.lora_name, head.cache_salt)
+            plain = plain and head.other is None
         else:
             parent = self.store.own_key(self.engine, event.parent_block_hash)
             if parent is None:
                 stats.orphaned += 1
                 return
         size = event.block_size
-        tokens = event.token_ids
-        pairs = []
-        for i, engine_hash in enumerate(event.block_hashes):
-            other = split_extra_keys(extras[i], event.lora_name, first_block=first and i == 0).other
-            parent = next_key(parent, tokens[i * size : (i + 1) * size], other)
-            pairs.append((engine_hash, parent))
-            stats.stored_keys.append(parent)
+        if plain:
+            keys = chain_from(parent, event.token_ids, size)  # no per-block extras: one pass over the bytes
+        else:
+            keys = []
+            for i in range(len(event.block_hashes)):
+                other = split_extra_keys(extras[i], event.lora_name, first_block=first and i == 0).other
+                parent = next_key(parent, event.token_ids[i * size : (i + 1) * size], other)
+                keys.append(parent)
+        pairs = list(zip(event.block_hashes, keys, strict=True))
+        stats.stored_keys.extend(keys)
         self.block_size = size
         stats.stored += self.store.store(self.engine, pairs)
 
