@@ -1,0 +1,82 @@
+"""What ``kvmesh bench scale`` reads from a running router replica, as pure functions over the raw text.
+
+CPU and memory come from ``/proc/PID`` (the whole process, everything it holds); ingest progress and
+engine health from the replica's ``/metrics``, which costs the replica O(engines), not O(blocks), so it
+can be polled while ingesting. ``GET /admin/index`` digests every block and is only read to check
+convergence once publishing stopped.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+BATCHES = "kvmesh_event_batches_total"
+BLOCKS = "kvmesh_index_blocks"
+HEALTHY = "kvmesh_engine_healthy"
+
+
+def cpu_seconds(stat: str) -> float:
+    """utime + stime of a ``/proc/PID/stat`` line (the command name may hold spaces and parentheses)."""
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def rss_bytes(statm: str) -> int:
+    """Resident set size from ``/proc/PID/statm`` (its second field, in pages)."""
+    return int(statm.split()[1]) * PAGE_SIZE
+
+
+def process_cpu(pid: int) -> float:
+    return cpu_seconds(Path(f"/proc/{pid}/stat").read_text())
+
+
+def process_rss(pid: int) -> int:
+    return rss_bytes(Path(f"/proc/{pid}/statm").read_text())
+
+
+@dataclass
+class EngineGauges:
+    """One ``/metrics`` scrape, per engine id: batches applied so far, blocks held, 1 if routable."""
+
+    batches: dict[str, int] = field(default_factory=dict)
+    blocks: dict[str, int] = field(default_factory=dict)
+    healthy: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def unhealthy(self) -> int:
+        return sum(1 for v in self.healthy.values() if v < 1)
+
+
+def engine_gauges(text: str) -> EngineGauges:
+    """The per-engine samples the benchmark follows; other metrics are ignored."""
+    out = EngineGauges()
+    targets = {BATCHES: out.batches, BLOCKS: out.blocks, HEALTHY: out.healthy}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            target = targets.get(sample.name)
+            engine = sample.labels.get("engine")
+            if target is not None and engine is not None:
+                target[engine] = sample.value if target is out.healthy else int(sample.value)
+    return out
+
+
+def staleness(polled_at: float, applied: dict[str, int], published: dict[str, Sequence[float]]) -> list[float]:
+    """Per engine, how old the oldest batch the replica had not applied was when the scrape came back.
+
+    ``applied[e]`` batches applied means seqs ``0..applied-1`` are in the index (every replica starts
+    before the first batch and counts replayed batches too); ``published[e][seq]`` is when the publisher
+    sent ``seq``. A caught-up engine counts 0. Taking the time the answer arrived bounds the lag from
+    above by at most the scrape's round trip.
+    """
+    out = []
+    for engine, times in published.items():
+        n = applied.get(engine, 0)
+        out.append(polled_at - times[n] if n < len(times) and times[n] <= polled_at else 0.0)
+    return out
