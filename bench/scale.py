@@ -4,8 +4,8 @@ hold up while it ingests?
 For each rate and replica count R, on a fresh synthetic publisher (bench/synthetic_publisher.py) and R
 fresh meshed replicas (bench/scale_fleet.py), with simulated engines answering chat and health:
 
-1. idle RSS of each replica, then ``fill``: every engine stores chains up to its cap; wait until every
-   replica applied every batch; idle CPU and idle latency of chat and ``/ready`` through each replica;
+1. idle: CPU of each replica, latency of chat and ``/ready`` through it, then its RSS; ``fill``: every
+   engine stores chains up to its cap, until every replica applied every batch;
 2. steady: the rate for ``--steady-s`` (stores and evictions): CPU per block op from /proc, RSS per live
    block, replication lag from ``/metrics`` scrapes;
 3. burst: twice the rate for ``--burst-s`` with chat and ``/ready`` probes through every replica;
@@ -44,7 +44,7 @@ CHAT_WORKERS = 2
 READY_INTERVAL_S = 0.02
 PROBE_TIMEOUT_S = 30.0
 CATCH_UP_TIMEOUT_S = 120.0
-QUICK = {"replicas": "1,2,3", "rates": "10000", "engines": 8, "cap": 4096, "steady_s": 8.0, "burst_s": 5.0,
+QUICK = {"replicas": "1,2,3", "rates": "10000", "engines": 8, "cap": 16384, "steady_s": 8.0, "burst_s": 5.0,
          "probe_s": 3.0, "converge_timeout_s": 15.0}
 """``--quick``: one rate, a small fleet and short phases (about 2-3 minutes on two cores)."""
 
@@ -256,13 +256,13 @@ async def _phases(client: HttpClient, opts: ScaleOptions, pub: Publisher, reps: 
                   count: int, rate: float) -> list[ReplicaResult]:
     seen: list[Scrapes] = [[] for _ in reps]
     timeline: dict[str, list[float]] = {e: [] for e in ids}
-    rss_idle = [process_rss(r.pid) for r in reps]
-    _extend(timeline, await pub.command(f"fill {opts.fill_rate}"))
-    await _wait_caught_up(client, reps, timeline, seen)
     cpu = [process_cpu(r.pid) for r in reps]
     await trio.sleep(IDLE_CPU_S)
     idle_cores = [(process_cpu(r.pid) - c) / IDLE_CPU_S for r, c in zip(reps, cpu, strict=True)]
     idle = await _probe_all(client, reps, opts.probe_s)
+    rss_idle = [process_rss(r.pid) for r in reps]  # after serving warmed up, so only the index is counted
+    _extend(timeline, await pub.command(f"fill {opts.fill_rate}"))
+    await _wait_caught_up(client, reps, timeline, seen)
 
     steady_scrapes: list[Scrapes] = [[] for _ in reps]
     async with trio.open_nursery() as nursery:
