@@ -20,6 +20,9 @@ PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 BATCHES = "kvmesh_event_batches_total"
 BLOCKS = "kvmesh_index_blocks"
 HEALTHY = "kvmesh_engine_healthy"
+REPLAYS = "kvmesh_event_replays_total"
+DROPPED = "kvmesh_events_dropped_total"
+DEFERRED = "kvmesh_event_ingest_deferred_seconds_total"
 
 
 def cpu_seconds(stat: str) -> float:
@@ -48,6 +51,12 @@ class EngineGauges:
     batches: dict[str, int] = field(default_factory=dict)
     blocks: dict[str, int] = field(default_factory=dict)
     healthy: dict[str, float] = field(default_factory=dict)
+    replays: int = 0
+    """Replays this replica asked any engine for (a gap in its live stream)."""
+    dropped: int = 0
+    """Event messages it dropped before the index, for any reason."""
+    deferred_s: float = 0.0
+    """Seconds its ingest waited for its share of the event loop, summed over engines."""
 
     @property
     def unhealthy(self) -> int:
@@ -64,6 +73,12 @@ def engine_gauges(text: str) -> EngineGauges:
             engine = sample.labels.get("engine")
             if target is not None and engine is not None:
                 target[engine] = sample.value if target is out.healthy else int(sample.value)
+            elif sample.name == REPLAYS and sample.labels.get("outcome") == "requested":
+                out.replays += int(sample.value)
+            elif sample.name == DROPPED:
+                out.dropped += int(sample.value)
+            elif sample.name == DEFERRED:
+                out.deferred_s += sample.value
     return out
 
 

@@ -44,9 +44,12 @@ CHAT_WORKERS = 2
 READY_INTERVAL_S = 0.02
 PROBE_TIMEOUT_S = 30.0
 CATCH_UP_TIMEOUT_S = 120.0
-QUICK = {"replicas": "1,2,3", "rates": "10000", "engines": 8, "cap": 16384, "steady_s": 8.0, "burst_s": 5.0,
-         "probe_s": 3.0, "converge_timeout_s": 15.0}
-"""``--quick``: one rate, a small fleet and short phases (about 2-3 minutes on two cores)."""
+DEFAULTS = {"replicas": "1,2,3", "rates": "10000,50000", "engines": 16, "cap": 16384, "steady_s": 20.0,
+            "burst_s": 10.0, "probe_s": 5.0, "converge_timeout_s": 30.0}
+QUICK = {**DEFAULTS, "rates": "10000", "engines": 8, "steady_s": 6.0, "burst_s": 4.0, "probe_s": 2.0,
+         "converge_timeout_s": 15.0}
+"""``--quick``: one rate, a small fleet and short phases (about 3 minutes on two busy cores). Flags given
+explicitly win over both tables."""
 
 Scrapes = list[tuple[float, EngineGauges]]
 
@@ -67,29 +70,30 @@ class ScaleOptions:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--replicas", default="1,2,3", help="comma-separated replica counts")
-    p.add_argument("--rates", default="10000,50000", help="comma-separated total block-op rates (ops/s)")
-    p.add_argument("--engines", type=int, default=16)
-    p.add_argument("--cap", type=int, default=16384, help="live blocks per engine before evictions start")
+    p.add_argument("--replicas", help=f"comma-separated replica counts (default {DEFAULTS['replicas']})")
+    p.add_argument("--rates", help=f"comma-separated total block-op rates, ops/s (default {DEFAULTS['rates']})")
+    p.add_argument("--engines", type=int, help=f"default {DEFAULTS['engines']}")
+    p.add_argument("--cap", type=int, help=f"live blocks per engine before evictions start (default {DEFAULTS['cap']})")
+    p.add_argument("--steady-s", type=float, help=f"seconds at the rate (default {DEFAULTS['steady_s']:.0f})")
+    p.add_argument("--burst-s", type=float, help=f"seconds at twice the rate (default {DEFAULTS['burst_s']:.0f})")
+    p.add_argument("--probe-s", type=float, help=f"seconds of idle latency probes (default {DEFAULTS['probe_s']:.0f})")
+    p.add_argument("--converge-timeout-s", type=float, help=f"default {DEFAULTS['converge_timeout_s']:.0f}")
     p.add_argument("--encoding", choices=["map", "array"], default="map", help="vLLM's event encoding")
-    p.add_argument("--steady-s", type=float, default=20.0)
-    p.add_argument("--burst-s", type=float, default=10.0, help="seconds at twice the rate")
-    p.add_argument("--probe-s", type=float, default=5.0, help="seconds of idle latency probes")
     p.add_argument("--fill-rate", type=float, default=50_000.0, help="ops/s while filling every engine to its cap")
-    p.add_argument("--converge-timeout-s", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", type=Path, help="PNG path (default: scale.png in the log folder)")
     p.add_argument("--quick", action="store_true", help="R=1,2,3 at 10000 ops/s, 8 engines, short phases")
 
 
 def options(args: argparse.Namespace) -> ScaleOptions:
-    values = {**vars(args), **(QUICK if args.quick else {})}
+    base = QUICK if args.quick else DEFAULTS
+    values = {key: base[key] if getattr(args, key) is None else getattr(args, key) for key in base}
     return ScaleOptions(
         [int(x) for x in str(values["replicas"]).split(",") if x],
         [float(x) for x in str(values["rates"]).split(",") if x],
-        int(values["engines"]), int(values["cap"]), str(values["encoding"]), float(values["steady_s"]),
-        float(values["burst_s"]), float(values["probe_s"]), float(args.fill_rate),
-        float(values["converge_timeout_s"]), int(args.seed),
+        int(values["engines"]), int(values["cap"]), args.encoding, float(values["steady_s"]),
+        float(values["burst_s"]), float(values["probe_s"]), args.fill_rate, float(values["converge_timeout_s"]),
+        args.seed,
     )  # fmt: skip
 
 
@@ -172,7 +176,10 @@ async def _wait_subscribed(client: HttpClient, reps: list[Replica], ids: list[st
     for replica in reps:
         with trio.fail_after(60):
             while True:
-                report = await client.get_json(replica.url + "/admin/index")
+                try:
+                    report = await client.get_json(replica.url + "/admin/index")
+                except (*TRANSPORT_ERRORS, trio.TooSlowError, ValueError):
+                    report = {}
                 engines = report.get("engines", {}) if isinstance(report, dict) else {}
                 if all(engines.get(i, {}).get("has_events") for i in ids):
                     break
@@ -301,12 +308,14 @@ async def _phases(client: HttpClient, opts: ScaleOptions, pub: Publisher, reps: 
     results = []
     for i in range(len(reps)):
         everything = seen[i] + steady_scrapes[i] + burst_scrapes[i]
+        latest = max(everything, key=lambda scrape: scrape[0], default=(0.0, EngineGauges()))[1]
         results.append(ReplicaResult(
             count, rate, i, steady["ops_per_s"], 1e6 * cpu[i] / steady["ops"] if steady["ops"] else math.nan,
             idle_cores[i], rss_idle[i], rss_end[i], live[i],
             _lag_ms(steady_scrapes[i], timeline, 50), _lag_ms(steady_scrapes[i], timeline, 99),
             _lag_ms(burst_scrapes[i], timeline, 99), converged[i][0], converged[i][1],
             max((g.unhealthy for _, g in everything), default=0),
+            latest.replays, latest.dropped, latest.deferred_s,
             idle[i][0], busy[i][0], idle[i][1], busy[i][1],
         ))  # fmt: skip
     return results
@@ -322,9 +331,10 @@ async def sweep(opts: ScaleOptions, log_dir: Path) -> list[ReplicaResult]:
         ):
             for rate in opts.rates:
                 for count in opts.replicas:
-                    print(f"scale bench: R={count} at {rate:.0f} ops/s", file=sys.stderr, flush=True)
-                    cell = await measure_cell(client, opts, count, rate, engine_urls, redis_url, log_dir)
-                    results += cell
+                    started = time.monotonic()
+                    results += await measure_cell(client, opts, count, rate, engine_urls, redis_url, log_dir)
+                    print(f"scale bench: R={count} at {rate:.0f} ops/s took {time.monotonic() - started:.0f} s",
+                          file=sys.stderr, flush=True)
                     await client.aclose()
     finally:
         await client.aclose()

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import pytest
 
+from bench.cli import main
 from bench.replica_stats import CLOCK_TICKS, PAGE_SIZE, cpu_seconds, engine_gauges, rss_bytes, staleness
+from bench.scale import add_arguments, options
 from bench.scale_fleet import EngineEndpoints, replica_config
 from bench.scale_report import Latency, ReplicaResult, format_ratios, format_tables, verdicts
 from bench.synthetic_engines import CHAIN_BLOCKS, Pacer, SyntheticEngine
@@ -70,6 +73,18 @@ kvmesh_engine_healthy{engine="e1"} 0.0
 # HELP kvmesh_index_blocks Blocks the index says each engine holds
 # TYPE kvmesh_index_blocks gauge
 kvmesh_index_blocks{engine="e0"} 384.0
+# HELP kvmesh_event_replays_total Replay requests by outcome
+# TYPE kvmesh_event_replays_total counter
+kvmesh_event_replays_total{engine="e0",outcome="requested"} 2.0
+kvmesh_event_replays_total{engine="e1",outcome="requested"} 1.0
+kvmesh_event_replays_total{engine="e1",outcome="completed"} 1.0
+# HELP kvmesh_events_dropped_total KV-event messages dropped before reaching the index
+# TYPE kvmesh_events_dropped_total counter
+kvmesh_events_dropped_total{engine="e1",reason="duplicate"} 4.0
+# HELP kvmesh_event_ingest_deferred_seconds_total Seconds event ingest waited
+# TYPE kvmesh_event_ingest_deferred_seconds_total counter
+kvmesh_event_ingest_deferred_seconds_total{engine="e0"} 0.25
+kvmesh_event_ingest_deferred_seconds_total{engine="e1"} 0.5
 # HELP kvmesh_requests_total Requests answered
 # TYPE kvmesh_requests_total counter
 kvmesh_requests_total{endpoint="chat",status="200"} 5.0
@@ -79,6 +94,7 @@ kvmesh_requests_total{endpoint="chat",status="200"} 5.0
 def test_engine_gauges_follow_only_the_per_engine_samples():
     gauges = engine_gauges(METRICS)
     assert gauges.batches == {"e0": 12, "e1": 3} and gauges.blocks == {"e0": 384} and gauges.unhealthy == 1
+    assert (gauges.replays, gauges.dropped, gauges.deferred_s) == (3, 4, 0.75)
 
 
 def test_staleness_is_the_age_of_the_oldest_unapplied_batch():
@@ -106,7 +122,7 @@ def test_replica_config_is_a_valid_router_config(tmp_path):
 def _result(replicas, replica, cpu, rss_end=2_000_000, converge=1.0, unhealthy=0, burst_p99=40.0, ready_p99=10.0):
     return ReplicaResult(
         replicas, 10_000.0, replica, 9_990.0, cpu, 0.02, 1_000_000, rss_end, 10_000, 0.5, 3.0, 20.0, True,
-        converge, unhealthy, Latency(10.0, 30.0, 300), Latency(12.0, burst_p99, 280), Latency(1.0, 2.0, 200),
+        converge, unhealthy, 1, 0, 0.5, Latency(10.0, 30.0, 300), Latency(12.0, burst_p99, 280), Latency(1.0, 2.0, 200),
         Latency(1.5, ready_p99, 190),
     )  # fmt: skip
 
@@ -138,8 +154,6 @@ def test_tables_show_every_replica():
 
 @pytest.mark.integration
 def test_smallest_scale_run_converges_on_the_publishers_live_set(tmp_path, capsys):
-    from bench.cli import main
-
     code = main(["scale", "--replicas", "1", "--rates", "2000", "--engines", "2", "--cap", "128", "--steady-s", "1",
                  "--burst-s", "1", "--probe-s", "0.5", "--converge-timeout-s", "10", "--log-dir", str(tmp_path)])
     out = capsys.readouterr().out
@@ -148,3 +162,12 @@ def test_smallest_scale_run_converges_on_the_publishers_live_set(tmp_path, capsy
     assert " yes " in row, out
     assert any(line.startswith("PASS  convergence") for line in out.splitlines()), out
     assert (tmp_path / "scale.png").exists()
+
+
+def test_quick_sets_defaults_that_explicit_flags_override():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    quick = options(parser.parse_args(["--quick", "--replicas", "1"]))
+    assert quick.replicas == [1] and quick.rates == [10000.0] and quick.engines == 8 and quick.steady_s == 6.0
+    full = options(parser.parse_args(["--encoding", "array"]))
+    assert full.replicas == [1, 2, 3] and full.rates == [10000.0, 50000.0] and full.encoding == "array"
