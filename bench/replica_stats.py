@@ -9,11 +9,10 @@ convergence once publishing stopped.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from prometheus_client.parser import text_string_to_metric_families
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
@@ -63,22 +62,40 @@ class EngineGauges:
         return sum(1 for v in self.healthy.values() if v < 1)
 
 
+_FOLLOWED = (BATCHES, BLOCKS, HEALTHY, REPLAYS, DROPPED, DEFERRED)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def _samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of the followed metrics' samples. A scrape holds ~40 KB of metrics and the
+    generic Prometheus parser took ~65 ms per scrape here, enough to stall the probes' own timing; a
+    line filter on the few names followed reads the same values in a fraction of that."""
+    out = []
+    for line in text.splitlines():
+        if not line.startswith(_FOLLOWED):
+            continue
+        head, _, value = line.rpartition(" ")
+        name, _, labels = head.partition("{")
+        if name in _FOLLOWED:
+            out.append((name, dict(_LABEL.findall(labels)), float(value)))
+    return out
+
+
 def engine_gauges(text: str) -> EngineGauges:
     """The per-engine samples the benchmark follows; other metrics are ignored."""
     out = EngineGauges()
     targets = {BATCHES: out.batches, BLOCKS: out.blocks, HEALTHY: out.healthy}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            target = targets.get(sample.name)
-            engine = sample.labels.get("engine")
-            if target is not None and engine is not None:
-                target[engine] = sample.value if target is out.healthy else int(sample.value)
-            elif sample.name == REPLAYS and sample.labels.get("outcome") == "requested":
-                out.replays += int(sample.value)
-            elif sample.name == DROPPED:
-                out.dropped += int(sample.value)
-            elif sample.name == DEFERRED:
-                out.deferred_s += sample.value
+    for name, labels, value in _samples(text):
+        target = targets.get(name)
+        engine = labels.get("engine")
+        if target is not None and engine is not None:
+            target[engine] = value if target is out.healthy else int(value)
+        elif name == REPLAYS and labels.get("outcome") == "requested":
+            out.replays += int(value)
+        elif name == DROPPED:
+            out.dropped += int(value)
+        elif name == DEFERRED:
+            out.deferred_s += value
     return out
 
 
