@@ -39,6 +39,7 @@ MODEL = "kvmesh-tiny"
 """The simulated engines' served model: the routers key every engine's blocks under it."""
 POLL_S = 0.5
 """Scrape interval of each replica's /metrics while measuring: a scrape costs the replica a few ms."""
+CONVERGE_POLL_S = 0.2
 SETTLE_S = 1.0
 IDLE_CPU_S = 2.0
 CHAT_WORKERS = 2
@@ -226,7 +227,7 @@ async def _converge(client: HttpClient, replica: Replica, state: dict, ids: list
                 return True, time.monotonic() - stopped
         except (*TRANSPORT_ERRORS, trio.TooSlowError, ValueError):
             pass
-        await trio.sleep(POLL_S)
+        await trio.sleep(CONVERGE_POLL_S)
     try:
         return await equal(), math.inf
     except (*TRANSPORT_ERRORS, trio.TooSlowError, ValueError):
