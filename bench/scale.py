@@ -47,8 +47,8 @@ READY_INTERVAL_S = 0.02
 PROBE_TIMEOUT_S = 30.0
 CATCH_UP_TIMEOUT_S = 120.0
 DEFAULTS = {"replicas": "1,2,3", "rates": "10000,50000", "engines": 16, "cap": 65536, "steady_s": 20.0,
-            "burst_s": 10.0, "probe_s": 5.0, "converge_timeout_s": 30.0}
-QUICK = {**DEFAULTS, "rates": "10000", "engines": 8, "cap": 16384, "steady_s": 6.0, "burst_s": 4.0, "probe_s": 2.0,
+            "burst_s": 10.0, "probe_s": 10.0, "converge_timeout_s": 30.0}
+QUICK = {**DEFAULTS, "rates": "10000", "engines": 8, "cap": 16384, "steady_s": 6.0, "burst_s": 5.0, "probe_s": 4.0,
          "converge_timeout_s": 15.0}
 """The full run holds about a million live blocks (the issue's RSS target); ``--quick`` 131k, at one rate,
 with a small fleet and short phases (about 3 minutes on two busy cores). Flags given
@@ -313,7 +313,8 @@ async def _phases(client: HttpClient, opts: ScaleOptions, pub: Publisher, reps: 
         everything = seen[i] + steady_scrapes[i] + burst_scrapes[i]
         latest = max(everything, key=lambda scrape: scrape[0], default=(0.0, EngineGauges()))[1]
         results.append(ReplicaResult(
-            count, rate, i, steady["ops_per_s"], 1e6 * cpu[i] / steady["ops"] if steady["ops"] else math.nan,
+            count, rate, i, steady["ops_per_s"], burst["ops_per_s"],
+            1e6 * cpu[i] / steady["ops"] if steady["ops"] else math.nan,
             idle_cores[i], rss_idle[i], rss_end[i], live[i],
             _lag_ms(steady_scrapes[i], timeline, 50), _lag_ms(steady_scrapes[i], timeline, 99),
             _lag_ms(burst_scrapes[i], timeline, 99), converged[i][0], converged[i][1],
