@@ -22,6 +22,8 @@ HEALTHY = "kvmesh_engine_healthy"
 REPLAYS = "kvmesh_event_replays_total"
 DROPPED = "kvmesh_events_dropped_total"
 DEFERRED = "kvmesh_event_ingest_deferred_seconds_total"
+BLOCK_OPS = "kvmesh_event_block_ops_total"
+APPLIED_OPS = ("stored", "removed")
 
 
 def cpu_seconds(stat: str) -> float:
@@ -56,13 +58,15 @@ class EngineGauges:
     """Event messages it dropped before the index, for any reason."""
     deferred_s: float = 0.0
     """Seconds its ingest waited for its share of the event loop, summed over engines."""
+    block_ops: int = 0
+    """Blocks stored and removed in its index so far, over all engines."""
 
     @property
     def unhealthy(self) -> int:
         return sum(1 for v in self.healthy.values() if v < 1)
 
 
-_FOLLOWED = (BATCHES, BLOCKS, HEALTHY, REPLAYS, DROPPED, DEFERRED)
+_FOLLOWED = (BATCHES, BLOCKS, HEALTHY, REPLAYS, DROPPED, DEFERRED, BLOCK_OPS)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
@@ -96,6 +100,8 @@ def engine_gauges(text: str) -> EngineGauges:
             out.dropped += int(value)
         elif name == DEFERRED:
             out.deferred_s += value
+        elif name == BLOCK_OPS and labels.get("op") in APPLIED_OPS:
+            out.block_ops += int(value)
     return out
 
 

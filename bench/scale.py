@@ -28,24 +28,24 @@ from pathlib import Path
 
 import trio
 
-from bench.client import TRANSPORT_ERRORS, HttpClient, completion
-from bench.replica_stats import EngineGauges, engine_gauges, process_cpu, process_rss, staleness
+from bench.client import HttpClient
+from bench.replica_stats import EngineGauges, process_cpu, process_rss, staleness
 from bench.runner import FleetSpec, sim_fleet
-from bench.scale_fleet import EngineEndpoints, Publisher, Replica, publisher, redis_server, replicas
+from bench.scale_fleet import MODEL, EngineEndpoints, Publisher, Replica, publisher, redis_server, replicas
+from bench.scale_probes import (
+    PROBE_TIMEOUT_S,
+    Scrapes,
+    follow_all,
+    probe_all,
+    scrape,
+    wait_caught_up,
+    wait_converged,
+    wait_subscribed,
+)
 from bench.scale_report import Latency, ReplicaResult, format_ratios, format_tables, moonshot, plot, verdicts
 from bench.stats import percentile
 
-MODEL = "kvmesh-tiny"
-"""The simulated engines' served model: the routers key every engine's blocks under it."""
-POLL_S = 0.5
-"""Scrape interval of each replica's /metrics while measuring: a scrape costs the replica a few ms."""
-CONVERGE_POLL_S = 0.2
-SETTLE_S = 1.0
 IDLE_CPU_S = 2.0
-CHAT_WORKERS = 2
-READY_INTERVAL_S = 0.02
-PROBE_TIMEOUT_S = 30.0
-CATCH_UP_TIMEOUT_S = 120.0
 DEFAULTS = {"replicas": "1,2,3", "rates": "10000,50000", "engines": 16, "cap": 65536, "steady_s": 20.0,
             "burst_s": 10.0, "probe_s": 10.0, "converge_timeout_s": 30.0}
 QUICK = {**DEFAULTS, "rates": "10000", "engines": 8, "cap": 16384, "steady_s": 6.0, "burst_s": 5.0, "probe_s": 4.0,
@@ -53,8 +53,6 @@ QUICK = {**DEFAULTS, "rates": "10000", "engines": 8, "cap": 16384, "steady_s": 6
 """The full run holds about a million live blocks (the issue's RSS target); ``--quick`` 131k, at one rate,
 with a small fleet and short phases (about 3 minutes on two busy cores). Flags given
 explicitly win over both tables."""
-
-Scrapes = list[tuple[float, EngineGauges]]
 
 
 @dataclass(frozen=True)
@@ -100,140 +98,6 @@ def options(args: argparse.Namespace) -> ScaleOptions:
     )  # fmt: skip
 
 
-async def _scrape(client: HttpClient, replica: Replica) -> tuple[float, EngineGauges]:
-    with trio.fail_after(5):
-        response = await client.request(replica.url + "/metrics")
-    return time.monotonic(), engine_gauges(response.body.decode())
-
-
-async def _follow(client: HttpClient, replica: Replica, into: Scrapes) -> None:
-    """Scrape ``/metrics`` every POLL_S until cancelled; a scrape that fails is skipped."""
-    while True:
-        try:
-            into.append(await _scrape(client, replica))
-        except (*TRANSPORT_ERRORS, trio.TooSlowError, ValueError):
-            pass
-        await trio.sleep(POLL_S)
-
-
-async def _follow_all(client: HttpClient, reps: list[Replica], scrapes: list[Scrapes]) -> None:
-    async with trio.open_nursery() as nursery:
-        for replica, into in zip(reps, scrapes, strict=True):
-            nursery.start_soon(_follow, client, replica, into)
-
-
-async def _probe(client: HttpClient, url: str, seconds: float) -> tuple[Latency, Latency]:
-    """Chat (one token, CHAT_WORKERS at a time) and ``/ready`` latency through one replica for ``seconds``."""
-    until = time.monotonic() + seconds
-    chats: list[float] = []
-    readies: list[float] = []
-    errors = {"chat": 0, "ready": 0}
-
-    async def chat_worker(worker: int) -> None:
-        n = 0
-        while time.monotonic() < until:
-            body = {"model": MODEL, "max_tokens": 1,
-                    "messages": [{"role": "user", "content": f"scale probe {worker}-{n}: say hi"}]}
-            result = await completion(client, url + "/v1/chat/completions", body, timeout=PROBE_TIMEOUT_S)
-            if result.ok:
-                chats.append(result.total)
-            else:
-                errors["chat"] += 1
-            n += 1
-
-    async def ready_worker() -> None:
-        while time.monotonic() < until:
-            started = time.monotonic()
-            try:
-                with trio.fail_after(PROBE_TIMEOUT_S):
-                    ok = (await client.request(url + "/ready")).status == 200
-            except (*TRANSPORT_ERRORS, trio.TooSlowError):
-                ok = False
-            if ok:
-                readies.append(time.monotonic() - started)
-            else:
-                errors["ready"] += 1
-            await trio.sleep(READY_INTERVAL_S)
-
-    async with trio.open_nursery() as nursery:
-        for worker in range(CHAT_WORKERS):
-            nursery.start_soon(chat_worker, worker)
-        nursery.start_soon(ready_worker)
-    return Latency.of(chats, errors["chat"]), Latency.of(readies, errors["ready"])
-
-
-async def _probe_all(client: HttpClient, reps: list[Replica], seconds: float) -> list[tuple[Latency, Latency]]:
-    out: list[tuple[Latency, Latency]] = [(Latency(), Latency())] * len(reps)
-
-    async def one(i: int) -> None:
-        out[i] = await _probe(client, reps[i].url, seconds)
-
-    async with trio.open_nursery() as nursery:
-        for i in range(len(reps)):
-            nursery.start_soon(one, i)
-    return out
-
-
-async def _wait_subscribed(client: HttpClient, reps: list[Replica], ids: list[str]) -> None:
-    """Until every replica lists every engine as fed by events (then ZMQ gets a moment to connect)."""
-    for replica in reps:
-        with trio.fail_after(60):
-            while True:
-                try:
-                    report = await client.get_json(replica.url + "/admin/index")
-                except (*TRANSPORT_ERRORS, trio.TooSlowError, ValueError):
-                    report = {}
-                engines = report.get("engines", {}) if isinstance(report, dict) else {}
-                if all(engines.get(i, {}).get("has_events") for i in ids):
-                    break
-                await trio.sleep(0.2)
-    await trio.sleep(SETTLE_S)
-
-
-async def _wait_caught_up(client: HttpClient, reps: list[Replica], timeline: dict[str, list[float]],
-                          scrapes: list[Scrapes]) -> None:
-    """Until every replica applied every published batch (bounded; a replica that never does shows in the
-    table as lag and as a failed convergence)."""
-    with trio.move_on_after(CATCH_UP_TIMEOUT_S):
-        for replica, into in zip(reps, scrapes, strict=True):
-            while True:
-                try:
-                    into.append(await _scrape(client, replica))
-                    if all(into[-1][1].batches.get(e, 0) >= len(t) for e, t in timeline.items()):
-                        break
-                except (*TRANSPORT_ERRORS, trio.TooSlowError):
-                    pass
-                await trio.sleep(POLL_S)
-        return
-    print(f"  not every replica caught up within {CATCH_UP_TIMEOUT_S:.0f} s", file=sys.stderr, flush=True)
-
-
-async def _converge(client: HttpClient, replica: Replica, state: dict, ids: list[str], stopped: float,
-                    timeout: float, into: Scrapes) -> tuple[bool, float]:
-    """Whether the replica's per-engine digests equal the publisher's, and seconds after ``stopped`` until
-    they did (inf when they never did within ``timeout``)."""
-    blocks = {e: s["blocks"] for e, s in zip(ids, state["engines"], strict=True)}
-    digests = {e: s["digest"] for e, s in zip(ids, state["engines"], strict=True)}
-
-    async def equal() -> bool:
-        report = await client.get_json(replica.url + "/admin/index", timeout=PROBE_TIMEOUT_S)
-        engines = report.get("engines", {}) if isinstance(report, dict) else {}
-        return all(engines.get(e, {}).get("digest") == d for e, d in digests.items())
-
-    while time.monotonic() < stopped + timeout:
-        try:
-            into.append(await _scrape(client, replica))
-            if into[-1][1].blocks == blocks and await equal():
-                return True, time.monotonic() - stopped
-        except (*TRANSPORT_ERRORS, trio.TooSlowError, ValueError):
-            pass
-        await trio.sleep(CONVERGE_POLL_S)
-    try:
-        return await equal(), math.inf
-    except (*TRANSPORT_ERRORS, trio.TooSlowError, ValueError):
-        return False, math.inf
-
-
 def _extend(timeline: dict[str, list[float]], answer: dict) -> None:
     for (engine, times), first in zip(timeline.items(), answer["first_seq"], strict=True):
         if first != len(times):
@@ -258,69 +122,102 @@ async def measure_cell(client: HttpClient, opts: ScaleOptions, count: int, rate:
         ids = [e.id for e in engines]
         cluster = f"scale-{os.getpid()}-r{count}-{rate:.0f}"
         async with replicas(client, count, engines, MODEL, redis_url, cluster, log_dir) as reps:
-            await _wait_subscribed(client, reps, ids)
+            await wait_subscribed(client, reps, ids)
             return await _phases(client, opts, pub, reps, ids, count, rate)
+
+
+@dataclass
+class _Window:
+    """One publishing window: the publisher's answer; per replica the CPU seconds it used and the block ops
+    it applied (read together before and after), its scrapes and, if probed, chat and /ready latency."""
+
+    answer: dict
+    cpu_s: list[float]
+    applied_ops: list[int]
+    scrapes: list[Scrapes]
+    latency: list[tuple[Latency, Latency]]
+
+
+async def _work_done(client: HttpClient, reps: list[Replica]) -> list[tuple[float, int]]:
+    """Each replica's CPU seconds and block ops applied so far, read at (nearly) the same moment."""
+    out = []
+    for replica in reps:
+        gauges = (await scrape(client, replica, timeout=PROBE_TIMEOUT_S))[1]
+        out.append((process_cpu(replica.pid), gauges.block_ops))
+    return out
+
+
+async def _publish(client: HttpClient, pub: Publisher, reps: list[Replica], rate: float, seconds: float,
+                   probe: bool) -> _Window:
+    """Publish at ``rate`` for ``seconds`` while scraping every replica (and probing it, if asked).
+
+    CPU per op is charged to the ops the replica applied in the window, not to those published: a
+    replica that falls behind would otherwise look cheaper."""
+    scrapes: list[Scrapes] = [[] for _ in reps]
+    latency: list[tuple[Latency, Latency]] = []
+
+    async def probes() -> None:
+        latency.extend(await probe_all(client, reps, seconds))
+
+    before = await _work_done(client, reps)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(follow_all, client, reps, scrapes)
+        async with trio.open_nursery() as publishing:
+            if probe:
+                publishing.start_soon(probes)
+            answer = await pub.command(f"run {rate} {seconds}")
+        nursery.cancel_scope.cancel()
+    after = await _work_done(client, reps)
+    return _Window(answer, [a[0] - b[0] for a, b in zip(after, before, strict=True)],
+                   [a[1] - b[1] for a, b in zip(after, before, strict=True)], scrapes, latency)
+
+
+async def _idle_cpu(reps: list[Replica]) -> list[float]:
+    """Cores each replica uses doing nothing but its background polls and gossip."""
+    cpu = [process_cpu(r.pid) for r in reps]
+    await trio.sleep(IDLE_CPU_S)
+    return [(process_cpu(r.pid) - c) / IDLE_CPU_S for r, c in zip(reps, cpu, strict=True)]
 
 
 async def _phases(client: HttpClient, opts: ScaleOptions, pub: Publisher, reps: list[Replica], ids: list[str],
                   count: int, rate: float) -> list[ReplicaResult]:
     seen: list[Scrapes] = [[] for _ in reps]
     timeline: dict[str, list[float]] = {e: [] for e in ids}
-    cpu = [process_cpu(r.pid) for r in reps]
-    await trio.sleep(IDLE_CPU_S)
-    idle_cores = [(process_cpu(r.pid) - c) / IDLE_CPU_S for r, c in zip(reps, cpu, strict=True)]
-    idle = await _probe_all(client, reps, opts.probe_s)
+    idle_cores = await _idle_cpu(reps)
+    idle = await probe_all(client, reps, opts.probe_s)
     rss_idle = [process_rss(r.pid) for r in reps]  # after serving warmed up, so only the index is counted
     _extend(timeline, await pub.command(f"fill {opts.fill_rate}"))
-    await _wait_caught_up(client, reps, timeline, seen)
+    await wait_caught_up(client, reps, timeline, seen)
 
-    steady_scrapes: list[Scrapes] = [[] for _ in reps]
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(_follow_all, client, reps, steady_scrapes)
-        cpu = [process_cpu(r.pid) for r in reps]
-        steady = await pub.command(f"run {rate} {opts.steady_s}")
-        cpu = [process_cpu(r.pid) - c for r, c in zip(reps, cpu, strict=True)]
-        nursery.cancel_scope.cancel()
-    _extend(timeline, steady)
+    steady = await _publish(client, pub, reps, rate, opts.steady_s, probe=False)
+    _extend(timeline, steady.answer)
     rss_end = [process_rss(r.pid) for r in reps]
-    live = [sum((await _scrape(client, r))[1].blocks.values()) for r in reps]
-
-    burst_scrapes: list[Scrapes] = [[] for _ in reps]
-    busy: list[tuple[Latency, Latency]] = []
-
-    async def probe_burst() -> None:
-        busy.extend(await _probe_all(client, reps, opts.burst_s))
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(_follow_all, client, reps, burst_scrapes)
-        async with trio.open_nursery() as probes:
-            probes.start_soon(probe_burst)
-            burst = await pub.command(f"run {2 * rate} {opts.burst_s}")
-        nursery.cancel_scope.cancel()
+    live = [sum((await scrape(client, r))[1].blocks.values()) for r in reps]
+    burst = await _publish(client, pub, reps, 2 * rate, opts.burst_s, probe=True)
     stopped = time.monotonic()
-    _extend(timeline, burst)
+    _extend(timeline, burst.answer)
     state = await pub.command("state")
     converged: list[tuple[bool, float]] = [(False, math.inf)] * len(reps)
 
     async def converge(i: int) -> None:
-        converged[i] = await _converge(client, reps[i], state, ids, stopped, opts.converge_timeout_s, seen[i])
+        converged[i] = await wait_converged(client, reps[i], state, ids, stopped, opts.converge_timeout_s, seen[i])
 
     async with trio.open_nursery() as nursery:
         for i in range(len(reps)):
             nursery.start_soon(converge, i)
     results = []
     for i in range(len(reps)):
-        everything = seen[i] + steady_scrapes[i] + burst_scrapes[i]
+        ops = steady.applied_ops[i]
+        everything = seen[i] + steady.scrapes[i] + burst.scrapes[i]
         latest = max(everything, key=lambda scrape: scrape[0], default=(0.0, EngineGauges()))[1]
         results.append(ReplicaResult(
-            count, rate, i, steady["ops_per_s"], burst["ops_per_s"],
-            1e6 * cpu[i] / steady["ops"] if steady["ops"] else math.nan,
-            idle_cores[i], rss_idle[i], rss_end[i], live[i],
-            _lag_ms(steady_scrapes[i], timeline, 50), _lag_ms(steady_scrapes[i], timeline, 99),
-            _lag_ms(burst_scrapes[i], timeline, 99), converged[i][0], converged[i][1],
+            count, rate, i, steady.answer["ops_per_s"], burst.answer["ops_per_s"], ops / steady.answer["seconds"],
+            1e6 * steady.cpu_s[i] / ops if ops else math.nan, idle_cores[i], rss_idle[i], rss_end[i], live[i],
+            _lag_ms(steady.scrapes[i], timeline, 50), _lag_ms(steady.scrapes[i], timeline, 99),
+            _lag_ms(burst.scrapes[i], timeline, 99), converged[i][0], converged[i][1],
             max((g.unhealthy for _, g in everything), default=0),
             latest.replays, latest.dropped, latest.deferred_s,
-            idle[i][0], busy[i][0], idle[i][1], busy[i][1],
+            idle[i][0], burst.latency[i][0], idle[i][1], burst.latency[i][1],
         ))  # fmt: skip
     return results
 

@@ -26,6 +26,9 @@ from bench.runner import wait_meshed
 from cluster.local import ensure_system_programs
 from cluster.ports import HOST, free_port, free_ports
 
+MODEL = "kvmesh-tiny"
+"""The simulated engines' served model: the routers key every engine's blocks under it."""
+
 
 @dataclass(frozen=True)
 class EngineEndpoints:

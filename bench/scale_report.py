@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +47,10 @@ class ReplicaResult:
     """What the publisher achieved in the steady window (all engines) ..."""
     burst_ops_per_s: float
     """... and in the burst, meant to be twice the rate."""
+    applied_ops_per_s: float
+    """Block ops this replica applied in the steady window (below the published rate: it fell behind)."""
     cpu_us_per_op: float
+    """CPU over the steady window per block op applied in it."""
     idle_cores: float
     rss_idle: int
     rss_end: int
@@ -71,7 +75,7 @@ class ReplicaResult:
     @property
     def net_us_per_op(self) -> float:
         """CPU per op without what the replica burns idle (health and /metrics polls, gossip)."""
-        return self.cpu_us_per_op - 1e6 * self.idle_cores / self.published_ops_per_s
+        return self.cpu_us_per_op - 1e6 * self.idle_cores / self.applied_ops_per_s
 
     @property
     def bytes_per_block(self) -> float:
@@ -82,32 +86,54 @@ def _num(value: float, digits: int = 1) -> str:
     return "-" if math.isnan(value) else "inf" if math.isinf(value) else f"{value:.{digits}f}"
 
 
-def _table(head: list[tuple[str, int]], rows: list[list[str]]) -> list[str]:
-    line = " ".join(f"{name:>{width}}" for name, width in head)
-    out = [line, "-" * len(line)]
-    out += [" ".join(f"{cell:>{width}}" for cell, (_, width) in zip(row, head, strict=True)) for row in rows]
-    return out
+Column = tuple[str, int, Callable[["ReplicaResult"], str]]
+
+CELL: list[Column] = [("R", 2, lambda r: str(r.replicas)), ("rate", 7, lambda r: f"{r.rate:.0f}"),
+                      ("rep", 3, lambda r: str(r.replica))]
+INGEST: list[Column] = [
+    ("pub ops/s", 9, lambda r: f"{r.published_ops_per_s:.0f}"),
+    ("burst ops/s", 11, lambda r: f"{r.burst_ops_per_s:.0f}"),
+    ("applied/s", 9, lambda r: f"{r.applied_ops_per_s:.0f}"),
+    ("cpu us/op", 9, lambda r: _num(r.cpu_us_per_op, 2)),
+    ("net us/op", 9, lambda r: _num(r.net_us_per_op, 2)),
+    ("idle %cpu", 9, lambda r: _num(100 * r.idle_cores)),
+    ("RSS MB", 7, lambda r: _num(r.rss_end / 1e6)),
+    ("B/block", 7, lambda r: _num(r.bytes_per_block)),
+    ("live", 8, lambda r: str(r.live_blocks)),
+    ("lag p50", 7, lambda r: _num(r.lag_p50_ms)),
+    ("lag p99", 7, lambda r: _num(r.lag_p99_ms)),
+    ("burst p99", 9, lambda r: _num(r.burst_lag_p99_ms)),
+]
+CONVERGENCE: list[Column] = [
+    ("equal", 5, lambda r: "yes" if r.equal else "NO"),
+    ("conv s", 6, lambda r: _num(r.converge_s, 2)),
+    ("unhealthy", 9, lambda r: str(r.unhealthy)),
+    ("replays", 7, lambda r: str(r.replays)),
+    ("drops", 5, lambda r: str(r.dropped)),
+    ("defer s", 7, lambda r: _num(r.deferred_s, 2)),
+]
+SERVING: list[Column] = [
+    ("chat idle p50/p99", 20, lambda r: r.chat_idle.cell()),
+    ("chat burst p50/p99", 20, lambda r: r.chat_burst.cell()),
+    ("/ready idle p50/p99", 20, lambda r: r.ready_idle.cell()),
+    ("/ready burst p50/p99", 20, lambda r: r.ready_burst.cell()),
+    ("chats idle/burst", 16, lambda r: f"{r.chat_idle.count}/{r.chat_burst.count}"),
+]
+
+
+def _table(title: str, columns: list[Column], results: list[ReplicaResult]) -> list[str]:
+    head = " ".join(f"{name:>{width}}" for name, width, _ in columns)
+    rows = [" ".join(f"{cell(r):>{width}}" for _, width, cell in columns) for r in results]
+    return [title, head, "-" * len(head), *rows, ""]
 
 
 def format_tables(results: list[ReplicaResult]) -> str:
-    ingest_head = [("R", 2), ("rate", 7), ("rep", 3), ("pub ops/s", 9), ("burst ops/s", 11), ("cpu us/op", 9),
-                   ("net us/op", 9), ("idle %cpu", 9), ("RSS MB", 7), ("B/block", 7), ("live", 8), ("lag p50", 7),
-                   ("lag p99", 7), ("burst p99", 9), ("equal", 5), ("conv s", 6), ("unhealthy", 9), ("replays", 7),
-                   ("drops", 5), ("defer s", 7)]
-    ingest = [[str(r.replicas), f"{r.rate:.0f}", str(r.replica), f"{r.published_ops_per_s:.0f}",
-               f"{r.burst_ops_per_s:.0f}", _num(r.cpu_us_per_op, 2), _num(r.net_us_per_op, 2),
-               _num(100 * r.idle_cores), _num(r.rss_end / 1e6), _num(r.bytes_per_block), str(r.live_blocks),
-               _num(r.lag_p50_ms), _num(r.lag_p99_ms), _num(r.burst_lag_p99_ms), "yes" if r.equal else "NO",
-               _num(r.converge_s, 2), str(r.unhealthy), str(r.replays), str(r.dropped), _num(r.deferred_s, 2)]
-              for r in results]
-    serve_head = [("R", 2), ("rate", 7), ("rep", 3), ("chat idle p50/p99", 20), ("chat burst p50/p99", 20),
-                  ("/ready idle p50/p99", 20), ("/ready burst p50/p99", 20), ("chats idle/burst", 16)]
-    serve = [[str(r.replicas), f"{r.rate:.0f}", str(r.replica), r.chat_idle.cell(), r.chat_burst.cell(),
-              r.ready_idle.cell(), r.ready_burst.cell(), f"{r.chat_idle.count}/{r.chat_burst.count}"]
-             for r in results]
-    return "\n".join(["ingest (net us/op: without idle CPU; lag in ms; conv s: after the burst)",
-                      *_table(ingest_head, ingest), "",
-                      "serving through each replica (ms; burst = 2x the rate)", *_table(serve_head, serve)])
+    return "\n".join([
+        *_table("ingest (steady window; net us/op: without idle CPU; lag in ms)", CELL + INGEST, results),
+        *_table("after the burst (conv s: until equal to the publisher; counts over the cell)", CELL + CONVERGENCE,
+                results),
+        *_table("serving through each replica (ms; burst = 2x the rate)", CELL + SERVING, results),
+    ]).rstrip()
 
 
 def _mean(values: list[float]) -> float:

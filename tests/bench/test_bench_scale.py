@@ -85,6 +85,11 @@ kvmesh_events_dropped_total{engine="e1",reason="duplicate"} 4.0
 # TYPE kvmesh_event_ingest_deferred_seconds_total counter
 kvmesh_event_ingest_deferred_seconds_total{engine="e0"} 0.25
 kvmesh_event_ingest_deferred_seconds_total{engine="e1"} 0.5
+# HELP kvmesh_event_block_ops_total Block operations applied from KV events
+# TYPE kvmesh_event_block_ops_total counter
+kvmesh_event_block_ops_total{engine="e0",op="stored"} 384.0
+kvmesh_event_block_ops_total{engine="e0",op="removed"} 64.0
+kvmesh_event_block_ops_total{engine="e0",op="orphaned"} 1.0
 # HELP kvmesh_requests_total Requests answered
 # TYPE kvmesh_requests_total counter
 kvmesh_requests_total{endpoint="chat",status="200"} 5.0
@@ -94,7 +99,7 @@ kvmesh_requests_total{endpoint="chat",status="200"} 5.0
 def test_engine_gauges_follow_only_the_per_engine_samples():
     gauges = engine_gauges(METRICS)
     assert gauges.batches == {"e0": 12, "e1": 3} and gauges.blocks == {"e0": 384} and gauges.unhealthy == 1
-    assert (gauges.replays, gauges.dropped, gauges.deferred_s) == (3, 4, 0.75)
+    assert (gauges.replays, gauges.dropped, gauges.deferred_s, gauges.block_ops) == (3, 4, 0.75, 448)
 
 
 def test_staleness_is_the_age_of_the_oldest_unapplied_batch():
@@ -121,9 +126,9 @@ def test_replica_config_is_a_valid_router_config(tmp_path):
 
 def _result(replicas, replica, cpu, rss_end=2_000_000, converge=1.0, unhealthy=0, burst_p99=40.0, ready_p99=10.0):
     return ReplicaResult(
-        replicas, 10_000.0, replica, 9_990.0, 19_000.0, cpu, 0.02, 1_000_000, rss_end, 10_000, 0.5, 3.0, 20.0, True,
-        converge, unhealthy, 1, 0, 0.5, Latency(10.0, 30.0, 300), Latency(12.0, burst_p99, 280), Latency(1.0, 2.0, 200),
-        Latency(1.5, ready_p99, 190),
+        replicas, 10_000.0, replica, 9_990.0, 19_000.0, 9_990.0, cpu, 0.02, 1_000_000, rss_end, 10_000, 0.5, 3.0,
+        20.0, True, converge, unhealthy, 1, 0, 0.5, Latency(10.0, 30.0, 300), Latency(12.0, burst_p99, 280),
+        Latency(1.0, 2.0, 200), Latency(1.5, ready_p99, 190),
     )  # fmt: skip
 
 
@@ -148,8 +153,8 @@ def test_verdicts_fail_on_cost_growth_memory_slow_serving_and_no_convergence():
 def test_tables_show_every_replica():
     text = format_tables([_result(1, 0, 10.0), _result(2, 1, 11.0, converge=math.inf)])
     rows = [line for line in text.splitlines() if line.strip().startswith(("1 ", "2 "))]
-    assert len(rows) == 4 and " inf " in rows[1] and "100.0" in rows[0] and "12.0/40.0" in rows[2]
-    assert " 19000     10.00      8.00 " in rows[0]  # idle 2% of a core at ~10k ops/s is 2 us of each op
+    assert len(rows) == 6 and "100.0" in rows[0] and " inf " in rows[3] and "12.0/40.0" in rows[4]
+    assert " 19000      9990     10.00      8.00 " in rows[0]  # idle 2% of a core at ~10k ops/s is 2 us of each op
 
 
 @pytest.mark.integration
