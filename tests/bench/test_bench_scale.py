@@ -163,8 +163,8 @@ def test_smallest_scale_run_converges_on_the_publishers_live_set(tmp_path, capsy
                  "--burst-s", "1", "--probe-s", "0.5", "--converge-timeout-s", "10", "--log-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert code in (0, 1), out
-    row = next(line for line in out.splitlines() if line.split()[:3] == ["1", "2000", "0"])
-    assert " yes " in row, out
+    ingest, after_burst, serving = [line for line in out.splitlines() if line.split()[:3] == ["1", "2000", "0"]]
+    assert " yes " in after_burst and "/" in serving, out
     assert any(line.startswith("PASS  convergence") for line in out.splitlines()), out
     assert (tmp_path / "scale.png").exists()
 
