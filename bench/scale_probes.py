@@ -18,7 +18,8 @@ Scrapes = list[tuple[float, EngineGauges]]
 
 POLL_S = 0.5
 """Scrape interval of each replica's /metrics while measuring: a scrape costs the replica a few ms."""
-CONVERGE_POLL_S = 0.2
+WAIT_POLL_S = 0.2
+"""Poll interval while waiting for replicas to catch up or converge."""
 SETTLE_S = 1.0
 CHAT_WORKERS = 2
 READY_INTERVAL_S = 0.02
@@ -129,7 +130,7 @@ async def wait_caught_up(client: HttpClient, reps: list[Replica], timeline: dict
                         break
                 except (*TRANSPORT_ERRORS, trio.TooSlowError, ValueError):
                     pass
-                await trio.sleep(POLL_S)
+                await trio.sleep(WAIT_POLL_S)
         return
     print(f"  not every replica caught up within {CATCH_UP_TIMEOUT_S:.0f} s", file=sys.stderr, flush=True)
 
@@ -153,7 +154,7 @@ async def wait_converged(client: HttpClient, replica: Replica, state: dict, ids:
                 return True, time.monotonic() - stopped
         except (*TRANSPORT_ERRORS, trio.TooSlowError, ValueError):
             pass
-        await trio.sleep(CONVERGE_POLL_S)
+        await trio.sleep(WAIT_POLL_S)
     try:
         return await equal(), math.inf
     except (*TRANSPORT_ERRORS, trio.TooSlowError, ValueError):

@@ -55,6 +55,8 @@ class ReplicaResult:
     rss_idle: int
     rss_end: int
     live_blocks: int
+    rss_after_burst: int
+    """RSS once the burst was ingested: what a backlog left behind."""
     lag_p50_ms: float
     lag_p99_ms: float
     burst_lag_p99_ms: float
@@ -105,6 +107,7 @@ INGEST: list[Column] = [
     ("burst p99", 9, lambda r: _num(r.burst_lag_p99_ms)),
 ]
 CONVERGENCE: list[Column] = [
+    ("RSS MB", 7, lambda r: _num(r.rss_after_burst / 1e6)),
     ("equal", 5, lambda r: "yes" if r.equal else "NO"),
     ("conv s", 6, lambda r: _num(r.converge_s, 2)),
     ("unhealthy", 9, lambda r: str(r.unhealthy)),

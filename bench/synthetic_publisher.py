@@ -5,7 +5,7 @@ router replicas subscribe to it exactly as to vLLM. The benchmark drives it by l
 every command is answered by one JSON line on stdout:
 
 - ``run RATE SECONDS``: publish at RATE block ops/s (all engines together, round robin) for SECONDS;
-- ``fill RATE``: publish at RATE until every engine holds its cap;
+- ``fill RATE SECONDS``: the same, but stopping early once every engine holds its cap;
 - ``state``: per engine the digest and count of its live blocks and the next seq.
 
 A ``run``/``fill`` answer carries the monotonic publish time of every batch it sent, per engine in seq
@@ -47,8 +47,8 @@ class Fleet:
         return [{"events": f"tcp://{HOST}:{p.port}", "replay": f"tcp://{HOST}:{p.replay_port}", "topic": TOPIC}
                 for p in self.publishers]
 
-    async def publish(self, rate: float, seconds: float | None) -> dict[str, Any]:
-        """Paced publishing until ``seconds`` passed (None: until every engine is full)."""
+    async def publish(self, rate: float, seconds: float, until_full: bool = False) -> dict[str, Any]:
+        """Paced publishing for ``seconds`` (or until every engine is full, if asked)."""
         start = time.monotonic()
         pacer = Pacer(rate, start)
         times: list[list[float]] = [[] for _ in self.engines]
@@ -57,9 +57,7 @@ class Fleet:
         behind = 0.0
         while True:
             now = time.monotonic()
-            if seconds is not None and now - start >= seconds:
-                break
-            if seconds is None and all(e.full for e in self.engines):
+            if now - start >= seconds or (until_full and self.full):
                 break
             wait = pacer.wait_s(now, ops)
             if wait > 0:
@@ -75,9 +73,13 @@ class Fleet:
             if sum(map(len, times)) % CHECKPOINT_BATCHES == 0:
                 await trio.lowlevel.checkpoint()  # let replay requests in while catching up
         elapsed = time.monotonic() - start
-        return {"ops": ops, "stored": stored, "removed": removed, "started": start, "seconds": elapsed,
+        return {"ops": ops, "stored": stored, "removed": removed, "full": self.full, "seconds": elapsed,
                 "ops_per_s": ops / elapsed if elapsed > 0 else 0.0, "behind_s": behind,
                 "first_seq": first_seq, "times": times}
+
+    @property
+    def full(self) -> bool:
+        return all(e.full for e in self.engines)
 
     def state(self) -> dict[str, Any]:
         return {"engines": [{"digest": e.digest(), "blocks": e.live, "next_seq": p.seq}
@@ -102,8 +104,8 @@ async def _answer(fleet: Fleet, words: list[str]) -> dict[str, Any]:
     try:
         if words[:1] == ["run"] and len(words) == 3:
             return await fleet.publish(float(words[1]), float(words[2]))
-        if words[:1] == ["fill"] and len(words) == 2:
-            return await fleet.publish(float(words[1]), None)
+        if words[:1] == ["fill"] and len(words) == 3:
+            return await fleet.publish(float(words[1]), float(words[2]), until_full=True)
         if words == ["state"]:
             return fleet.state()
     except ValueError as exc:

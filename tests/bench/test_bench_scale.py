@@ -126,8 +126,8 @@ def test_replica_config_is_a_valid_router_config(tmp_path):
 
 def _result(replicas, replica, cpu, rss_end=2_000_000, converge=1.0, unhealthy=0, burst_p99=40.0, ready_p99=10.0):
     return ReplicaResult(
-        replicas, 10_000.0, replica, 9_990.0, 19_000.0, 9_990.0, cpu, 0.02, 1_000_000, rss_end, 10_000, 0.5, 3.0,
-        20.0, True, converge, unhealthy, 1, 0, 0.5, Latency(10.0, 30.0, 300), Latency(12.0, burst_p99, 280),
+        replicas, 10_000.0, replica, 9_990.0, 19_000.0, 9_990.0, cpu, 0.02, 1_000_000, rss_end, 10_000, 9_000_000,
+        0.5, 3.0, 20.0, True, converge, unhealthy, 1, 0, 0.5, Latency(10.0, 30.0, 300), Latency(12.0, burst_p99, 280),
         Latency(1.0, 2.0, 200), Latency(1.5, ready_p99, 190),
     )  # fmt: skip
 
@@ -154,6 +154,7 @@ def test_tables_show_every_replica():
     text = format_tables([_result(1, 0, 10.0), _result(2, 1, 11.0, converge=math.inf)])
     rows = [line for line in text.splitlines() if line.strip().startswith(("1 ", "2 "))]
     assert len(rows) == 6 and "100.0" in rows[0] and " inf " in rows[3] and "12.0/40.0" in rows[4]
+    assert "    9.0   yes " in rows[2]
     assert " 19000      9990     10.00      8.00 " in rows[0]  # idle 2% of a core at ~10k ops/s is 2 us of each op
 
 
