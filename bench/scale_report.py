@@ -177,14 +177,14 @@ def verdicts(results: list[ReplicaResult]) -> list[Verdict]:
                                value, f"<= {CPU_RATIO_MAX}", not math.isnan(value) and value <= CPU_RATIO_MAX))
     largest = max((r.replicas for r in results), default=0)
     judged_r = RSS_TARGET_REPLICAS if any(r.replicas == RSS_TARGET_REPLICAS for r in results) else largest
-    rss_rows = [r for r in results if r.replicas == judged_r]
-    if rss_rows:
-        top = max(r.rate for r in rss_rows)
-        worst_rss = max((r for r in rss_rows if r.rate == top), key=lambda r: _num_or_inf(r.bytes_per_block))
-        value = worst_rss.bytes_per_block
-        out.append(Verdict(f"RSS per live block at R={judged_r} (B)", value, f"<= {RSS_PER_BLOCK_MAX:.0f}",
-                           not math.isnan(value) and value <= RSS_PER_BLOCK_MAX,
-                           f"measured at {worst_rss.live_blocks:,} live blocks, {top:.0f} ops/s"))
+    for (rate, replicas), rows in cells.items():
+        if replicas != judged_r:
+            continue
+        worst = max(rows, key=lambda r: _num_or_inf(r.bytes_per_block))
+        value = worst.bytes_per_block
+        out.append(Verdict(f"RSS per live block at R={judged_r}, {rate:.0f} ops/s (B)", value,
+                           f"<= {RSS_PER_BLOCK_MAX:.0f}", not math.isnan(value) and value <= RSS_PER_BLOCK_MAX,
+                           f"measured at {worst.live_blocks:,} live blocks, lag p99 {_num(worst.lag_p99_ms, 0)} ms"))
     if results:
         out += _burst_verdicts(results)
     return out

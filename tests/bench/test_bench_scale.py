@@ -137,7 +137,7 @@ def test_verdicts_pass_when_flat_in_replicas_and_serving_holds():
     lines = [v.line() for v in verdicts(results)]
     assert all(line.startswith("PASS") for line in lines), lines
     assert any("R=2 vs R=1" in line and "1.200" in line for line in lines)
-    assert any("RSS per live block at R=3" in line and "10,000 live blocks" in line for line in lines)
+    assert any("RSS per live block at R=3, 10000 ops/s" in line and "10,000 live blocks" in line for line in lines)
     assert "rate 10000 R=2: cpu/op 1.15x  RSS/block 1.00x" in format_ratios(results)
 
 
