@@ -30,8 +30,16 @@ import trio
 
 from bench.client import HttpClient
 from bench.replica_stats import EngineGauges, process_cpu, process_rss, staleness
-from bench.runner import FleetSpec, sim_fleet
-from bench.scale_fleet import MODEL, EngineEndpoints, Publisher, Replica, publisher, redis_server, replicas
+from bench.scale_fleet import (
+    MODEL,
+    EngineEndpoints,
+    Publisher,
+    Replica,
+    publisher,
+    redis_server,
+    replicas,
+    sim_engines,
+)
 from bench.scale_probes import (
     PROBE_TIMEOUT_S,
     Scrapes,
@@ -245,7 +253,7 @@ async def sweep(opts: ScaleOptions, log_dir: Path) -> list[ReplicaResult]:
     try:
         async with (
             redis_server(log_dir) as redis_url,
-            sim_fleet(client, FleetSpec(engines=opts.engines, profile="fast"), log_dir) as engine_urls,
+            sim_engines(client, opts.engines, log_dir) as engine_urls,
         ):
             for rate in opts.rates:
                 for count in opts.replicas:

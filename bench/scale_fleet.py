@@ -25,6 +25,7 @@ from bench.processes import REPO_ROOT, StartFailed, python_module, spawned, stop
 from bench.runner import wait_meshed
 from cluster.local import ensure_system_programs
 from cluster.ports import HOST, free_port, free_ports
+from sim.cli import READY_PREFIX as SIM_READY
 
 MODEL = "kvmesh-tiny"
 """The simulated engines' served model: the routers key every engine's blocks under it."""
@@ -86,27 +87,68 @@ async def redis_server(log_dir: Path) -> AsyncIterator[str]:
         yield f"redis://{HOST}:{port}/0"
 
 
-class Publisher:
-    """The synthetic publisher process (bench/synthetic_publisher.py), driven by its line commands."""
+class LineProcess:
+    """A child whose stdout is read line by line and whose stdin takes commands."""
 
-    def __init__(self, proc: trio.Process) -> None:
+    def __init__(self, proc: trio.Process, name: str) -> None:
         self.proc = proc
+        self.name = name
         self._buffer = b""
 
-    async def _line(self) -> dict[str, Any]:
+    async def line(self) -> bytes:
         assert self.proc.stdout is not None
         while b"\n" not in self._buffer:
             chunk = await self.proc.stdout.receive_some(1 << 20)
             if not chunk:
-                raise StartFailed(f"the synthetic publisher exited ({self.proc.returncode})")
+                raise StartFailed(f"{self.name} exited ({self.proc.returncode})")
             self._buffer += chunk
         line, self._buffer = self._buffer.split(b"\n", 1)
-        return json.loads(line)
+        return line
+
+
+@asynccontextmanager
+async def line_process(argv: list[str], log: Path, name: str) -> AsyncIterator[LineProcess]:
+    """Run ``argv`` (stderr to ``log``) for the block; closing its stdin, then SIGTERM, stops it."""
+    with log.open("wb") as err:
+        proc = await trio.lowlevel.open_process(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, cwd=str(REPO_ROOT),
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        yield LineProcess(proc, name)
+    finally:
+        with trio.CancelScope(shield=True):
+            assert proc.stdin is not None
+            await proc.stdin.aclose()
+            await stop(proc)
+
+
+@asynccontextmanager
+async def sim_engines(client: HttpClient, count: int, log_dir: Path) -> AsyncIterator[list[str]]:
+    """``count`` simulated engines (profile ``fast``, events off: the synthetic publisher sends them) on
+    ports the kernel picks, so nothing else on the machine can take one first; yields their URLs."""
+    argv = python_module("sim.cli", "--engines", str(count), "--base-port", "0", "--profile", "fast", "--no-events")
+    log = log_dir / f"sim-{free_port()}.log"
+    async with line_process(argv, log, "kvmesh sim") as sim:
+        with trio.fail_after(60):
+            while not (line := (await sim.line()).decode()).startswith(SIM_READY):
+                pass
+        urls = [str(engine["url"]) for engine in json.loads(line.removeprefix(SIM_READY))]
+        for url in urls:
+            await wait_ready(client, url + "/health", sim.proc, log)
+        yield urls
+
+
+class Publisher:
+    """The synthetic publisher process (bench/synthetic_publisher.py), driven by its line commands."""
+
+    def __init__(self, process: LineProcess) -> None:
+        self.process = process
 
     async def command(self, text: str) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        await self.proc.stdin.send_all(text.encode() + b"\n")
-        answer = await self._line()
+        assert self.process.proc.stdin is not None
+        await self.process.proc.stdin.send_all(text.encode() + b"\n")
+        answer = json.loads(await self.process.line())
         if "error" in answer:
             raise StartFailed(f"synthetic publisher: {answer['error']}")
         return answer
@@ -115,22 +157,11 @@ class Publisher:
 @asynccontextmanager
 async def publisher(args: Sequence[str], log_dir: Path) -> AsyncIterator[tuple[Publisher, list[dict[str, str]]]]:
     """Start the publisher process; yields it and its engines' endpoints."""
-    log = log_dir / f"publisher-{free_port()}.log"
-    with log.open("wb") as err:
-        proc = await trio.lowlevel.open_process(
-            python_module("bench.synthetic_publisher", *args), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=err, cwd=str(REPO_ROOT), start_new_session=True,
-        )  # fmt: skip
-    try:
-        control = Publisher(proc)
+    argv = python_module("bench.synthetic_publisher", *args)
+    async with line_process(argv, log_dir / f"publisher-{free_port()}.log", "synthetic publisher") as process:
         with trio.fail_after(30):
-            ready = await control._line()
-        yield control, ready["engines"]
-    finally:
-        with trio.CancelScope(shield=True):
-            assert proc.stdin is not None
-            await proc.stdin.aclose()
-            await stop(proc)
+            ready = json.loads(await process.line())
+        yield Publisher(process), ready["engines"]
 
 
 def _secret(log_dir: Path) -> Path:
