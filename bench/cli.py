@@ -10,7 +10,7 @@ from pathlib import Path
 
 import trio
 
-from bench import mesh
+from bench import mesh, scale
 from bench.overhead import format_overhead, measure_overhead
 from bench.processes import StartFailed
 from bench.report import Row, format_table, verdicts
@@ -84,6 +84,10 @@ def parser() -> argparse.ArgumentParser:
     mesh_bench = sub.add_parser("mesh", help="1..8 replicas behind HAProxy: hit rate, TTFT, lag, ingest, CPU")
     mesh.add_arguments(mesh_bench)
     mesh_bench.add_argument("--log-dir", type=Path, help="state and logs (default: a new temp folder)")
+    scale_bench = sub.add_parser("scale", help="E synthetic engines' events into R meshed replicas: CPU and RSS "
+                                 "per block, lag, convergence, serving under a burst")
+    scale.add_arguments(scale_bench)
+    scale_bench.add_argument("--log-dir", type=Path, help="process logs, plot and results (default: a new temp folder)")
     return root
 
 
@@ -137,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "mesh":
             return mesh.run(args, log_dir)
+        if args.command == "scale":
+            return scale.run(args, log_dir)
         if args.command == "overhead":
             spec = _spec(args, "", engines=1)
             rows = trio.run(measure_overhead, spec, log_dir, args.concurrency, args.requests, args.rounds, args.policy)

@@ -1,0 +1,120 @@
+"""What ``kvmesh bench scale`` reads from a running router replica, as pure functions over the raw text.
+
+CPU and memory come from ``/proc/PID`` (the whole process, everything it holds); ingest progress and
+engine health from the replica's ``/metrics``, which costs the replica O(engines), not O(blocks), so it
+can be polled while ingesting. ``GET /admin/index`` digests every block and is only read to check
+convergence once publishing stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+BATCHES = "kvmesh_event_batches_total"
+BLOCKS = "kvmesh_index_blocks"
+HEALTHY = "kvmesh_engine_healthy"
+REPLAYS = "kvmesh_event_replays_total"
+DROPPED = "kvmesh_events_dropped_total"
+DEFERRED = "kvmesh_event_ingest_deferred_seconds_total"
+BLOCK_OPS = "kvmesh_event_block_ops_total"
+APPLIED_OPS = ("stored", "removed")
+
+
+def cpu_seconds(stat: str) -> float:
+    """utime + stime of a ``/proc/PID/stat`` line (the command name may hold spaces and parentheses)."""
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def rss_bytes(statm: str) -> int:
+    """Resident set size from ``/proc/PID/statm`` (its second field, in pages)."""
+    return int(statm.split()[1]) * PAGE_SIZE
+
+
+def process_cpu(pid: int) -> float:
+    return cpu_seconds(Path(f"/proc/{pid}/stat").read_text())
+
+
+def process_rss(pid: int) -> int:
+    return rss_bytes(Path(f"/proc/{pid}/statm").read_text())
+
+
+@dataclass
+class EngineGauges:
+    """One ``/metrics`` scrape, per engine id: batches applied so far, blocks held, 1 if routable."""
+
+    batches: dict[str, int] = field(default_factory=dict)
+    blocks: dict[str, int] = field(default_factory=dict)
+    healthy: dict[str, float] = field(default_factory=dict)
+    replays: int = 0
+    """Replays this replica asked any engine for (a gap in its live stream)."""
+    dropped: int = 0
+    """Event messages it dropped before the index, for any reason."""
+    deferred_s: float = 0.0
+    """Seconds its ingest waited for its share of the event loop, summed over engines."""
+    block_ops: int = 0
+    """Blocks stored and removed in its index so far, over all engines."""
+
+    @property
+    def unhealthy(self) -> int:
+        return sum(1 for v in self.healthy.values() if v < 1)
+
+
+_FOLLOWED = (BATCHES, BLOCKS, HEALTHY, REPLAYS, DROPPED, DEFERRED, BLOCK_OPS)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def _samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of the followed metrics' samples. A scrape holds ~40 KB of metrics and the
+    generic Prometheus parser took ~65 ms per scrape here, enough to stall the probes' own timing; a
+    line filter on the few names followed reads the same values in a fraction of that."""
+    out = []
+    for line in text.splitlines():
+        if not line.startswith(_FOLLOWED):
+            continue
+        head, _, value = line.rpartition(" ")
+        name, _, labels = head.partition("{")
+        if name in _FOLLOWED:
+            out.append((name, dict(_LABEL.findall(labels)), float(value)))
+    return out
+
+
+def engine_gauges(text: str) -> EngineGauges:
+    """The per-engine samples the benchmark follows; other metrics are ignored."""
+    out = EngineGauges()
+    targets = {BATCHES: out.batches, BLOCKS: out.blocks, HEALTHY: out.healthy}
+    for name, labels, value in _samples(text):
+        target = targets.get(name)
+        engine = labels.get("engine")
+        if target is not None and engine is not None:
+            target[engine] = value if target is out.healthy else int(value)
+        elif name == REPLAYS and labels.get("outcome") == "requested":
+            out.replays += int(value)
+        elif name == DROPPED:
+            out.dropped += int(value)
+        elif name == DEFERRED:
+            out.deferred_s += value
+        elif name == BLOCK_OPS and labels.get("op") in APPLIED_OPS:
+            out.block_ops += int(value)
+    return out
+
+
+def staleness(polled_at: float, applied: dict[str, int], published: dict[str, Sequence[float]]) -> list[float]:
+    """Per engine, how old the oldest batch the replica had not applied was when the scrape came back.
+
+    ``applied[e]`` batches applied means seqs ``0..applied-1`` are in the index (every replica starts
+    before the first batch and counts replayed batches too); ``published[e][seq]`` is when the publisher
+    sent ``seq``. A caught-up engine counts 0. Taking the time the answer arrived bounds the lag from
+    above by at most the scrape's round trip.
+    """
+    out = []
+    for engine, times in published.items():
+        n = applied.get(engine, 0)
+        out.append(polled_at - times[n] if n < len(times) and times[n] <= polled_at else 0.0)
+    return out

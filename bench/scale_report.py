@@ -1,0 +1,256 @@
+"""Tables, ratios against R=1, verdicts and the plot of ``kvmesh bench scale`` (pure but for the PNG)."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.report import Verdict
+from bench.stats import percentile, ratio
+
+CPU_RATIO_MAX = 1.5
+RSS_PER_BLOCK_MAX = 200.0
+BURST_P99_RATIO_MAX = 2.0
+READY_P99_MAX_MS = 100.0
+CONVERGE_MAX_S = 5.0
+RSS_TARGET_REPLICAS = 3
+
+
+@dataclass(frozen=True)
+class Latency:
+    """Request latencies of one probe window (ms) and how many failed."""
+
+    p50_ms: float = math.nan
+    p99_ms: float = math.nan
+    count: int = 0
+    errors: int = 0
+
+    @classmethod
+    def of(cls, seconds: list[float], errors: int = 0) -> Latency:
+        return cls(1000 * percentile(seconds, 50), 1000 * percentile(seconds, 99), len(seconds), errors)
+
+    def cell(self) -> str:
+        return f"{_num(self.p50_ms)}/{_num(self.p99_ms)}" + (f" ({self.errors} err)" if self.errors else "")
+
+
+@dataclass
+class ReplicaResult:
+    """One replica of one (replicas, rate) cell."""
+
+    replicas: int
+    rate: float
+    replica: int
+    published_ops_per_s: float
+    """What the publisher achieved in the steady window (all engines) ..."""
+    burst_ops_per_s: float
+    """... and in the burst, meant to be twice the rate."""
+    applied_ops_per_s: float
+    """Block ops this replica applied in the steady window (below the published rate: it fell behind)."""
+    cpu_us_per_op: float
+    """CPU over the steady window per block op applied in it."""
+    idle_cores: float
+    rss_idle: int
+    rss_end: int
+    live_blocks: int
+    rss_after_burst: int
+    """RSS once the burst was ingested: what a backlog left behind."""
+    lag_p50_ms: float
+    lag_p99_ms: float
+    burst_lag_p99_ms: float
+    equal: bool
+    converge_s: float
+    """After the burst stopped; inf when the replica never matched the publisher's live set."""
+    unhealthy: int
+    """Most engines the replica reported not routable in any scrape of the cell."""
+    replays: int
+    dropped: int
+    deferred_s: float
+    """Replays asked for, event messages dropped, seconds ingest was deferred (the whole cell)."""
+    chat_idle: Latency
+    chat_burst: Latency
+    ready_idle: Latency
+    ready_burst: Latency
+
+    @property
+    def net_us_per_op(self) -> float:
+        """CPU per op without what the replica burns idle (health and /metrics polls, gossip)."""
+        return self.cpu_us_per_op - 1e6 * self.idle_cores / self.applied_ops_per_s
+
+    @property
+    def bytes_per_block(self) -> float:
+        return (self.rss_end - self.rss_idle) / self.live_blocks if self.live_blocks else math.nan
+
+
+def _num(value: float, digits: int = 1) -> str:
+    return "-" if math.isnan(value) else "inf" if math.isinf(value) else f"{value:.{digits}f}"
+
+
+Column = tuple[str, int, Callable[["ReplicaResult"], str]]
+
+CELL: list[Column] = [("R", 2, lambda r: str(r.replicas)), ("rate", 7, lambda r: f"{r.rate:.0f}"),
+                      ("rep", 3, lambda r: str(r.replica))]
+INGEST: list[Column] = [
+    ("pub ops/s", 9, lambda r: f"{r.published_ops_per_s:.0f}"),
+    ("burst ops/s", 11, lambda r: f"{r.burst_ops_per_s:.0f}"),
+    ("applied/s", 9, lambda r: f"{r.applied_ops_per_s:.0f}"),
+    ("cpu us/op", 9, lambda r: _num(r.cpu_us_per_op, 2)),
+    ("net us/op", 9, lambda r: _num(r.net_us_per_op, 2)),
+    ("idle %cpu", 9, lambda r: _num(100 * r.idle_cores)),
+    ("RSS MB", 7, lambda r: _num(r.rss_end / 1e6)),
+    ("B/block", 7, lambda r: _num(r.bytes_per_block)),
+    ("live", 8, lambda r: str(r.live_blocks)),
+    ("lag p50", 7, lambda r: _num(r.lag_p50_ms)),
+    ("lag p99", 7, lambda r: _num(r.lag_p99_ms)),
+    ("burst p99", 9, lambda r: _num(r.burst_lag_p99_ms)),
+]
+CONVERGENCE: list[Column] = [
+    ("RSS MB", 7, lambda r: _num(r.rss_after_burst / 1e6)),
+    ("equal", 5, lambda r: "yes" if r.equal else "NO"),
+    ("conv s", 6, lambda r: _num(r.converge_s, 2)),
+    ("unhealthy", 9, lambda r: str(r.unhealthy)),
+    ("replays", 7, lambda r: str(r.replays)),
+    ("drops", 5, lambda r: str(r.dropped)),
+    ("defer s", 7, lambda r: _num(r.deferred_s, 2)),
+]
+SERVING: list[Column] = [
+    ("chat idle p50/p99", 20, lambda r: r.chat_idle.cell()),
+    ("chat burst p50/p99", 20, lambda r: r.chat_burst.cell()),
+    ("/ready idle p50/p99", 20, lambda r: r.ready_idle.cell()),
+    ("/ready burst p50/p99", 20, lambda r: r.ready_burst.cell()),
+    ("chats idle/burst", 16, lambda r: f"{r.chat_idle.count}/{r.chat_burst.count}"),
+]
+
+
+def _table(title: str, columns: list[Column], results: list[ReplicaResult]) -> list[str]:
+    head = " ".join(f"{name:>{width}}" for name, width, _ in columns)
+    rows = [" ".join(f"{cell(r):>{width}}" for _, width, cell in columns) for r in results]
+    return [title, head, "-" * len(head), *rows, ""]
+
+
+def format_tables(results: list[ReplicaResult]) -> str:
+    return "\n".join([
+        *_table("ingest (steady window; net us/op: without idle CPU; lag in ms)", CELL + INGEST, results),
+        *_table("after the burst (conv s: until equal to the publisher; counts over the cell)", CELL + CONVERGENCE,
+                results),
+        *_table("serving through each replica (ms; burst = 2x the rate)", CELL + SERVING, results),
+    ]).rstrip()
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def by_cell(results: list[ReplicaResult]) -> dict[tuple[float, int], list[ReplicaResult]]:
+    cells: dict[tuple[float, int], list[ReplicaResult]] = defaultdict(list)
+    for r in results:
+        cells[(r.rate, r.replicas)].append(r)
+    return dict(sorted(cells.items()))
+
+
+def format_ratios(results: list[ReplicaResult]) -> str:
+    """Per rate and R, the mean per-replica CPU per op and RSS per block over the R=1 figures of the run."""
+    cells = by_cell(results)
+    lines = ["ratios against R=1 (mean over replicas, same run)"]
+    for (rate, replicas), rows in cells.items():
+        base = cells.get((rate, 1))
+        if base is None or replicas == 1:
+            continue
+        cpu = ratio(_mean([r.cpu_us_per_op for r in rows]), _mean([r.cpu_us_per_op for r in base]))
+        rss = ratio(_mean([r.bytes_per_block for r in rows]), _mean([r.bytes_per_block for r in base]))
+        lines.append(f"  rate {rate:.0f} R={replicas}: cpu/op {_num(cpu, 2)}x  RSS/block {_num(rss, 2)}x")
+    return "\n".join(lines)
+
+
+def verdicts(results: list[ReplicaResult]) -> list[Verdict]:
+    """The issue's targets, each judged on the worst replica of the cells it applies to."""
+    out = []
+    cells = by_cell(results)
+    for (rate, replicas), rows in cells.items():
+        base = cells.get((rate, 1))
+        if replicas in (2, 3) and base:
+            worst = max(r.cpu_us_per_op for r in rows)
+            value = ratio(worst, _mean([r.cpu_us_per_op for r in base]))
+            out.append(Verdict(f"CPU per block op, R={replicas} vs R=1 at {rate:.0f} ops/s (worst replica, x)",
+                               value, f"<= {CPU_RATIO_MAX}", not math.isnan(value) and value <= CPU_RATIO_MAX))
+    largest = max((r.replicas for r in results), default=0)
+    judged_r = RSS_TARGET_REPLICAS if any(r.replicas == RSS_TARGET_REPLICAS for r in results) else largest
+    for (rate, replicas), rows in cells.items():
+        if replicas != judged_r:
+            continue
+        worst = max(rows, key=lambda r: _num_or_inf(r.bytes_per_block))
+        value = worst.bytes_per_block
+        out.append(Verdict(f"RSS per live block at R={judged_r}, {rate:.0f} ops/s (B)", value,
+                           f"<= {RSS_PER_BLOCK_MAX:.0f}", not math.isnan(value) and value <= RSS_PER_BLOCK_MAX,
+                           f"measured at {worst.live_blocks:,} live blocks, lag p99 {_num(worst.lag_p99_ms, 0)} ms"))
+    if results:
+        out += _burst_verdicts(results)
+    return out
+
+
+def _num_or_inf(value: float) -> float:
+    return math.inf if math.isnan(value) else value
+
+
+def _burst_verdicts(results: list[ReplicaResult]) -> list[Verdict]:
+    def where(r: ReplicaResult) -> str:
+        return f"worst: R={r.replicas} rate {r.rate:.0f} replica {r.replica}"
+
+    def p99_ratio(r: ReplicaResult) -> float:
+        value = ratio(r.chat_burst.p99_ms, r.chat_idle.p99_ms)
+        return math.inf if math.isnan(value) or r.chat_burst.errors else value
+
+    chat = max(results, key=p99_ratio)
+    ready = max(results, key=lambda r: _num_or_inf(r.ready_burst.p99_ms) if not r.ready_burst.errors else math.inf)
+    sick = max(results, key=lambda r: r.unhealthy)
+    slow = max(results, key=lambda r: r.converge_s)
+    ready_p99 = ready.ready_burst.p99_ms if not ready.ready_burst.errors else math.inf
+    return [
+        Verdict("chat p99 during the 2x burst / idle p99 (x)", p99_ratio(chat), f"<= {BURST_P99_RATIO_MAX}",
+                p99_ratio(chat) <= BURST_P99_RATIO_MAX, where(chat)),
+        Verdict("/ready p99 during the 2x burst (ms)", ready_p99, f"< {READY_P99_MAX_MS:.0f}",
+                ready_p99 < READY_P99_MAX_MS, where(ready)),
+        Verdict("engines marked unhealthy by a replica", sick.unhealthy, "0", sick.unhealthy == 0, where(sick)),
+        Verdict("convergence on the publisher's live set after the burst (s)", slow.converge_s,
+                f"<= {CONVERGE_MAX_S:.0f}", slow.converge_s <= CONVERGE_MAX_S and all(r.equal for r in results),
+                where(slow)),
+    ]
+
+
+def moonshot(results: list[ReplicaResult]) -> str:
+    """The issue's stretch goal, printed but not judged: block ops per replica core, at the most replicas."""
+    largest = max(r.replicas for r in results)
+    cost = _mean([r.cpu_us_per_op for r in results if r.replicas == largest])
+    per_core = 1e6 / cost if cost and not math.isnan(cost) else math.nan
+    return f"moonshot (not judged): {_num(per_core, 0)} block ops/s per replica core at R={largest} (goal 200000)"
+
+
+def plot(results: list[ReplicaResult], path: Path) -> Path | None:
+    """CPU us per op and RSS B per block against R, one line per rate; None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    cells = by_cell(results)
+    fig, (cpu_ax, rss_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    for rate in sorted({rate for rate, _ in cells}):
+        counts = sorted(r for q, r in cells if q == rate)
+        cpu_ax.plot(counts, [_mean([x.cpu_us_per_op for x in cells[(rate, r)]]) for r in counts], marker="o",
+                    label=f"{rate:.0f} ops/s")
+        rss_ax.plot(counts, [_mean([x.bytes_per_block for x in cells[(rate, r)]]) for r in counts], marker="o",
+                    label=f"{rate:.0f} ops/s")
+    for ax, title in ((cpu_ax, "CPU per block op per replica (us)"), (rss_ax, "RSS per live block (bytes)")):
+        ax.set_title(title)
+        ax.set_xlabel("router replicas (R)")
+        ax.set_xticks(sorted({r for _, r in cells}))
+        ax.set_ylim(bottom=0)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

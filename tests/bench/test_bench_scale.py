@@ -1,0 +1,179 @@
+"""kvmesh bench scale: the synthetic engines' digests, the pacer, what is read from replicas, the report."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+
+from bench.cli import main
+from bench.replica_stats import CLOCK_TICKS, PAGE_SIZE, cpu_seconds, engine_gauges, rss_bytes, staleness
+from bench.scale import add_arguments, options
+from bench.scale_fleet import EngineEndpoints, replica_config
+from bench.scale_report import Latency, ReplicaResult, format_ratios, format_tables, verdicts
+from bench.synthetic_engines import CHAIN_BLOCKS, Pacer, SyntheticEngine
+from events.decode import BlockRemoved, BlockStored, decode_live
+from gateway.admin import index_digest
+from gateway.config import load_config
+from index.ingest import EngineIngest
+from index.prefix_index import PrefixIndex
+
+
+@pytest.mark.parametrize("encoding", ["map", "array"])
+def test_publisher_digest_equals_what_an_exact_replica_reports(encoding):
+    engine = SyntheticEngine(3, cap=100, model="m", encoding=encoding)
+    store = PrefixIndex()
+    ingest = EngineIngest("e3", "m", store)
+    removed = []
+    for seq in range(10):
+        batch = engine.next_batch(ts=1.0)
+        decoded = decode_live([b"kv", seq.to_bytes(8, "big"), batch.payload])
+        ingest.apply(decoded)
+        removed.append(batch.removed)
+        stored = [e for e in decoded.events if isinstance(e, BlockStored)]
+        evicted = [e for e in decoded.events if isinstance(e, BlockRemoved)]
+        assert len(stored) == 1 and len(stored[0].block_hashes) == CHAIN_BLOCKS and stored[0].parent_block_hash is None
+        assert len(stored[0].token_ids) == CHAIN_BLOCKS * 16
+        assert all(len(e.block_hashes) == 1 for e in evicted) and len(evicted) == batch.removed
+    assert removed[:3] == [0, 0, 0] and removed[3] == 28 and removed[4:] == [32] * 6
+    assert engine.live == store.block_count("e3") == 100
+    assert engine.digest() == index_digest(store.pairs("e3"))
+
+
+def test_engines_publish_distinct_chains():
+    a, b = SyntheticEngine(0, 64, "m"), SyntheticEngine(1, 64, "m")
+    a.next_batch(0.0), b.next_batch(0.0)
+    assert a.digest() != b.digest()
+
+
+def test_pacer_spreads_ops_over_time_and_reports_slip():
+    pacer = Pacer(1000.0, start=10.0)
+    assert pacer.wait_s(10.0, 0) == 0.0
+    assert pacer.wait_s(10.0, 64) == pytest.approx(0.064)
+    assert pacer.wait_s(10.1, 64) == 0.0 and pacer.behind_s(10.1, 64) == pytest.approx(0.036)
+    with pytest.raises(ValueError):
+        Pacer(0.0, 0.0)
+
+
+def test_cpu_and_rss_from_proc_text():
+    stat = "42 (python (x) y) S 1 2 3 4 5 6 7 8 9 10 250 50 0 0 20 0 1 0 100 1000 77"
+    assert cpu_seconds(stat) == pytest.approx(300 / CLOCK_TICKS)
+    assert rss_bytes("1000 77 5 0 0 0 0") == 77 * PAGE_SIZE
+
+
+METRICS = """# HELP kvmesh_event_batches_total KV-event batches applied to the index
+# TYPE kvmesh_event_batches_total counter
+kvmesh_event_batches_total{engine="e0"} 12.0
+kvmesh_event_batches_total{engine="e1"} 3.0
+# HELP kvmesh_engine_healthy 1 when the engine takes traffic
+# TYPE kvmesh_engine_healthy gauge
+kvmesh_engine_healthy{engine="e0"} 1.0
+kvmesh_engine_healthy{engine="e1"} 0.0
+# HELP kvmesh_index_blocks Blocks the index says each engine holds
+# TYPE kvmesh_index_blocks gauge
+kvmesh_index_blocks{engine="e0"} 384.0
+# HELP kvmesh_event_replays_total Replay requests by outcome
+# TYPE kvmesh_event_replays_total counter
+kvmesh_event_replays_total{engine="e0",outcome="requested"} 2.0
+kvmesh_event_replays_total{engine="e1",outcome="requested"} 1.0
+kvmesh_event_replays_total{engine="e1",outcome="completed"} 1.0
+# HELP kvmesh_events_dropped_total KV-event messages dropped before reaching the index
+# TYPE kvmesh_events_dropped_total counter
+kvmesh_events_dropped_total{engine="e1",reason="duplicate"} 4.0
+# HELP kvmesh_event_ingest_deferred_seconds_total Seconds event ingest waited
+# TYPE kvmesh_event_ingest_deferred_seconds_total counter
+kvmesh_event_ingest_deferred_seconds_total{engine="e0"} 0.25
+kvmesh_event_ingest_deferred_seconds_total{engine="e1"} 0.5
+# HELP kvmesh_event_block_ops_total Block operations applied from KV events
+# TYPE kvmesh_event_block_ops_total counter
+kvmesh_event_block_ops_total{engine="e0",op="stored"} 384.0
+kvmesh_event_block_ops_total{engine="e0",op="removed"} 64.0
+kvmesh_event_block_ops_total{engine="e0",op="orphaned"} 1.0
+# HELP kvmesh_requests_total Requests answered
+# TYPE kvmesh_requests_total counter
+kvmesh_requests_total{endpoint="chat",status="200"} 5.0
+"""
+
+
+def test_engine_gauges_follow_only_the_per_engine_samples():
+    gauges = engine_gauges(METRICS)
+    assert gauges.batches == {"e0": 12, "e1": 3} and gauges.blocks == {"e0": 384} and gauges.unhealthy == 1
+    assert (gauges.replays, gauges.dropped, gauges.deferred_s, gauges.block_ops) == (3, 4, 0.75, 448)
+
+
+def test_staleness_is_the_age_of_the_oldest_unapplied_batch():
+    published = {"e0": [1.0, 2.0, 3.0], "e1": [1.5]}
+    assert staleness(2.5, {"e0": 1, "e1": 1}, published) == [0.5, 0.0]
+    assert staleness(2.5, {"e0": 2}, published) == [0.0, 1.0]  # seq 2 not sent yet; e1 nothing applied
+    assert staleness(9.0, {"e0": 3, "e1": 1}, published) == [0.0, 0.0]
+
+
+def test_replica_config_is_a_valid_router_config(tmp_path):
+    engines = [EngineEndpoints(f"e{i}", f"http://127.0.0.1:{8100 + i}", f"tcp://127.0.0.1:{5000 + i}",
+                               f"tcp://127.0.0.1:{6000 + i}") for i in range(2)]
+    path = tmp_path / "router.toml"
+    path.write_text(replica_config(9000, engines, "kvmesh-tiny", [7001, 7002], 1, tmp_path / "s", "redis://h:1/0",
+                                   "scale"))
+    config = load_config(path, environ={})
+    assert [(e.id, e.events, e.replay, e.model) for e in config.engines] == [
+        ("e0", "tcp://127.0.0.1:5000", "tcp://127.0.0.1:6000", "kvmesh-tiny"),
+        ("e1", "tcp://127.0.0.1:5001", "tcp://127.0.0.1:6001", "kvmesh-tiny"),
+    ]
+    assert config.mesh.bind == "127.0.0.1:7002" and config.mesh.seeds == ["127.0.0.1:7001"]
+    assert config.mesh.redis_url == "redis://h:1/0" and config.port == 9000
+
+
+def _result(replicas, replica, cpu, rss_end=2_000_000, converge=1.0, unhealthy=0, burst_p99=40.0, ready_p99=10.0):
+    return ReplicaResult(
+        replicas, 10_000.0, replica, 9_990.0, 19_000.0, 9_990.0, cpu, 0.02, 1_000_000, rss_end, 10_000, 9_000_000,
+        0.5, 3.0, 20.0, True, converge, unhealthy, 1, 0, 0.5, Latency(10.0, 30.0, 300), Latency(12.0, burst_p99, 280),
+        Latency(1.0, 2.0, 200), Latency(1.5, ready_p99, 190),
+    )  # fmt: skip
+
+
+def test_verdicts_pass_when_flat_in_replicas_and_serving_holds():
+    results = [_result(1, 0, 10.0), _result(2, 0, 11.0), _result(2, 1, 12.0), _result(3, 0, 14.0)]
+    lines = [v.line() for v in verdicts(results)]
+    assert all(line.startswith("PASS") for line in lines), lines
+    assert any("R=2 vs R=1" in line and "1.200" in line for line in lines)
+    assert any("RSS per live block at R=3, 10000 ops/s" in line and "10,000 live blocks" in line for line in lines)
+    assert "rate 10000 R=2: cpu/op 1.15x  RSS/block 1.00x" in format_ratios(results)
+
+
+def test_verdicts_fail_on_cost_growth_memory_slow_serving_and_no_convergence():
+    results = [_result(1, 0, 10.0), _result(3, 0, 16.0, rss_end=5_000_000, converge=math.inf, unhealthy=2,
+                                            burst_p99=90.0, ready_p99=150.0)]
+    failed = {v.target.split(" (")[0].split(",")[0] for v in verdicts(results) if not v.passed}
+    assert failed == {"CPU per block op", "RSS per live block at R=3", "chat p99 during the 2x burst / idle p99",
+                      "/ready p99 during the 2x burst", "engines marked unhealthy by a replica",
+                      "convergence on the publisher's live set after the burst"}
+
+
+def test_tables_show_every_replica():
+    text = format_tables([_result(1, 0, 10.0), _result(2, 1, 11.0, converge=math.inf)])
+    rows = [line for line in text.splitlines() if line.strip().startswith(("1 ", "2 "))]
+    assert len(rows) == 6 and "100.0" in rows[0] and " inf " in rows[3] and "12.0/40.0" in rows[4]
+    assert "    9.0   yes " in rows[2]
+    assert " 19000      9990     10.00      8.00 " in rows[0]  # idle 2% of a core at ~10k ops/s is 2 us of each op
+
+
+@pytest.mark.integration
+def test_smallest_scale_run_converges_on_the_publishers_live_set(tmp_path, capsys):
+    code = main(["scale", "--replicas", "1", "--rates", "2000", "--engines", "2", "--cap", "128", "--steady-s", "1",
+                 "--burst-s", "1", "--probe-s", "0.5", "--converge-timeout-s", "10", "--log-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code in (0, 1), out
+    ingest, after_burst, serving = [line for line in out.splitlines() if line.split()[:3] == ["1", "2000", "0"]]
+    assert " yes " in after_burst and "/" in serving, out
+    assert any(line.startswith("PASS  convergence") for line in out.splitlines()), out
+    assert (tmp_path / "scale.png").exists()
+
+
+def test_quick_sets_defaults_that_explicit_flags_override():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    quick = options(parser.parse_args(["--quick", "--replicas", "1"]))
+    assert quick.replicas == [1] and quick.rates == [10000.0] and quick.engines == 8 and quick.steady_s == 6.0
+    full = options(parser.parse_args(["--encoding", "array"]))
+    assert full.replicas == [1, 2, 3] and full.rates == [10000.0, 50000.0] and full.encoding == "array"
