@@ -4,37 +4,51 @@ A router replica serves requests and ingests every engine's events on one trio l
 busy fleet's events took a whole core: requests waited seconds and the router's own health polls of
 the engines timed out, so healthy engines were marked down (an outage caused by the router being late,
 not the engine). Ingest therefore runs in short slices charged to one token bucket per process, refilled
-at ``share`` seconds of work per second. When the bucket is empty, subscribers wait: messages queue in
-ZMQ (and past its high-water mark are dropped there, which the seq tracker sees as a gap to replay or
-count lost) and the engine's confidence falls, so routing leans on load until ingest catches up.
+at ``share`` seconds of work per second while requests are in flight, and at ``idle_share`` while none
+is (catching up after a burst is then faster). When the bucket is empty, subscribers wait: messages
+queue in ZMQ (and past its high-water mark are dropped there, which the seq tracker sees as a gap to
+replay or count lost) and the engine's confidence falls, so routing leans on load until ingest catches
+up. ``burst_s`` bounds how long a request can wait behind ingest in one pass of the scheduler.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+def _always_serving() -> bool:
+    return True
 
 
 @dataclass(slots=True)
 class IngestBudget:
     share: float = 0.5
-    """Fraction of wall time event work may use, averaged over ``burst_s / share`` seconds."""
-    burst_s: float = 0.02
+    """Fraction of wall time event work may use while requests are in flight."""
+    idle_share: float = 0.9
+    """Fraction it may use while no request is in flight."""
+    burst_s: float = 0.005
     """Work allowed at once after an idle spell; also the longest a request waits behind ingest per tick."""
-    slice_s: float = 0.002
+    slice_s: float = 0.001
     """Work done between two yields to the scheduler."""
-    tokens: float = 0.02
+    serving: Callable[[], bool] = field(default=_always_serving, repr=False)
+    """Whether requests are in flight now (the router's count; always, when nobody says)."""
+    tokens: float = 0.005
     updated_at: float | None = None
     deferrals: int = 0
     deferred_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if not 0 < self.share <= 1 or self.burst_s <= 0 or self.slice_s <= 0:
-            raise ValueError("ingest budget: share in (0, 1], positive burst and slice")
+        if not (0 < self.share <= 1 and 0 < self.idle_share <= 1) or self.burst_s <= 0 or self.slice_s <= 0:
+            raise ValueError("ingest budget: shares in (0, 1], positive burst and slice")
         self.tokens = self.burst_s
+
+    def _rate(self) -> float:
+        return self.share if self.serving() else self.idle_share
 
     def _refill(self, now: float) -> None:
         if self.updated_at is not None and now > self.updated_at:
-            self.tokens = min(self.burst_s, self.tokens + (now - self.updated_at) * self.share)
+            self.tokens = min(self.burst_s, self.tokens + (now - self.updated_at) * self._rate())
         self.updated_at = now if self.updated_at is None else max(now, self.updated_at)
 
     def wait_s(self, now: float) -> float:
@@ -42,7 +56,7 @@ class IngestBudget:
         self._refill(now)
         if self.tokens > 0:
             return 0.0
-        wait = -self.tokens / self.share + 1e-4
+        wait = -self.tokens / self._rate() + 1e-4
         self.deferrals += 1
         self.deferred_s += wait
         return wait

@@ -19,9 +19,6 @@ from events.discovery import EventSource
 from events.feed import EngineFeed
 from events.ingest_budget import IngestBudget
 
-PROCESS_BUDGET = IngestBudget()
-"""One budget for every subscriber of the process: the loop they share is one."""
-
 
 class PublisherDisconnected(Exception):
     """The SUB lost its publisher; libzmq does not reconnect after e.g. a MAXMSGSIZE violation."""
@@ -52,9 +49,11 @@ async def _readable(sock: zmq.Socket) -> None:
 async def run_subscriber(feed: EngineFeed, source: EventSource, *, context: zmq.Context | None = None,
                          config: SubscriberConfig | None = None,
                          clock: Callable[[], float] = trio.current_time,
-                         budget: IngestBudget = PROCESS_BUDGET) -> None:
-    """Run until cancelled, rebuilding the session with exponential backoff after errors/disconnects."""
+                         budget: IngestBudget | None = None) -> None:
+    """Run until cancelled, rebuilding the session with exponential backoff after errors/disconnects.
+    ``budget``: shared by every subscriber of a process (the loop they share is one); its own if None."""
     config = config or SubscriberConfig()
+    budget = budget or IngestBudget()
     context = context or zmq.Context.instance()
     backoff = config.backoff_initial_s
     while True:

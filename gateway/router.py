@@ -12,6 +12,7 @@ from typing import Any
 
 import trio
 
+from events.ingest_budget import IngestBudget
 from gateway import http_app, tracing
 from gateway.admin import ADMIN_STATE_KEYS, handle_admin
 from gateway.config import EngineConfig, RouterConfig
@@ -53,7 +54,8 @@ class Router:
         self.mesh = build_mesh_node(config)
         self.mesh_state = MeshState(self.mesh) if self.mesh is not None else None
         self.planner = RoutePlanner(config, self.engines, self.metrics)
-        self.ingest = EventIngest(self.planner.cache, self.mesh)
+        self.ingest = EventIngest(self.planner.cache, self.mesh,
+                                  budget=IngestBudget(serving=lambda: self.active_requests > 0))
         self.gate = Gatekeeper(config, self.metrics, self.mesh.member_id if self.mesh is not None else "local")
         self.timeouts = Timeouts(config.connect_timeout_s, config.first_byte_timeout_s, config.idle_timeout_s)
         self.active_requests = 0

@@ -36,6 +36,15 @@ def test_work_admitted_never_exceeds_share_of_elapsed_time_plus_one_burst_and_sl
 
 
 def test_settings_are_checked():
-    for bad in ({"share": 0}, {"share": 1.5}, {"burst_s": 0}, {"slice_s": -1}):
+    for bad in ({"share": 0}, {"share": 1.5}, {"idle_share": 0}, {"burst_s": 0}, {"slice_s": -1}):
         with pytest.raises(ValueError):
             IngestBudget(**bad)
+
+
+def test_ingest_may_take_more_of_the_loop_while_no_request_is_in_flight():
+    serving = [True]
+    budget = IngestBudget(share=0.5, idle_share=0.9, burst_s=0.005, serving=lambda: serving[0])
+    budget.charge(0.0, 0.014)  # 0.009 s of debt
+    assert budget.wait_s(0.0) == pytest.approx(0.018, abs=1e-3)
+    serving[0] = False
+    assert budget.wait_s(0.0) == pytest.approx(0.010, abs=1e-3)
