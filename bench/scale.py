@@ -253,7 +253,7 @@ async def sweep(opts: ScaleOptions, log_dir: Path) -> list[ReplicaResult]:
     try:
         async with (
             redis_server(log_dir) as redis_url,
-            sim_engines(client, opts.engines, log_dir) as engine_urls,
+            sim_engines(client, opts.engines, log_dir, opts.cap + 1) as engine_urls,
         ):
             for rate in opts.rates:
                 for count in opts.replicas:

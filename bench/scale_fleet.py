@@ -124,10 +124,13 @@ async def line_process(argv: list[str], log: Path, name: str) -> AsyncIterator[L
 
 
 @asynccontextmanager
-async def sim_engines(client: HttpClient, count: int, log_dir: Path) -> AsyncIterator[list[str]]:
+async def sim_engines(client: HttpClient, count: int, log_dir: Path, num_blocks: int) -> AsyncIterator[list[str]]:
     """``count`` simulated engines (profile ``fast``, events off: the synthetic publisher sends them) on
-    ports the kernel picks, so nothing else on the machine can take one first; yields their URLs."""
-    argv = python_module("sim.cli", "--engines", str(count), "--base-port", "0", "--profile", "fast", "--no-events")
+    ports the kernel picks, so nothing else on the machine can take one first; yields their URLs. Each
+    reports ``num_blocks`` of KV capacity: the router bounds an engine's index by its reported capacity,
+    so it must hold the synthetic engine's cap."""
+    argv = python_module("sim.cli", "--engines", str(count), "--base-port", "0", "--profile", "fast", "--no-events",
+                         "--num-blocks", str(num_blocks))
     log = log_dir / f"sim-{free_port()}.log"
     async with line_process(argv, log, "kvmesh sim") as sim:
         with trio.fail_after(60):
