@@ -118,24 +118,22 @@ class CircuitBreaker:
 
 
 class EngineHealth:
-    """One verdict from five signals: request outcomes (the breaker), ``/health`` polls, ``/metrics`` polls,
-    KV-event silence and faults of the engine's own background tasks.
+    """One verdict from four signals: request outcomes (the breaker), ``/health`` polls, ``/metrics`` polls
+    and faults of the engine's own background tasks.
 
     Not routable: before the first successful ``/health`` poll, after ``health_failures_down``
-    consecutive failed polls, while the breaker refuses, while a background task of the engine fails, or
-    when metric polls keep failing *and* events are silent (the engine is up enough to answer ``/health``
-    but not working). Metric failures or event silence alone leave it routable with a reason: an idle
-    engine publishes no events, and a missing metrics scrape only makes the load estimate older. Events
-    count as silent when a request that should have stored a full block (``note_routed``) got no event
-    within ``event_silence_s``.
+    consecutive failed polls, while the breaker refuses, or while a background task of the engine fails.
+    Failing metric polls leave it routable with a reason: a missing scrape only makes the load estimate
+    older. KV-event silence is deliberately not a health signal: events can lag because the router
+    itself defers ingest under load, so silence lowers the index's confidence in the engine
+    (index/freshness.py) and never takes the engine out of rotation.
     """
 
     def __init__(self, breaker: CircuitBreaker | None = None, health_failures_down: int = 2,
-                 metric_failures_down: int = 3, event_silence_s: float = 10.0) -> None:
+                 metric_failures_down: int = 3) -> None:
         self.breaker = breaker or CircuitBreaker()
         self.health_failures_down = health_failures_down
         self.metric_failures_down = metric_failures_down
-        self.event_silence_s = event_silence_s
         self.health_checked = False
         self.was_down = False
         """The last successful poll ended a down period (a restart, a pause): what was learned is stale."""
@@ -144,7 +142,6 @@ class EngineHealth:
         self.last_error = ""
         self.faults: dict[str, str] = {}
         """Background tasks of this engine that are failing (task -> what went wrong): not routable."""
-        self._unanswered_since: float | None = None
 
     def record_health(self, ok: bool, detail: str = "", now: float | None = None) -> None:
         """A /health poll. When it comes back after the engine was down, an open breaker moves to half-open
@@ -173,17 +170,6 @@ class EngineHealth:
             self.metric_failures += 1
             self.last_error = detail
 
-    def note_event(self) -> None:
-        self._unanswered_since = None
-
-    def note_routed(self, now: float) -> None:
-        """A request that fills at least one block was sent: the engine owes a BlockStored event."""
-        if self._unanswered_since is None:
-            self._unanswered_since = now
-
-    def events_silent(self, now: float) -> bool:
-        return self._unanswered_since is not None and now - self._unanswered_since >= self.event_silence_s
-
     def status(self, now: float) -> tuple[bool, str]:
         """(routable, reason); the reason is "ok" or names the failing signal(s)."""
         if self.health_failures >= self.health_failures_down:
@@ -194,14 +180,8 @@ class EngineHealth:
             return False, "awaiting first health check"
         if not self.breaker.available(now):
             return False, f"circuit {self.breaker.state.replace('_', '-')} after {self.breaker.last_cause}"
-        metrics_down = self.metric_failures >= self.metric_failures_down
-        silent = self.events_silent(now)
-        if metrics_down and silent:
-            return False, f"metrics failing and events silent ({self.last_error})"
-        if metrics_down:
-            return True, "metrics failing"
-        if silent:
-            return True, "events silent"
+        if self.metric_failures >= self.metric_failures_down:
+            return True, f"metrics failing ({self.last_error})"
         return True, "ok"
 
     def routable(self, now: float) -> bool:
