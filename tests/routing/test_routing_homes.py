@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -170,3 +171,21 @@ def test_the_book_stays_bounded():
     for i in range(book.settings.max_prefixes + 10):
         book.record(f"k{i}", "e0", 1, None)
     assert len(book._prefixes) <= book.settings.max_prefixes
+
+
+@pytest.mark.parametrize(("seed", "engines"), [(0, 3), (1, 3), (0, 8)])
+def test_consecutive_workloads_on_warm_engines_do_not_drift(seed, engines):
+    """Six workloads in a row, each with new prefixes on caches full of the last one's: every one keeps
+    close to one miss per prefix, and only the current prefixes stay homed."""
+    policy = make_policy("kv_aware")
+    fleet = _Fleet(engines)
+    for run in range(6):
+        order = [10 * run + p for p in _shuffled(6, 15, seed + run)]
+        hits = []
+        for prefix in order:
+            decision = policy.choose(_request(prefix), fleet.views(prefix))
+            policy.dispatched(decision, decision.chosen)
+            hits.append(fleet.serve(decision.chosen, prefix))
+        assert hits.count(False) <= 6 + 12, f"run {run + 1}"
+        homed = {r.key for e in fleet.ids for r in policy.homes.residents(e)}
+        assert homed <= {f"sys{10 * run + p}" for p in range(6)} | {f"sys{10 * (run - 1) + p}" for p in range(6)}
