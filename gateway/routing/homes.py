@@ -11,10 +11,10 @@ stays homed, the coldest beyond it lose their home there (never the prefix just 
 request to an engine that is not its home is charged the recompute of the homed prefixes its blocks would
 push out (``displacement_s``), weighted by their heat against the newcomer's: a cold prefix never evicts a
 hot one for free, and a hot prefix gets a second home only when its home's queue costs more than a
-prefill elsewhere plus that displacement. A new home is also charged the queueing it will meet beside the
-heat already homed there (``crowding``), so new prefixes spread over the engines in proportion to load
-rather than piling onto whichever engine has empty blocks. Homes nobody reads fade away, so a prefix holds
-as many homes as its load keeps warm.
+prefill elsewhere plus that displacement. A prefix without a home is also charged the queueing it will
+meet beside the heat already homed on each engine (``crowding``), so new prefixes spread over the engines
+in proportion to load rather than piling onto whichever engine has empty blocks. Homes nobody reads fade
+away, so a prefix holds as many homes as its load keeps warm.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ class HomeBook:
         self._prefixes: dict[str, _Prefix] = {}
         self._residents: dict[str, dict[str, None]] = {}
         self._capacity: dict[str, int] = {}
+        self._memo: dict[str, list[Resident]] = {}
         self._clock = 0
 
     def _heat(self, prefix: _Prefix, engine: str) -> float:
@@ -94,14 +95,19 @@ class HomeBook:
         return sum(self._heat(prefix, e) for e in prefix.heat) if prefix else 0.0
 
     def residents(self, engine: str, exclude: str = "") -> list[Resident]:
-        """Prefixes homed on ``engine``, hottest first."""
-        out = []
-        for key in self._residents.get(engine, {}):
-            prefix = self._prefixes[key]
-            heat = self._heat(prefix, engine)
-            if key != exclude and heat >= self.settings.min_heat:
-                out.append(Resident(key, prefix.blocks, heat))
-        return sorted(out, key=lambda r: (-r.heat, r.key))
+        """Prefixes homed on ``engine``, hottest first (computed once between two records: a decision reads
+        every engine's residents several times)."""
+        found = self._memo.get(engine)
+        if found is None:
+            found = []
+            for key in self._residents.get(engine, {}):
+                prefix = self._prefixes[key]
+                heat = self._heat(prefix, engine)
+                if heat >= self.settings.min_heat:
+                    found.append(Resident(key, prefix.blocks, heat))
+            found.sort(key=lambda r: (-r.heat, r.key))
+            self._memo[engine] = found
+        return [r for r in found if r.key != exclude] if exclude else list(found)
 
     def resident_heat(self, engine: str, exclude: str = "") -> float:
         """How much recent traffic the prefixes homed on ``engine`` bring it."""
@@ -139,6 +145,7 @@ class HomeBook:
         if not key:
             return
         self._clock += 1
+        self._memo.clear()
         prefix = self._prefixes.get(key)
         if prefix is None:
             prefix = self._prefixes[key] = _Prefix(blocks, born=self._clock - 1)
@@ -163,7 +170,8 @@ class HomeBook:
         prefix just sent there, stays: the engine's LRU keeps what it served last, and the cost of pushing a
         hotter prefix out was weighed when it was placed."""
         capacity = self._capacity.get(engine)
-        if not capacity:
+        listed = self._residents.get(engine, {})
+        if not capacity or sum(self._prefixes[k].blocks for k in listed) <= self.settings.fill * capacity:
             return
         residents = self.residents(engine) + self._faded(engine)
         used = sum(r.blocks for r in residents)
@@ -186,6 +194,7 @@ class HomeBook:
         return out
 
     def _unhome(self, key: str, prefix: _Prefix, engine: str) -> None:
+        self._memo.clear()
         prefix.heat.pop(engine, None)
         self._residents.get(engine, {}).pop(key, None)
         if not prefix.heat:
@@ -204,6 +213,7 @@ class HomeBook:
     def forget_engine(self, engine: str) -> None:
         """An engine left or restarted empty: nothing is homed on it any more."""
         self._capacity.pop(engine, None)
+        self._memo.clear()
         for key in list(self._residents.pop(engine, {})):
             prefix = self._prefixes.get(key)
             if prefix is not None:

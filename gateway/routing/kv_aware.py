@@ -58,8 +58,10 @@ class KvAwarePolicy(Policy):
         self.homes = HomeBook()
 
     def _priced_by_homes(self, request: RouteRequest, pool: list[EngineView], scores: Scores) -> None:
-        """Replace the blind eviction term by what the home book says each placement displaces, and charge a new
-        home the queueing beside the heat homed there, relative to the pool's mean. The blind term prices the
+        """Replace the blind eviction term by what the home book says each placement displaces, and charge a
+        prefix without a home the queueing beside the heat homed on each engine, relative to the pool's mean (a
+        homed prefix spills by the cost model's own queue terms, which already price its home's queue; charging
+        the spill again would only keep hot prefixes on queued engines longer). The blind term prices the
         blocks of prefixes nobody asks for any more like those of hot ones: after a change of traffic it sent
         every new prefix away from the engine whose cache happened to be full of old ones."""
         key = request.home_key
@@ -74,7 +76,7 @@ class KvAwarePolicy(Policy):
                 key, request.total_blocks, engine.id, engine.num_blocks,
                 lambda blocks, p=params, b=block: p.prefill_s(blocks * b),
             )
-            crowding = 0.0 if home or mean_heat <= 0 else params.batch_s_per_request * heat[engine.id] / mean_heat
+            crowding = 0.0 if homes or mean_heat <= 0 else params.batch_s_per_request * heat[engine.id] / mean_heat
             scores[engine.id] = replace(scores[engine.id], home=home, eviction_s=0.0, displacement_s=displacement,
                                         crowding_s=crowding)
 

@@ -106,7 +106,7 @@ class CandidateScore:
     displacement_s: float = 0.0
     """Expected recompute of the other prefixes' homes this placement pushes out of the engine's cache."""
     crowding_s: float = 0.0
-    """For a new home: the queueing its later requests meet beside the traffic already homed there."""
+    """For a prefix without a home: the queueing its later requests meet beside the traffic homed there."""
 
     @property
     def penalties_s(self) -> float:
