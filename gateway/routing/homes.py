@@ -36,7 +36,7 @@ class HomeSettings:
     fill: float = 0.85
     """Share of an engine's blocks homes may claim; the rest is for the requests running there."""
     max_prefixes: int = 4096
-    silence_slack: float = 2.0
+    silence_slack: float = 0.5
     young_requests: int = 16
     """A prefix younger than this many placed requests has its heat scaled as if this old."""
 
