@@ -15,7 +15,7 @@ from bench.overhead import format_overhead, measure_overhead
 from bench.processes import StartFailed
 from bench.report import Row, format_table, verdicts
 from bench.runner import FleetSpec, MeasureOptions, compare_policies, measure_target
-from bench.workloads import WORKLOAD_NAMES
+from bench.workloads import PARTITION_NUM_BLOCKS, WORKLOAD_NAMES
 
 TARGET_PLAN: tuple[tuple[str, tuple[int, ...], tuple[str, ...], bool], ...] = (
     ("a", (1,), ("kv_aware", "round_robin"), False),
@@ -43,7 +43,7 @@ def _fleet_args(p: argparse.ArgumentParser, profile: str) -> None:
     p.add_argument("--engines", type=int, default=3)
     p.add_argument("--profile", default=profile)
     p.add_argument("--time-scale", type=float, default=1.0)
-    p.add_argument("--num-blocks", type=int, help="KV blocks per engine (default 4096; 256 for workload d)")
+    p.add_argument("--num-blocks", type=int, help="KV blocks per engine (default 4096; 256 for d, 160 for e)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--log-dir", type=Path, help="child process logs (default: a new temporary folder)")
@@ -69,6 +69,7 @@ def parser() -> argparse.ArgumentParser:
     routing.add_argument("--label", default="target", help="row name for --target")
     routing.add_argument("--engine-metrics", nargs="*", default=[], help="engine URLs whose /metrics to diff")
     routing.add_argument("--routers", type=int, default=1, help="router replicas per policy (kv_aware meshed)")
+    routing.add_argument("--runs", type=int, default=1, help="consecutive runs per policy on the same warm engines")
     _fleet_args(routing, "a40-qwen1.5b")
     _measure_args(routing)
     targets = sub.add_parser("targets", help="run workloads a, b and d and judge the issue's targets")
@@ -92,7 +93,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _spec(args: argparse.Namespace, workload: str, engines: int | None = None) -> FleetSpec:
-    blocks = args.num_blocks or (SMALL_CACHE_BLOCKS if workload == "d" else 4096)
+    blocks = args.num_blocks or {"d": SMALL_CACHE_BLOCKS, "e": PARTITION_NUM_BLOCKS}.get(workload, 4096)
     return FleetSpec(
         engines or args.engines, args.profile, args.time_scale, blocks, args.block_size, args.max_num_seqs
     )
@@ -114,7 +115,7 @@ async def _routing(args: argparse.Namespace, log_dir: Path) -> list[Row]:
         )
     policies = [p for p in args.policies.split(",") if p]
     return await compare_policies(
-        spec, policies, args.concurrency, options, log_dir, args.tokenizer, args.routers
+        spec, policies, args.concurrency, options, log_dir, args.tokenizer, args.routers, args.runs
     )
 
 

@@ -25,11 +25,18 @@ class Row:
     """Router replicas that shared the requests (client-side round robin)."""
     ttft_floor: float = math.nan
     """Median perfect-cache TTFT of the same prompts under the simulated engines' cost model."""
+    ttft_p90: float = math.nan
+    bound_hit_rate: float = math.nan
+    """The offline planner's fleet hit rate for the same trace (bench/offline_bound.py), when computed."""
+    bound_ttft_p50: float = math.nan
+    run: int = 1
+    """Which of the consecutive runs on the same engines and routers (1: fresh engines)."""
 
     @property
-    def cell(self) -> tuple[str, int, int]:
-        """Rows of one cell saw the same workload at the same concurrency through as many routers."""
-        return (self.workload, self.concurrency, self.routers)
+    def cell(self) -> tuple[str, int, int, int]:
+        """Rows of one cell saw the same workload at the same concurrency through as many routers, as the
+        same run on their engines."""
+        return (self.workload, self.concurrency, self.routers, self.run)
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,27 @@ def format_table(rows: list[Row], baseline: str = BASELINE) -> str:
             f"{_num(s.out_tok_per_s):>7} {_num(row.hit_rate * 100):>7} {_num(s.request_hit_rate * 100):>7} "
             f"{_num(ttft_x, 2):>6} {_num(rps_x, 2):>6}  {_share(row.route_share):<12} {_share(row.engine_share)}"
         )
+    bounds = format_bounds(rows, baseline)
+    return "\n".join(lines + ([bounds] if bounds else []))
+
+
+def format_bounds(rows: list[Row], baseline: str = BASELINE) -> str:
+    """One line per row that carries the offline bound: hit rate and TTFT as fractions of the bound's,
+    with TTFT p50/p90 beside the baseline's of the same cell."""
+    lines = []
+    for row in rows:
+        if math.isnan(row.bound_hit_rate):
+            continue
+        s, base = row.summary, baseline_for(rows, row, baseline)
+        vs = ""
+        if base:
+            vs = f"; {baseline} p50/p90 {_num(base.summary.ttft_p50 * 1000)}/{_num(base.ttft_p90 * 1000)} ms"
+        lines.append(
+            f"bound {row.workload} c={row.concurrency} run {row.run} {row.label:<14} hit {_num(row.hit_rate, 3)} = "
+            f"{_num(ratio(row.hit_rate, row.bound_hit_rate), 2)} of bound {_num(row.bound_hit_rate, 3)}; "
+            f"ttft p50 {_num(s.ttft_p50 * 1000)} ms = {_num(ratio(s.ttft_p50, row.bound_ttft_p50), 2)}x bound "
+            f"{_num(row.bound_ttft_p50 * 1000)} ms; p90 {_num(row.ttft_p90 * 1000)} ms{vs}"
+        )
     return "\n".join(lines)
 
 
@@ -125,6 +153,29 @@ def _ttft_c1(rows: list[Row], subject: str, workload: str) -> Verdict | None:
     return Verdict(f"({workload}) c=1 TTFT p50 vs {BASELINE}", x, "<= 0.55", x <= 0.55, note)
 
 
+def _partition(rows: list[Row], subject: str) -> list[Verdict]:
+    """(e): per run, the subject's hit rate against the offline bound and its TTFT against the baseline's;
+    across runs on the same engines, the spread of its hit rate."""
+    out = []
+    mine = [r for r in rows if r.label == subject and not math.isnan(r.bound_hit_rate)]
+    for row in mine:
+        where = f"(e) c={row.concurrency} run {row.run}"
+        share = ratio(row.hit_rate, row.bound_hit_rate)
+        out.append(Verdict(f"{where} {subject} hit rate / bound's", share, ">= 0.90", share >= 0.90))
+        if base := baseline_for(rows, row):
+            p50 = ratio(row.summary.ttft_p50, base.summary.ttft_p50)
+            p90 = ratio(row.ttft_p90, base.ttft_p90)
+            out.append(Verdict(f"{where} TTFT p50 vs {BASELINE}", p50, "< 1", p50 < 1))
+            out.append(Verdict(f"{where} TTFT p90 vs {BASELINE}", p90, "<= 1", p90 <= 1))
+    for concurrency in sorted({r.concurrency for r in mine}):
+        runs = [r.hit_rate for r in mine if r.concurrency == concurrency]
+        if len(runs) > 1:
+            spread = max(runs) - min(runs)
+            out.append(Verdict(f"(e) c={concurrency} {subject} hit rate spread over {len(runs)} runs", spread,
+                               "<= 0.03", spread <= 0.03))
+    return out
+
+
 def verdicts(rows: list[Row], subject: str = "kv_aware") -> list[Verdict]:
     """The issue's targets that this run has the rows for; a target without its rows is not judged.
 
@@ -143,4 +194,4 @@ def verdicts(rows: list[Row], subject: str = "kv_aware") -> list[Verdict]:
             note = f"token-level; per request {_num(mine.summary.request_hit_rate, 3)} vs "
             note += f"{_num(approx.summary.request_hit_rate, 3)}"
             out.append(Verdict(f"(d) {replicas} router(s): hit rate minus approximate's", gain, "> 0", gain > 0, note))
-    return out
+    return out + _partition(rows, subject)

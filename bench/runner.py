@@ -20,14 +20,20 @@ import trio
 from bench import engine_stats, peers, workloads
 from bench.client import ROUTE_HEADER, TRANSPORT_ERRORS, HttpClient, model_name, run_closed_loop
 from bench.cost_floor import perfect_cache_ttft
+from bench.offline_bound import Fleet, TraceRequest, offline_bound
 from bench.prefix import PrefixMeter
 from bench.processes import StartFailed, free_port_range, free_udp_port, python_module, spawned, wait_ready
 from bench.report import Row
-from bench.stats import percentile, shares, summarize
+from bench.stats import RequestResult, percentile, shares, summarize
+from bench.workloads import Conversation
 from sim.profiles import get_profile
 from tokenization.registry import DEFAULT_TOKENIZER_DIR, load_tokenizer
+from tokenization.render import prompt_token_ids_sync
 
 PRIMED_WORKLOADS = ("a",)
+RUN_SEED_STRIDE = 1000
+BOUNDED_WORKLOADS = ("e",)
+"""Workloads whose rows carry the offline planner's bound (bench/offline_bound.py)."""
 MESHED_POLICIES = ("kv_aware",)
 """Policies whose replicas share one index through the mesh; the others keep per-replica state, as a
 peer router's replicas would."""
@@ -168,6 +174,28 @@ def ttft_floor(spec: FleetSpec, prompt_tokens: list[int]) -> float:
     return percentile([perfect_cache_ttft(profile, p, spec.block_size, spec.time_scale) for p in prompt_tokens], 50)
 
 
+def trace_of(results: list[RequestResult], conversations: list[Conversation], tokenizer, model: str) -> list[
+        TraceRequest]:
+    """The requests in the order they were sent, as the engines tokenized them, keyed by shared prefix."""
+    by_key = {c.key: c for c in conversations}
+    trace = []
+    for result in sorted(results, key=lambda r: r.started):
+        conv = by_key.get(result.key)
+        if conv is None:
+            continue
+        messages = conv.prefix_messages(result.turn) + [{"role": "user", "content": conv.user_turns[result.turn]}]
+        ids = prompt_token_ids_sync(tokenizer, {"model": model, "messages": messages}, "chat")
+        trace.append(TraceRequest(conv.system or conv.key, tuple(ids), conv.max_tokens))
+    return trace
+
+
+def bound_for(spec: FleetSpec, concurrency: int, trace: list[TraceRequest]):
+    """The offline planner's bound for this trace on this fleet (bench/offline_bound.py)."""
+    fleet = Fleet(spec.engines, spec.num_blocks, spec.block_size, get_profile(spec.profile), spec.time_scale,
+                  concurrency, spec.max_num_seqs)
+    return offline_bound(trace, fleet)
+
+
 async def measure(
     client: HttpClient,
     label: str,
@@ -177,11 +205,13 @@ async def measure(
     options: MeasureOptions,
     capacity_tokens: int = 0,
     fleet: FleetSpec | None = None,
+    run: int = 1,
 ) -> Row:
     """Warm up, prime if the workload asks for it, then run the workload between two metric scrapes.
 
     Several router URLs share the requests in turn. With the ``fleet`` that serves them, the row also
-    carries the cost model's perfect-cache TTFT for the same prompts.
+    carries the cost model's perfect-cache TTFT for the same prompts, and for a bounded workload the
+    offline planner's bound for the trace as it was sent.
     """
     urls = [url] if isinstance(url, str) else list(url)
     model = await model_name(client, urls[0])
@@ -202,6 +232,9 @@ async def measure(
     PrefixMeter(tokenizer, block_size).assign(results, convs)
     summary = summarize(results, wall)
     prompts = [r.prompt_tokens for r in results if r.ok and r.prompt_tokens]
+    bound = None
+    if fleet and options.workload in BOUNDED_WORKLOADS:
+        bound = bound_for(fleet, concurrency, trace_of(results, convs, tokenizer, model))
     routed: dict[str, float] = {}
     for route, count in summary.routes.items():
         routed[engine_of(route)] = routed.get(engine_of(route), 0) + count
@@ -216,13 +249,17 @@ async def measure(
         engine_share=shares(served, ids),
         routers=len(urls),
         ttft_floor=ttft_floor(fleet, prompts) if fleet else math.nan,
+        ttft_p90=percentile([r.ttft for r in results if r.ok and r.ttft is not None], 90),
+        bound_hit_rate=bound.hit_rate if bound else math.nan,
+        bound_ttft_p50=bound.ttft_p50 if bound else math.nan,
+        run=run,
     )
 
 
 def _progress(row: Row) -> None:
     s = row.summary
     print(
-        f"  {row.workload} c={row.concurrency} {row.label} x{row.routers}: {s.requests} requests, "
+        f"  {row.workload} c={row.concurrency} {row.label} x{row.routers} run {row.run}: {s.requests} requests, "
         f"{s.errors} errors, {s.req_per_s:.1f} req/s, hit {row.hit_rate:.3f} (requests {s.request_hit_rate:.3f})",
         file=sys.stderr,
         flush=True,
@@ -237,9 +274,13 @@ async def compare_policies(
     log_dir: Path,
     tokenizer: str | None = None,
     replicas: int = 1,
+    runs: int = 1,
 ) -> list[Row]:
-    """One row per (concurrency, policy), each on a fresh fleet, policies back to back; ``replicas``
-    routers per policy share the requests in turn."""
+    """One row per (concurrency, policy, run), each policy on a fresh fleet, policies back to back;
+    ``replicas`` routers per policy share the requests in turn; ``runs`` consecutive runs on the same
+    engines and routers show whether a policy holds up over time: each run has its own seed (new text on
+    caches full of the last run's), so every run pays the same first misses and is judged against its
+    own bound."""
     client = HttpClient()
     rows = []
     try:
@@ -249,11 +290,13 @@ async def compare_policies(
                     sim_fleet(client, spec, log_dir) as engines,
                     routers(client, engines, policy, replicas, log_dir, tokenizer) as urls,
                 ):
-                    row = await measure(
-                        client, policy, urls, engines, concurrency, options, spec.capacity_tokens, spec
-                    )
-                rows.append(row)
-                _progress(row)
+                    for run in range(1, runs + 1):
+                        fresh = replace(options, seed=options.seed + RUN_SEED_STRIDE * (run - 1))
+                        row = await measure(
+                            client, policy, urls, engines, concurrency, fresh, spec.capacity_tokens, spec, run
+                        )
+                        rows.append(row)
+                        _progress(row)
                 await client.aclose()
     finally:
         await client.aclose()
@@ -276,7 +319,7 @@ async def measure_target(
     rows = []
     try:
         for i, concurrency in enumerate(concurrencies):
-            fresh = replace(options, seed=options.seed + 1000 * i)
+            fresh = replace(options, seed=options.seed + RUN_SEED_STRIDE * i)
             row = await measure(client, label, url, engine_metrics, concurrency, fresh, capacity_tokens)
             rows.append(row)
             _progress(row)

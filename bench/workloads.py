@@ -15,7 +15,7 @@ from itertools import accumulate
 from bench.words import WORDS
 
 Message = dict[str, str]
-WORKLOAD_NAMES = ("a", "b", "c", "d")
+WORKLOAD_NAMES = ("a", "b", "c", "d", "e")
 
 
 def text(rng: random.Random, tokens: int) -> str:
@@ -138,7 +138,7 @@ def multi_turn(
     ]
 
 
-DEFAULT_MAX_TOKENS = {"a": 16, "b": 16, "c": 16, "d": 128}
+DEFAULT_MAX_TOKENS = {"a": 16, "b": 16, "c": 16, "d": 128, "e": 16}
 """Answer length per workload when none is given: short answers where only prompts matter; (d)'s answers
 are part of what fills the cache."""
 
@@ -177,6 +177,36 @@ def oversized_working_set(
     ]
 
 
+def partitioned_prompts(
+    seed: int,
+    prompts: int = 6,
+    prompt_tokens: int = 900,
+    asks: int = 15,
+    question_tokens: tuple[int, int] = (10, 40),
+    max_tokens: int = DEFAULT_MAX_TOKENS["e"],
+) -> list[Conversation]:
+    """(e) A few long system prompts, each asked ``asks`` times, the requests shuffled uniformly.
+
+    Sized against small engine caches (``PARTITION_NUM_BLOCKS``): six prompts of ~57 blocks are about
+    twice one engine's cache and fit the fleet's, so an engine that holds every prompt thrashes while
+    one home per prompt (two for the busiest) keeps nearly every request a hit. ``bench.offline_bound``
+    says how close to that a policy gets.
+    """
+    rng = random.Random(seed)
+    systems = [f"System {s}:" + text(rng, prompt_tokens) for s in range(prompts)]
+    convs = [
+        Conversation(f"sys{s}/q{q}", [text(rng, _span(rng, question_tokens))], max_tokens, systems[s])
+        for s in range(prompts)
+        for q in range(asks)
+    ]
+    rng.shuffle(convs)
+    return convs
+
+
+PARTITION_NUM_BLOCKS = 160
+"""Blocks per engine for workload e (16-token blocks): about half of its six prompts fit one engine."""
+
+
 def unique_prompts(seed: int, count: int, tokens: int = 24, max_tokens: int = 4) -> list[Conversation]:
     """Warm-up and overhead requests that share nothing with each other or with the workloads."""
     rng = random.Random(f"unique-{seed}")
@@ -188,7 +218,7 @@ def unique_prompts(seed: int, count: int, tokens: int = 24, max_tokens: int = 4)
 def build(
     name: str, seed: int, requests: int | None = None, capacity_tokens: int = 0, max_tokens: int | None = None
 ) -> list[Conversation]:
-    """The named workload (a, b, c or d) with its defaults; ``requests`` scales it where that applies."""
+    """The named workload (a to e) with its defaults; ``requests`` scales it where that applies."""
     max_tokens = max_tokens or DEFAULT_MAX_TOKENS.get(name, 16)
     if name == "a":
         documents = max(1, round(requests / 1.5)) if requests else 30
@@ -201,6 +231,8 @@ def build(
         if capacity_tokens <= 0:
             raise ValueError("workload d needs the fleet's KV capacity in tokens")
         return oversized_working_set(seed, capacity_tokens, requests=requests or 240, max_tokens=max_tokens)
+    if name == "e":
+        return partitioned_prompts(seed, asks=max(1, round(requests / 6)) if requests else 15, max_tokens=max_tokens)
     raise ValueError(f"unknown workload {name!r}; expected one of {', '.join(WORKLOAD_NAMES)}")
 
 

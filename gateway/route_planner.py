@@ -23,6 +23,7 @@ from gateway.proxy import ProxyResult
 from gateway.request_body import ParsedRequest
 from gateway.routing import Decision, EngineView, RouteRequest, make_policy, prefix_key, route_header, route_table
 from gateway.routing.cost import Knowledge
+from gateway.routing.homes import HOME_BLOCKS
 from index.block_hash import chain, root_seed
 from index.prefix_index import PrefixIndex
 from index.view import CacheView
@@ -107,6 +108,12 @@ def bounded_key(key: str | None) -> str | None:
     if key is None or len(key) <= MAX_KEY_CHARS:
         return key
     return "blake2b:" + hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+
+def home_key(chain: list[int]) -> str:
+    """The hash of the prompt's first ``HOME_BLOCKS`` blocks (of all of them when fewer), which carries
+    everything before it; empty when the prompt has no full block."""
+    return f"{chain[min(len(chain), HOME_BLOCKS) - 1]:016x}" if chain else ""
 
 
 def request_prefix_key(parsed: ParsedRequest) -> str:
@@ -246,7 +253,8 @@ class RoutePlanner:
         session = bounded_key(next((headers[h] for h in SESSION_HEADERS if headers.get(h)), None) or parsed.user)
         request = RouteRequest(model=parsed.model, prompt_tokens=len(token_ids),
                                total_blocks=len(token_ids) // block_size, prefix_key=request_prefix_key(parsed),
-                               session_key=session, router_island=self.config.island, max_tokens=parsed.max_tokens)
+                               session_key=session, router_island=self.config.island, max_tokens=parsed.max_tokens,
+                               home_key=home_key(chains.get(block_size, [])))
         return self.policy.choose(request, views)
 
     def engine_recovered(self, engine_id: str) -> None:
@@ -254,6 +262,7 @@ class RoutePlanner:
         may be the slowness of the fault itself; judge it by the fleet until it has served again."""
         self.policy.costs.learner.forget(engine_id)
         self.policy.costs.decode.forget(engine_id)
+        self.policy.forget_engine(engine_id)
         engine = self.engines.get(engine_id)
         if engine is not None:
             engine.rejoining = True
@@ -261,6 +270,7 @@ class RoutePlanner:
     def dispatched(self, plan: Plan) -> None:
         """The request passed admission and goes to its first choice: remember the prompt's blocks there
         until the engine's events confirm them, so a burst of siblings does not race ahead of the events."""
+        self.policy.dispatched(plan.decision, plan.engines[0].id)
         if plan.chains:
             engine = plan.engines[0].id
             keys, ttl = self.cache.record_dispatch(engine, plan.chains, trio.current_time())

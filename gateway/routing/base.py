@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from gateway.routing.cost import CostModel, Knowledge
 from gateway.routing.hashing import key_hash, rendezvous_weight
-from gateway.routing.types import CandidateScore, Decision, EngineView, RouteRequest
+from gateway.routing.types import CandidateScore, Decision, EngineView, HomeNote, RouteRequest
 
 Scores = dict[str, CandidateScore]
 
@@ -63,7 +63,19 @@ class Policy(ABC):
             healthy = {e.id for e in pool if e.healthy}
             ranked = [i for i in ranked if i in healthy] + [i for i in ranked if i not in healthy]
             reason = f"{reason}; no-live-engine"
-        return Decision(ranked, [scores[i] for i in ranked], reason, self.name, request.prompt_tokens)
+        home = self.home_note(request, pool, scores, ranked)
+        return Decision(ranked, [scores[i] for i in ranked], reason, self.name, request.prompt_tokens, home)
+
+    def home_note(self, request: RouteRequest, pool: list[EngineView], scores: Scores,
+                  ranked: list[str]) -> HomeNote | None:
+        """Where the request's prefix lives, for policies that keep homes (none by default)."""
+        return None
+
+    def dispatched(self, decision: Decision, engine_id: str) -> None:  # noqa: B027 - an optional hook
+        """The request of ``decision`` was sent to ``engine_id`` (a ``/debug/route`` decision never is)."""
+
+    def forget_engine(self, engine_id: str) -> None:  # noqa: B027 - an optional hook
+        """An engine came back empty or left: forget what was placed on it."""
 
     def observe(self, engine_id: str, uncached_tokens: int, queue_depth: int, ttft_s: float) -> bool:
         """Record one measured TTFT; False if the values were impossible (counted and dropped)."""

@@ -1,4 +1,8 @@
-"""Render a Decision for people: the ``x-kvmesh-route`` response header and the ``POST /debug/route`` table."""
+"""Render a Decision for people: the ``x-kvmesh-route`` response header and the ``POST /debug/route`` table.
+
+The table's ``home`` says which engines the prompt's prefix is homed on (gateway/routing/homes.py) and,
+when the chosen engine is not one of them, which term of the estimate made the request leave.
+"""
 
 from __future__ import annotations
 
@@ -50,7 +54,24 @@ def _row(rank: int, score: CandidateScore) -> dict[str, Any]:
         "decode_ms": _ms(score.decode_s),
         "est_done_ms": _ms(score.done_s),
         "eviction_ms": _ms(score.eviction_s),
+        "home": score.home,
+        "displacement_ms": _ms(score.displacement_s),
+        "crowding_ms": _ms(score.crowding_s),
         "cost_ms": _ms(score.cost_s),
+    }
+
+
+def _home(decision: Decision) -> dict[str, Any] | None:
+    note = decision.home
+    if note is None:
+        return None
+    return {
+        "prefix": note.key,
+        "blocks": note.blocks,
+        "homes": list(note.homes),
+        "heat": round(note.heat, 2),
+        "chosen_is_home": decision.chosen in note.homes,
+        "left_home_because": note.left_because,
     }
 
 
@@ -63,4 +84,5 @@ def route_table(decision: Decision) -> dict[str, Any]:
         "prompt_tokens": decision.prompt_tokens,
         "ranked": list(decision.ranked),
         "candidates": [_row(i + 1, s) for i, s in enumerate(decision.table)],
+        "home": _home(decision),
     }

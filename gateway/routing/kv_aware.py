@@ -9,10 +9,13 @@ then to the prefix key's rendezvous order.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from gateway.routing.base import Policy, Scores
-from gateway.routing.cost import Knowledge
+from gateway.routing.cost import CostModel, Knowledge
 from gateway.routing.hashing import key_hash, rendezvous_weight
-from gateway.routing.types import CandidateScore, EngineView, RouteRequest
+from gateway.routing.homes import HomeBook
+from gateway.routing.types import CandidateScore, Decision, EngineView, HomeNote, RouteRequest
 
 _TIE_DIGITS = 9
 # An engine back from being down gets the next request that no engine holds much of: its learned speed
@@ -44,10 +47,42 @@ def describe(request: RouteRequest, ranked: list[str], scores: Scores) -> str:
 
 
 class KvAwarePolicy(Policy):
+    """Also keeps each prefix's homes (gateway/routing/homes.py): leaving them is charged what it displaces."""
+
     name = "kv_aware"
     knowledge = Knowledge.EVENTS
+    keeps_homes = True
+
+    def __init__(self, costs: CostModel | None = None) -> None:
+        super().__init__(costs)
+        self.homes = HomeBook()
+
+    def _priced_by_homes(self, request: RouteRequest, pool: list[EngineView], scores: Scores) -> None:
+        """Replace the blind eviction term by what the home book says each placement displaces, and charge a
+        prefix without a home the queueing beside the heat homed on each engine, relative to the pool's mean (a
+        homed prefix spills by the cost model's own queue terms, which already price its home's queue; charging
+        the spill again would only keep hot prefixes on queued engines longer). The blind term prices the
+        blocks of prefixes nobody asks for any more like those of hot ones: after a change of traffic it sent
+        every new prefix away from the engine whose cache happened to be full of old ones."""
+        key = request.home_key
+        homes = self.homes.homes(key)
+        heat = {e.id: self.homes.resident_heat(e.id, exclude=key) for e in pool}
+        mean_heat = sum(heat.values()) / len(pool)
+        for engine in pool:
+            params = self.costs.learner.params(engine.id, engine.max_num_seqs)
+            block = max(1, engine.block_size)
+            home = engine.id in homes
+            displacement = self.homes.displacement_s(
+                key, request.total_blocks, engine.id, engine.num_blocks,
+                lambda blocks, p=params, b=block: p.prefill_s(blocks * b),
+            )
+            crowding = 0.0 if homes or mean_heat <= 0 else params.batch_s_per_request * heat[engine.id] / mean_heat
+            scores[engine.id] = replace(scores[engine.id], home=home, eviction_s=0.0, displacement_s=displacement,
+                                        crowding_s=crowding)
 
     def rank(self, request: RouteRequest, pool: list[EngineView], scores: Scores) -> tuple[list[str], str]:
+        if self.keeps_homes and request.home_key:
+            self._priced_by_homes(request, pool, scores)
         h = key_hash(request.prefix_key or request.model)
 
         def order(engine: EngineView) -> tuple[float, int, int, int]:
@@ -66,7 +101,34 @@ class KvAwarePolicy(Policy):
             return [probe, *(i for i in ranked if i != probe)], "rejoin-probe"
         return ranked, describe(request, ranked, scores)
 
+    def home_note(self, request: RouteRequest, pool: list[EngineView], scores: Scores,
+                  ranked: list[str]) -> HomeNote | None:
+        if not (self.keeps_homes and request.home_key and ranked):
+            return None
+        homes = tuple(self.homes.homes(request.home_key))
+        live_homes = [scores[e] for e in homes if e in scores]
+        left = None
+        if live_homes and ranked[0] not in homes:
+            best_home = min(live_homes, key=lambda s: s.cost_s)
+            left = _why_not_the_cache(scores[ranked[0]], best_home) if best_home.live else "home-not-live"
+        elif homes and not live_homes:
+            left = "home-not-a-candidate"
+        capacity = {e.id: e.num_blocks for e in pool}
+        return HomeNote(request.home_key, request.total_blocks, homes, self.homes.heat(request.home_key), capacity,
+                        left)
+
+    def dispatched(self, decision: Decision, engine_id: str) -> None:
+        note = decision.home
+        if note is not None:
+            self.homes.record(note.key, engine_id, note.blocks, note.capacity_blocks.get(engine_id))
+
+    def forget_engine(self, engine_id: str) -> None:
+        self.homes.forget_engine(engine_id)
+
 
 class ApproximatePolicy(KvAwarePolicy):
+    """Keeps no homes: it stands for routers that only know what they sent."""
+
     name = "approximate"
     knowledge = Knowledge.ROUTER_ONLY
+    keeps_homes = False

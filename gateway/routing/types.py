@@ -73,6 +73,8 @@ class RouteRequest:
     session_key: str | None = None
     router_island: str | None = None
     max_tokens: int | None = None
+    home_key: str = ""
+    """Names the prompt's leading blocks (see gateway/routing/homes.py); empty: the prompt has no full block."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +101,12 @@ class CandidateScore:
     eviction_s: float = 0.0
     """Expected recompute, by later requests, of the cached blocks this placement pushes out (not a delay
     of this request, so outside ``ttft_s`` and ``done_s``)."""
+    home: bool = False
+    """The engine is one of the prompt's homes (gateway/routing/homes.py)."""
+    displacement_s: float = 0.0
+    """Expected recompute of the other prefixes' homes this placement pushes out of the engine's cache."""
+    crowding_s: float = 0.0
+    """For a prefix without a home: the queueing its later requests meet beside the traffic homed there."""
 
     @property
     def penalties_s(self) -> float:
@@ -117,12 +125,24 @@ class CandidateScore:
     @property
     def cost_s(self) -> float:
         """What ranking minimises: this request's time to its last token plus what it costs later ones."""
-        return self.done_s + self.eviction_s
+        return self.done_s + self.eviction_s + self.displacement_s + self.crowding_s
 
     @property
     def overlap_tokens(self) -> int:
         """Leading prompt tokens the router believes the engine holds, by either kind of knowledge."""
         return max(self.exact_tokens, self.approx_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class HomeNote:
+    """Where the prompt's prefix lives and, when the chosen engine is not one of its homes, why it left."""
+
+    key: str
+    blocks: int
+    homes: tuple[str, ...]
+    heat: float
+    capacity_blocks: dict[str, int | None]
+    left_because: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +154,7 @@ class Decision:
     reason: str
     policy: str
     prompt_tokens: int = 0
+    home: HomeNote | None = None
 
     @property
     def chosen(self) -> str | None:

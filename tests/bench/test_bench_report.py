@@ -98,3 +98,33 @@ def test_engine_of_route_header():
 
 def test_block_order_alternates_who_goes_first():
     assert block_order(3) == ["direct", "router", "router", "direct", "direct", "router"]
+
+
+def _bounded(label, run, ttft, p90, hit, bound_hit=0.9):
+    row = _row(label, "e", 4, ttft, 10, hit)
+    row.run, row.ttft_p90, row.bound_hit_rate, row.bound_ttft_p50 = run, p90, bound_hit, 0.08
+    return row
+
+
+def test_bounded_rows_print_fractions_of_the_bound_next_to_round_robin():
+    rows = [_bounded("kv_aware", 1, 0.12, 0.15, 0.855), _bounded("round_robin", 1, 0.15, 0.2, 0.3)]
+    line = next(x for x in format_table(rows).splitlines() if x.startswith("bound") and "kv_aware" in x)
+    assert "hit 0.855 = 0.95 of bound 0.900" in line and "1.50x bound 80.0 ms" in line
+    assert "p90 150.0 ms; round_robin p50/p90 150.0/200.0 ms" in line
+
+
+def test_partition_targets_per_run_and_their_spread():
+    rows = [
+        _bounded("kv_aware", 1, 0.12, 0.15, 0.86), _bounded("round_robin", 1, 0.15, 0.2, 0.3),
+        _bounded("kv_aware", 2, 0.12, 0.25, 0.80), _bounded("round_robin", 2, 0.15, 0.2, 0.3),
+    ]
+    got = {v.target: v.passed for v in verdicts(rows)}
+    assert got == {
+        "(e) c=4 run 1 kv_aware hit rate / bound's": True,
+        "(e) c=4 run 1 TTFT p50 vs round_robin": True,
+        "(e) c=4 run 1 TTFT p90 vs round_robin": True,
+        "(e) c=4 run 2 kv_aware hit rate / bound's": False,
+        "(e) c=4 run 2 TTFT p50 vs round_robin": True,
+        "(e) c=4 run 2 TTFT p90 vs round_robin": False,
+        "(e) c=4 kv_aware hit rate spread over 2 runs": False,
+    }

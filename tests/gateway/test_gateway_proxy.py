@@ -137,6 +137,16 @@ def test_repeated_prefix_goes_where_it_is_cached(client):
         assert overlap > 300
 
 
+def test_debug_route_names_the_home_a_sent_prefix_got(client):
+    """Only a request that was sent gives its prefix a home; /debug/route shows it and that the choice is home."""
+    document = "A slow green turtle crosses the old stone bridge at dawn. " * 30
+    route = client.json("POST", "/v1/chat/completions", chat(document + " Where?"))[1]["x-kvmesh-route"]
+    engine = route.split(";")[0].removeprefix("engine=")
+    home = client.json("POST", "/debug/route", chat(document + " When?"))[2]["home"]
+    assert home["homes"] == [engine] and home["heat"] > 0
+    assert home["chosen_is_home"] is True and home["left_home_because"] is None
+
+
 def test_unreachable_engine_is_retried_elsewhere(fleet):
     """A dead engine in the list costs a retry, never a client error."""
     with socket.socket() as s:

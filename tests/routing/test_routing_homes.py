@@ -1,0 +1,191 @@
+"""Homes: prefixes converge to a stable partition of the fleet's caches, and /debug/route says so."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.routing import EngineView, RouteRequest, make_policy, route_table
+from gateway.routing.homes import HomeBook
+
+BLOCKS = 160
+PREFIX_BLOCKS = 59
+
+
+def _request(prefix: int, blocks: int = PREFIX_BLOCKS) -> RouteRequest:
+    return RouteRequest("m", blocks * 16 + 8, blocks, f"sys{prefix}/q", max_tokens=16, home_key=f"sys{prefix}")
+
+
+class _Fleet:
+    """Engines as the router sees them between requests: what each caches (LRU over prefixes, the engine's own
+    eviction order), how full it is, and this router's in-flight requests; each request finishes before the next
+    arrives unless ``busy`` says otherwise."""
+
+    def __init__(self, engines: int, capacity_prefixes: int = 2) -> None:
+        self.ids = [f"e{i}" for i in range(engines)]
+        self.cached: dict[str, list[int]] = {e: [] for e in self.ids}
+        self.capacity = capacity_prefixes
+        self.busy: dict[str, int] = {e: 0 for e in self.ids}
+
+    def views(self, prefix: int) -> list[EngineView]:
+        return [
+            EngineView(e, "u", in_flight=self.busy[e], num_blocks=BLOCKS,
+                       exact_blocks=PREFIX_BLOCKS if prefix in self.cached[e] else 0,
+                       held_blocks=min(BLOCKS, PREFIX_BLOCKS * len(self.cached[e])), reuse_ratio=0.8)
+            for e in self.ids
+        ]
+
+    def serve(self, engine: str, prefix: int) -> bool:
+        """LRU: a hit moves the prefix to the back; a miss evicts the front when full. True on a hit."""
+        held = self.cached[engine]
+        hit = prefix in held
+        if hit:
+            held.remove(prefix)
+        elif len(held) >= self.capacity:
+            held.pop(0)
+        held.append(prefix)
+        return hit
+
+
+def _run(policy, fleet: _Fleet, order: list[int]) -> list[bool]:
+    hits = []
+    for prefix in order:
+        decision = policy.choose(_request(prefix), fleet.views(prefix))
+        policy.dispatched(decision, decision.chosen)
+        hits.append(fleet.serve(decision.chosen, prefix))
+    return hits
+
+
+def _shuffled(prefixes: int, asks: int, seed: int) -> list[int]:
+    order = [p for p in range(prefixes) for _ in range(asks)]
+    random.Random(seed).shuffle(order)
+    return order
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10_000), engines=st.sampled_from([3, 4, 8]))
+def test_six_prefixes_that_fit_the_fleet_end_up_one_home_each_and_stay(seed, engines):
+    """Six prefixes, two per engine's cache: after each prefix's first request, every request is a hit."""
+    policy = make_policy("kv_aware")
+    fleet = _Fleet(engines)
+    hits = _run(policy, fleet, _shuffled(6, 15, seed))
+    assert hits.count(False) == 6
+    homes = {p: tuple(policy.homes.homes(f"sys{p}")) for p in range(6)}
+    assert all(len(h) == 1 for h in homes.values())
+    assert max(list(homes.values()).count(h) for h in homes.values()) <= 2
+    again = _run(policy, fleet, _shuffled(6, 15, seed + 1))
+    assert all(again)
+    assert {p: tuple(policy.homes.homes(f"sys{p}")) for p in range(6)} == homes
+
+
+def test_a_cold_prefix_does_not_displace_a_hot_one():
+    """Both engines hold two hot prefixes; a newcomer goes where it displaces the colder resident."""
+    book = HomeBook()
+    for _ in range(10):
+        book.record("hot-a", "e0", PREFIX_BLOCKS, BLOCKS)
+        book.record("hot-b", "e0", PREFIX_BLOCKS, BLOCKS)
+        book.record("hot-c", "e1", PREFIX_BLOCKS, BLOCKS)
+    book.record("lukewarm", "e1", PREFIX_BLOCKS, BLOCKS)
+    cost = {e: book.displacement_s("new", PREFIX_BLOCKS, e, BLOCKS, lambda b: b * 0.001) for e in ("e0", "e1")}
+    assert cost["e0"] > cost["e1"] > 0
+    assert [r.key for r, _ in book.displaced("new", PREFIX_BLOCKS, "e1", BLOCKS)] == ["lukewarm"]
+
+
+def test_a_newcomer_sent_to_a_full_engine_takes_the_coldest_residents_place():
+    """The engine's LRU keeps what it served last; the choice to push a hotter prefix out was priced before."""
+    book = HomeBook()
+    for _ in range(5):
+        book.record("a", "e0", PREFIX_BLOCKS, BLOCKS)
+    for _ in range(8):
+        book.record("b", "e0", PREFIX_BLOCKS, BLOCKS)
+    book.record("c", "e0", PREFIX_BLOCKS, BLOCKS)
+    assert book.homes("a") == [] and book.homes("b") == ["e0"] and book.homes("c") == ["e0"]
+
+
+def test_a_hot_prefix_gets_a_second_home_when_its_home_queue_costs_more_than_a_prefill():
+    policy = make_policy("kv_aware")
+    fleet = _Fleet(3)
+    _run(policy, fleet, [0] * 5)
+    home = policy.homes.homes("sys0")
+    assert len(home) == 1
+    fleet.busy[home[0]] = 40
+    decision = policy.choose(_request(0), fleet.views(0))
+    assert decision.chosen != home[0]
+    table = route_table(decision)["home"]
+    assert table["homes"] == home and table["chosen_is_home"] is False
+    assert table["left_home_because"] == "hot-prefix-spill"
+    policy.dispatched(decision, decision.chosen)
+    for _ in range(4):
+        decision = policy.choose(_request(0), fleet.views(0))
+        policy.dispatched(decision, decision.chosen)
+        fleet.serve(decision.chosen, 0)
+    assert set(policy.homes.homes("sys0")) == {home[0], decision.chosen}
+
+
+def test_spill_homes_fade_once_unused():
+    book = HomeBook()
+    book.record("p", "e1", 10, BLOCKS)
+    for i in range(400):
+        book.record("p", "e0", 10, BLOCKS)
+        book.record(f"other{i % 3}", "e2", 10, BLOCKS)
+    assert book.homes("p") == ["e0"]
+
+
+def test_debug_route_does_not_move_homes_only_dispatch_does():
+    policy = make_policy("kv_aware")
+    fleet = _Fleet(3)
+    for _ in range(3):
+        policy.choose(_request(0), fleet.views(0))
+    assert policy.homes.homes("sys0") == []
+    decision = policy.choose(_request(0), fleet.views(0))
+    assert route_table(decision)["home"] == {"prefix": "sys0", "blocks": PREFIX_BLOCKS, "homes": [], "heat": 0.0,
+                                             "chosen_is_home": False, "left_home_because": None}
+    policy.dispatched(decision, decision.chosen)
+    assert policy.homes.homes("sys0") == [decision.chosen]
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 5), st.integers(1, 200)), max_size=300))
+def test_homes_on_an_engine_never_claim_more_than_its_fill(records):
+    book = HomeBook()
+    for key, engine, blocks in records:
+        book.record(f"k{key}", f"e{engine}", blocks, BLOCKS)
+    for engine in range(6):
+        residents = book.residents(f"e{engine}")
+        assert len(residents) <= 1 or sum(r.blocks for r in residents) <= book.settings.fill * BLOCKS
+
+
+def test_forgetting_an_engine_unhomes_its_prefixes():
+    book = HomeBook()
+    book.record("a", "e0", 10, BLOCKS)
+    book.record("a", "e1", 10, BLOCKS)
+    book.forget_engine("e0")
+    assert book.homes("a") == ["e1"] and book.residents("e0") == []
+
+
+def test_the_book_stays_bounded():
+    book = HomeBook()
+    for i in range(book.settings.max_prefixes + 10):
+        book.record(f"k{i}", "e0", 1, None)
+    assert len(book._prefixes) <= book.settings.max_prefixes
+
+
+@pytest.mark.parametrize(("seed", "engines"), [(0, 3), (1, 3), (0, 8)])
+def test_consecutive_workloads_on_warm_engines_do_not_drift(seed, engines):
+    """Six workloads in a row, each with new prefixes on caches full of the last one's: every one keeps
+    close to one miss per prefix, and only the current prefixes stay homed."""
+    policy = make_policy("kv_aware")
+    fleet = _Fleet(engines)
+    for run in range(6):
+        order = [10 * run + p for p in _shuffled(6, 15, seed + run)]
+        hits = []
+        for prefix in order:
+            decision = policy.choose(_request(prefix), fleet.views(prefix))
+            policy.dispatched(decision, decision.chosen)
+            hits.append(fleet.serve(decision.chosen, prefix))
+        assert hits.count(False) <= 6 + 12, f"run {run + 1}"
+        homed = {r.key for e in fleet.ids for r in policy.homes.residents(e)}
+        assert homed <= {f"sys{10 * run + p}" for p in range(6)} | {f"sys{10 * (run - 1) + p}" for p in range(6)}
