@@ -9,10 +9,13 @@ otherwise escape into the engine's background tasks.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
+
+log = logging.getLogger("kvmesh.events")
 
 _WILDCARDS = {"*", "0.0.0.0", "::", "[::]", ""}
 _HOST = re.compile(r"^[A-Za-z0-9._:%*\[\]-]*$")
@@ -70,18 +73,16 @@ def check_topic(topic: Any) -> str:
 
 @dataclass(frozen=True, slots=True)
 class EventSource:
-    """Where one publisher (one data-parallel rank) can be reached.
+    """Where one publisher (one data-parallel rank) can be reached; the router always connects to it.
 
-    `bind` is True when the engine's PUB connects out (its endpoint names a concrete host), so the
-    router must bind that address instead of connecting to it. Built only with values the subscriber
-    can use: a bad one raises ValueError here, not inside the subscriber task.
+    Built only with values the subscriber can use: a bad one raises ValueError here, not inside the
+    subscriber task.
     """
 
     endpoint: str
     replay_endpoint: str | None
     topic: str
     rank: int = 0
-    bind: bool = False
 
     def __post_init__(self) -> None:
         check_topic(self.topic)
@@ -108,7 +109,13 @@ def _format(host: str, port: int) -> str:
 
 
 def resolve_endpoint(endpoint: str, engine_host: str, rank: int) -> tuple[str, bool]:
-    """Wildcard host -> the engine's host; vLLM offsets each data-parallel rank's port by its rank."""
+    """(where to connect, whether the engine's PUB connects out): a wildcard host becomes the engine's
+    host; vLLM offsets each data-parallel rank's port by its rank.
+
+    A PUB whose endpoint names a concrete host connects out to that one address. The router does not
+    bind it for the engine (whoever could reach a bound port could publish blocks in the engine's name,
+    and only one replica could bind it): it connects there as to any publisher and reports the engine
+    as publishing in connect mode."""
     host, port = _split_tcp(endpoint)
     if not 0 < port + rank <= 65535:
         raise ValueError(f"endpoint {endpoint!r} of rank {rank} is outside the port range")
@@ -141,8 +148,11 @@ def parse_kv_event_sources(body: bytes | str | dict[str, Any], engine_url: str) 
         replay = config.get("replay_endpoint")
         if not isinstance(endpoint, str) or not isinstance(replay, str | None):
             raise ValueError(f"kv_event_sources: rank {rank} endpoints must be strings")
-        endpoint, bind = resolve_endpoint(endpoint, engine_host, rank)
+        endpoint, connects_out = resolve_endpoint(endpoint, engine_host, rank)
+        if connects_out:
+            log.warning("engine publishes KV events in connect mode; start it with a tcp://*:PORT endpoint so "
+                        "router replicas can subscribe", extra={"engine": engine_url[:200], "endpoint": endpoint})
         replay_endpoint = resolve_endpoint(replay, engine_host, rank)[0] if replay else None
         topic = config.get("topic") or ""
-        sources.append(EventSource(endpoint, replay_endpoint, check_topic(topic), rank, bind))
+        sources.append(EventSource(endpoint, replay_endpoint, check_topic(topic), rank))
     return sources

@@ -78,10 +78,7 @@ async def _session(feed: EngineFeed, source: EventSource, context: zmq.Context, 
     try:
         _configure(sub, config)
         sub.setsockopt(zmq.SUBSCRIBE, source.topic.encode("utf-8"))
-        if source.bind:
-            sub.bind(source.endpoint)
-        else:
-            sub.connect(source.endpoint)
+        sub.connect(source.endpoint)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_disconnect, monitor)
             running: list[trio.CancelScope] = []

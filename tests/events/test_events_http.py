@@ -66,10 +66,10 @@ def test_discovery_resolves_wildcards_and_data_parallel_ranks():
         "3": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://10.1.2.3:6000"},
     })
     sources = parse_kv_event_sources(body, "http://engine-a:8000")
-    assert [(s.rank, s.endpoint, s.replay_endpoint, s.bind) for s in sources] == [
-        (0, "tcp://engine-a:5557", None, False),
-        (1, "tcp://engine-a:5558", "tcp://engine-a:5559", False),
-        (3, "tcp://10.1.2.3:6003", None, True),
+    assert [(s.rank, s.endpoint, s.replay_endpoint) for s in sources] == [
+        (0, "tcp://engine-a:5557", None),
+        (1, "tcp://engine-a:5558", "tcp://engine-a:5559"),
+        (3, "tcp://10.1.2.3:6003", None),  # connect mode: connected to, never bound for the engine
     ]
     assert parse_kv_event_sources({"0": {"enable_kv_cache_events": True, "endpoint": "tcp://[::]:7"}},
                                   "http://[::1]:80")[0].endpoint == "tcp://[::1]:7"
