@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -50,11 +51,24 @@ def install(timeout: float = 1200.0) -> Path:
     return TINY_MODEL
 
 
+STATIC_PORTS = range(20_000, 32_000)
+"""Below Linux's ephemeral range (32768-60999): vLLM binds its event ports ~35 s after the port is chosen,
+and a port the kernel picked could meanwhile be handed to any outgoing connection (seen: "Address
+already in use" for the KV-event PUB while other processes ran)."""
+
+
 def free_port() -> int:
-    """A loopback port that was free a moment ago (the kernel picks it, so engines rarely collide)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port outside the ephemeral range that was free a moment ago."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.choice(STATIC_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError("no free port found below the ephemeral range")
 
 
 @dataclass(frozen=True)
