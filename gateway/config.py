@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from autoscale.config import AutoscaleConfig
 from gateway.admission.config import AdmissionConfig
 from gateway.config_errors import ConfigError
 from gateway.security.config import AuthConfig, TenantConfig, validate_security
 
-__all__ = ["AdmissionConfig", "AuthConfig", "ConfigError", "EngineConfig", "MeshConfig", "RouterConfig",
-           "TenantConfig", "TracingConfig", "load_config"]
+__all__ = ["AdmissionConfig", "AuthConfig", "AutoscaleConfig", "ConfigError", "EngineConfig", "MeshConfig",
+           "RouterConfig", "TenantConfig", "TracingConfig", "load_config"]
 
 POLICIES = ("kv_aware", "approximate", "prefix_hash", "session", "least_loaded", "round_robin", "random")
 
@@ -93,6 +94,7 @@ class RouterConfig:
     tenants: list[TenantConfig] = field(default_factory=list)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    autoscaler: AutoscaleConfig = field(default_factory=AutoscaleConfig)
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -116,6 +118,7 @@ class RouterConfig:
         validate_security(self.auth, self.tenants)
         self.admission.validate("admission")
         self.tracing.validate()
+        self.autoscaler.validate()
 
 
 def _coerce(value: Any, hint: Any, where: str) -> Any:
