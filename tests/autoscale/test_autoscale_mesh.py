@@ -7,6 +7,7 @@ import signal
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -15,26 +16,7 @@ from sim.process import SimFleetProcess
 
 pytestmark = [pytest.mark.mesh, pytest.mark.integration]
 
-PROVIDER = r'''
-import json, sys
-state_path, spare_url, action = sys.argv[1], sys.argv[2], sys.argv[3]
-json.load(sys.stdin)
-try:
-    state = json.load(open(state_path))
-except FileNotFoundError:
-    state = {"provisions": 0, "engines": []}
-if action == "provision":
-    state["provisions"] += 1
-    engine = {"id": f"spare{state['provisions']}", "url": spare_url}
-    state["engines"].append(engine)
-    answer = engine
-elif action == "list":
-    answer = {"engines": state["engines"]}
-else:
-    answer = {}
-json.dump(state, open(state_path, "w"))
-print(json.dumps(answer))
-'''
+POOL = Path(__file__).resolve().parents[2] / "autoscale" / "providers" / "examples" / "standby_pool.py"
 
 
 def get(url: str) -> dict:
@@ -65,8 +47,7 @@ def free_udp_port() -> int:
 def test_killing_the_lease_holder_hands_the_loop_over_without_double_provisioning(tmp_path):
     secret = tmp_path / "mesh.secret"
     secret.write_text(os.urandom(24).hex())
-    script, state = tmp_path / "provider.py", tmp_path / "provider-state.json"
-    script.write_text(PROVIDER)
+    state = tmp_path / "pool.json"
     with SimFleetProcess(engines=3, profile="fast") as fleet:
         static, spare = fleet.urls[:2], fleet.urls[2]
         config = tmp_path / "kvmesh.toml"
@@ -74,7 +55,7 @@ def test_killing_the_lease_holder_hands_the_loop_over_without_double_provisionin
 [autoscaler]
 enabled = true
 provider = "command"
-command = {json.dumps([sys.executable, str(script), str(state), spare])}
+command = {json.dumps([sys.executable, str(POOL), str(state), spare])}
 interval_s = 0.5
 lease_ttl_s = 3.0
 min_engines = 3
@@ -99,7 +80,7 @@ provisioning_s = 0
                 return [acting[0]] if len(holders) == 1 and None not in holders and len(acting) == 1 else None
 
             def spare_registered(us):
-                return all(any(e["id"] == "spare1" for e in get(u + "/admin/engines")["engines"]) for u in us)
+                return all(any(e["id"] == "standby-0" for e in get(u + "/admin/engines")["engines"]) for u in us)
 
             found = wait_until(holder_everywhere, 20)
             assert found, [get(u + "/admin/autoscaler")["lease"] for u in urls]
