@@ -73,7 +73,7 @@ class AutoscaleLoop:
         self.metrics = AutoscalerMetrics(router.metrics.registry)
         self.acting = self.state is None
         self.decisions: deque[dict[str, Any]] = deque(maxlen=KEPT_DECISIONS)
-        self.draining: dict[str, float] = {}
+        self.draining: set[str] = set()
         self._local: dict[str, dict[str, Any]] = {}
         self._nursery: trio.Nursery | None = None
 
@@ -156,7 +156,7 @@ class AutoscaleLoop:
         pending = self._live_pending(now)
         managed = {key.removeprefix("engine:"): float(v.get("price_per_hour", 0.0))
                    for key, v in self._entries("engine:").items()}
-        signals = self.reader.read(managed, set(self.draining), len(pending))
+        signals = self.reader.read(managed, self.draining, len(pending))
         decision = self.core.decide(signals, now)
         record = decision.as_json()
         log.info("autoscaler decision", extra={"autoscaler": record, "holder": self.me})
@@ -191,7 +191,7 @@ class AutoscaleLoop:
         elif decision.action == "down":
             assert self._nursery is not None
             for engine_id in decision.release:
-                self.draining[engine_id] = now + self.config.drain_deadline_s
+                self.draining.add(engine_id)
                 self.router.set_engine_state(engine_id, {"draining": True})
                 self._nursery.start_soon(self._drain, engine_id)
 
@@ -215,7 +215,7 @@ class AutoscaleLoop:
     async def _drain(self, engine_id: str) -> None:
         """No new requests reach it (draining); release it once idle for a while, or at the deadline."""
         started = trio.current_time()
-        deadline = self.draining[engine_id] - time.time() + started
+        deadline = started + self.config.drain_deadline_s
         idle_looks = 0
         while trio.current_time() < deadline and idle_looks < IDLE_CHECKS:
             await trio.sleep(0.5)
@@ -226,11 +226,11 @@ class AutoscaleLoop:
             self.metrics.errors.labels("terminate").inc()
             log.warning("autoscaler terminate failed; the engine stays drained", extra={"engine": engine_id,
                                                                                         "error": str(exc)})
-            self.draining.pop(engine_id, None)
+            self.draining.discard(engine_id)
             return
         self.router.remove_engine(engine_id)
         self._set(f"engine:{engine_id}", None)
-        self.draining.pop(engine_id, None)
+        self.draining.discard(engine_id)
         log.info("autoscaler engine released", extra={"engine": engine_id, "idle": idle_looks >= IDLE_CHECKS,
                                                       "drain_s": round(trio.current_time() - started, 2)})
 
