@@ -28,10 +28,12 @@ from pathlib import Path
 
 import trio
 
+from autoscale.offers import Offer
+from autoscale.providers.base import ProvisionResult
+from autoscale.providers.local import LocalProvider
 from bench.autoscale_trace import RunRecord, Trace, TrafficMix, judge
 from bench.client import TRANSPORT_ERRORS, HttpClient, completion, model_name
 from bench.processes import StartFailed, free_port_range, free_udp_port, python_module, spawned, wait_ready
-from bench.runner import FleetSpec, sim_fleet
 from bench.stats import RequestResult, percentile
 
 POOL_SCRIPT = Path(__file__).resolve().parents[1] / "autoscale" / "providers" / "examples" / "standby_pool.py"
@@ -46,9 +48,9 @@ class Setup:
     peak_engines: int
     average_engines: int
     ceiling_s: float = 1.0
-    cooldown_s: float = 12.0
+    cooldown_s: float = 8.0
     price_per_hour: float = 1.1
-    provisioning_s: float = 2.0
+    provisioning_s: float = 1.0
     """The offers' provisioning latency, compressed like the trace (the local provider waits it)."""
     max_num_seqs: int = 2
     profile: str = "a40-qwen1.5b"
@@ -68,12 +70,12 @@ min_engines = 1
 max_engines = {self.peak_engines}
 queue_up = 0.5
 queue_drain = 0.2
-utilisation_floor = 0.45
+utilisation_floor = 0.5
 target_utilisation = 0.7
 ttft_p99_ceiling_s = {self.ceiling_s}
 cooldown_s = {self.cooldown_s}
-step_cooldown_s = 2.0
-max_step_up = 2
+step_cooldown_s = 1.0
+max_step_up = 3
 max_step_down = 1
 drain_deadline_s = 30.0
 
@@ -161,31 +163,53 @@ async def run_autoscaled(client: HttpClient, setup: Setup, log_dir: Path) -> Run
                          sorted(decisions.values(), key=lambda d: d["at"]), started_unix)
 
 
+async def local_engines(nursery: trio.Nursery, sim_args: list[str], count: int) -> list[str]:
+    """``count`` engines started by the autoscaler's own local provider, so fixed and autoscaled fleets run
+    the same engine processes."""
+    provider = LocalProvider(sim_args)
+    provider.attach(nursery)
+    ready: list[ProvisionResult] = []
+    offer = Offer("fixed", provisioning_s=0)
+    for _ in range(count):
+        provider.provision(offer, ready.append)
+    with trio.fail_after(120):
+        while len(ready) < count:
+            await trio.sleep(0.05)
+    failed = [r.error for r in ready if r.engine is None]
+    if failed:
+        raise StartFailed(f"local engines did not start: {failed}")
+    return [r.engine.url for r in ready if r.engine is not None]
+
+
 async def run_fixed(client: HttpClient, setup: Setup, log_dir: Path) -> list[RunRecord]:
-    """The peak-sized and the average-sized fleet: engines in one simulator process, a router each, started
-    together and measured one after the other."""
+    """The peak-sized and the average-sized fleet, a router each, started together and measured one after
+    the other."""
     sizes = {"fixed-peak": setup.peak_engines, "fixed-average": setup.average_engines}
-    spec = FleetSpec(sum(sizes.values()), setup.profile, 1.0, 4096, 16, setup.max_num_seqs)
     records = []
-    async with sim_fleet(client, spec, log_dir) as urls, AsyncExitStack() as stack:
-        routers = []
-        for label, count in sizes.items():
-            engines, urls = urls[:count], urls[count:]
-            log = log_dir / f"router-{label}.log"
-            port, process = _router(log, [a for u in engines for a in ("--engine", u)])
-            routers.append((label, count, f"http://127.0.0.1:{port}", await stack.enter_async_context(process), log))
-        for _, _, url, proc, log in routers:
-            await wait_ready(client, url + "/ready", proc, log, timeout=120)
-        for label, count, url, _, _ in routers:
-            results = await drive(client, url, setup)
-            records.append(RunRecord(label, results, [(0.0, float(count))], setup.price_per_hour, setup.duration_s))
+    async with trio.open_nursery() as engines_nursery:
+        urls = await local_engines(engines_nursery, setup.sim_args(), sum(sizes.values()))
+        async with AsyncExitStack() as stack:
+            routers = []
+            for label, count in sizes.items():
+                engines, urls = urls[:count], urls[count:]
+                log = log_dir / f"router-{label}.log"
+                port, process = _router(log, [a for u in engines for a in ("--engine", u)])
+                proc = await stack.enter_async_context(process)
+                routers.append((label, count, f"http://127.0.0.1:{port}", proc, log))
+            for _, _, url, proc, log in routers:
+                await wait_ready(client, url + "/ready", proc, log, timeout=120)
+            for label, count, url, _, _ in routers:
+                results = await drive(client, url, setup)
+                records.append(RunRecord(label, results, [(0.0, float(count))], setup.price_per_hour,
+                                         setup.duration_s))
+        engines_nursery.cancel_scope.cancel()
     return records
 
 
 async def lease_handover(client: HttpClient, log_dir: Path) -> tuple[float | None, int]:
     """Three meshed routers hand out one standby engine; kill the lease holder; time the takeover."""
-    spec = FleetSpec(2, "fast", 1.0, 4096, 16, 8)
-    async with sim_fleet(client, spec, log_dir) as urls:
+    async with trio.open_nursery() as engines_nursery:
+        urls = await local_engines(engines_nursery, ["--profile", "fast"], 2)
         static, spare = urls[0], urls[1]
         state = log_dir / "standby-pool.json"
         config = log_dir / "lease.toml"
@@ -216,7 +240,9 @@ provisioning_s = 0
                 routers.append((f"http://127.0.0.1:{port}", await stack.enter_async_context(process), log))
             for url, proc, log in routers:
                 await wait_ready(client, url + "/ready", proc, log, timeout=120)
-            return await _kill_holder(client, [(u, p) for u, p, _ in routers], state)
+            outcome = await _kill_holder(client, [(u, p) for u, p, _ in routers], state)
+        engines_nursery.cancel_scope.cancel()
+    return outcome
 
 
 async def _kill_holder(client: HttpClient, routers, state: Path) -> tuple[float | None, int]:
