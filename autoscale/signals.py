@@ -75,7 +75,7 @@ class SignalReader:
                 e.id, waiting=e.load.waiting, running=e.load.running, in_flight=e.in_flight + peers.get(e.id, 0),
                 unique_blocks=unique.get(e.id, 0), price_per_hour=managed.get(e.id, 0.0), managed=e.id in managed,
                 draining=e.draining or e.maintenance or e.id in draining, island=e.config.island))
-            if e.routable and e.load.polled_at is not None:
+            if e.routable and e.load.reuse.measured:
                 ratios.append(e.load.reuse.ratio)
             if e.config.island:
                 islands[e.config.island] += router.planner.cache.store.block_count(e.id)

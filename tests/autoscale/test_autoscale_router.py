@@ -63,3 +63,12 @@ def test_router_provisions_a_local_engine_up_to_min_engines(tmp_path):
         assert any(d["action"] == "up" and d["reason"] == "below min_engines" for d in report["decisions"])
         with urllib.request.urlopen(router.url + "/metrics", timeout=10) as response:
             assert b"kvmesh_autoscaler_decisions_total" in response.read()
+
+
+def test_a_fresh_engine_has_no_hit_ratio_yet():
+    from gateway.engines import PrefixReuse
+    reuse = PrefixReuse()
+    assert not reuse.measured
+    reuse.record(100, 0)
+    reuse.record(200, 50)
+    assert reuse.measured and reuse.ratio == 0.5
