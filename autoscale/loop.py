@@ -29,7 +29,7 @@ from autoscale.providers.base import Provider, ProviderError, ProvisionResult
 from autoscale.providers.command import CommandProvider
 from autoscale.providers.local import LocalProvider
 from autoscale.signals import SignalReader
-from gateway.config import EngineConfig
+from gateway.config import ConfigError, EngineConfig
 
 if TYPE_CHECKING:
     from gateway.router import Router
@@ -106,7 +106,11 @@ class AutoscaleLoop:
             task_status.started()
             while True:
                 await trio.sleep(self.config.interval_s)
-                self.tick(time.time())
+                try:
+                    self.tick(time.time())
+                except Exception:  # a bug or a surprise from a provider must not take the router down
+                    self.metrics.errors.labels("tick").inc()
+                    log.exception("autoscaler decision failed")
 
     async def _lease_loop(self) -> None:
         assert self.state is not None
@@ -207,10 +211,17 @@ class AutoscaleLoop:
                                                    "offer": result.offer.name})
 
     def _register(self, engine_id: str, url: str, island: str | None, offer_name: str) -> None:
+        config = EngineConfig(url=url, id=engine_id, island=island)
+        try:
+            config.validate("provisioned engine")
+        except ConfigError as exc:
+            self.metrics.errors.labels("provision").inc()
+            log.warning("autoscaler provider returned an unusable engine", extra={"error": str(exc)})
+            return
         offer = next((o for o in self.core.offers if o.name == offer_name), None)
         self._set(f"engine:{engine_id}", {"url": url, "offer": offer_name,
                                           "price_per_hour": offer.price_per_hour if offer else 0.0})
-        self.router.add_engine(EngineConfig(url=url, id=engine_id, island=island))
+        self.router.add_engine(config)
 
     async def _drain(self, engine_id: str) -> None:
         """No new requests reach it (draining); release it once idle for a while, or at the deadline."""

@@ -78,6 +78,9 @@ class Provider:
             except ProviderError as exc:
                 on_ready(ProvisionResult(request_id, offer, error=str(exc)))
                 return
+            except Exception as exc:  # a provider's bug is reported like its failures, never raised
+                on_ready(ProvisionResult(request_id, offer, error=f"{type(exc).__name__}: {exc}"))
+                return
             on_ready(ProvisionResult(request_id, offer, engine))
 
         self._nursery.start_soon(run)

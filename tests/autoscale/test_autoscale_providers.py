@@ -101,3 +101,12 @@ async def test_local_provider_starts_and_stops_a_simulated_engine():
         assert await provider.list() == []
         with pytest.raises(OSError):
             await trio.open_tcp_stream("127.0.0.1", int(engine.url.rsplit(":", 1)[1]))
+
+
+async def test_a_provider_bug_is_reported_as_a_failed_provision():
+    class Broken(CommandProvider):
+        async def _provision(self, request_id, offer):
+            raise RuntimeError("boom")
+
+    result = await provision(Broken(["unused"]))
+    assert result.engine is None and "RuntimeError: boom" in result.error
