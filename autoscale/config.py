@@ -37,6 +37,7 @@ class AutoscaleConfig:
     ttft_p99_ceiling_s: float = 2.0
     cooldown_s: float = 60.0
     step_cooldown_s: float = 10.0
+    down_stable_s: float = 30.0
     max_step_up: int = 4
     max_step_down: int = 1
     latency_limit_ms: float = 100.0
@@ -50,7 +51,8 @@ class AutoscaleConfig:
             queue_drain=self.queue_drain, utilisation_floor=self.utilisation_floor,
             target_utilisation=self.target_utilisation, hit_ratio_floor=self.hit_ratio_floor,
             saturation=self.saturation, ttft_p99_ceiling_s=self.ttft_p99_ceiling_s, cooldown_s=self.cooldown_s,
-            step_cooldown_s=self.step_cooldown_s, max_step_up=self.max_step_up, max_step_down=self.max_step_down,
+            step_cooldown_s=self.step_cooldown_s, down_stable_s=self.down_stable_s, max_step_up=self.max_step_up,
+            max_step_down=self.max_step_down,
             dry_run=self.dry_run,
             placement=Placement(self.latency_limit_ms, self.cross_island_ms, self.provisioning_limit_s))
 

@@ -10,7 +10,8 @@ Rules, in order:
 - scale up when the average queue depth exceeds ``queue_up``, or the hit ratio is under ``hit_ratio_floor``
   while engines are saturated, or TTFT p99 exceeds ``ttft_p99_ceiling_s``; add as many engines as the
   demand needs at ``target_utilisation`` of the measured per-engine capacity (at least one);
-- scale down when the queue is under ``queue_drain`` and utilisation under ``utilisation_floor``: release
+- scale down when the queue has been under ``queue_drain`` and utilisation under ``utilisation_floor`` for
+  ``down_stable_s``: release
   the engines whose loss costs least (fewest blocks no other engine holds, least in flight, dearest first);
 - hysteresis: after a change, another in the same direction waits ``step_cooldown_s`` and one in the other
   direction waits ``cooldown_s``, so the direction changes at most once per ``cooldown_s``.
@@ -46,6 +47,8 @@ class ScalePolicy:
     ttft_p99_ceiling_s: float = 2.0
     cooldown_s: float = 60.0
     step_cooldown_s: float = 10.0
+    down_stable_s: float = 0.0
+    """How long the fleet must have been idle before an engine goes (scale up fast, down slowly)."""
     max_step_up: int = 4
     max_step_down: int = 1
     dry_run: bool = False
@@ -60,6 +63,8 @@ class ScalePolicy:
             raise ValueError(f"{where}.utilisation_floor: needs 0 < utilisation_floor < target_utilisation <= 1")
         if self.cooldown_s < self.step_cooldown_s or self.step_cooldown_s < 0:
             raise ValueError(f"{where}.cooldown_s: must be at least step_cooldown_s (and both not negative)")
+        if self.down_stable_s < 0:
+            raise ValueError(f"{where}.down_stable_s: must not be negative")
         if self.max_step_up < 1 or self.max_step_down < 1:
             raise ValueError(f"{where}.max_step_up: steps must be at least 1")
 
@@ -143,6 +148,7 @@ class Autoscaler:
         nominal = min(o.capacity for o in offers)
         self.capacity = CapacityEstimate(nominal)
         self.last_change: tuple[float, Action] | None = None
+        self.idle_since: float | None = None
 
     def decide(self, signals: FleetSignals, now: float) -> Decision:
         p = self.policy
@@ -174,11 +180,13 @@ class Autoscaler:
             return decision("hold", f"{up_reason}, but at max_engines")
         if fleet > p.max_engines:
             return self._down(decision, active, fleet - p.max_engines, "above max_engines", now, force=True)
-        if signals.pending == 0 and avg_queue < p.queue_drain and utilisation < p.utilisation_floor \
-                and fleet > p.min_engines:
-            surplus = min(p.max_step_down, fleet - max(p.min_engines, needed, 1 if demand else 0))
-            if surplus > 0:
-                return self._down(decision, active, surplus, "idle capacity", now)
+        surplus = min(p.max_step_down, fleet - max(p.min_engines, needed, 1 if demand else 0))
+        if signals.pending == 0 and avg_queue < p.queue_drain and utilisation < p.utilisation_floor and surplus > 0:
+            self.idle_since = now if self.idle_since is None else self.idle_since
+            if now - self.idle_since < p.down_stable_s:
+                return decision("hold", f"idle capacity, for {now - self.idle_since:.1f} s of {p.down_stable_s} s")
+            return self._down(decision, active, surplus, "idle capacity", now)
+        self.idle_since = None
         return decision("hold", "within bounds")
 
     def _up_reason(self, avg_queue: float, utilisation: float, signals: FleetSignals) -> str:

@@ -48,9 +48,10 @@ class Setup:
     peak_engines: int
     average_engines: int
     ceiling_s: float = 1.0
-    cooldown_s: float = 8.0
+    cooldown_s: float = 4.0
     price_per_hour: float = 1.1
     provisioning_s: float = 1.0
+    down_stable_s: float = 2.0
     """The offers' provisioning latency, compressed like the trace (the local provider waits it)."""
     max_num_seqs: int = 2
     profile: str = "a40-qwen1.5b"
@@ -75,6 +76,7 @@ target_utilisation = 0.75
 ttft_p99_ceiling_s = {self.ceiling_s}
 cooldown_s = {self.cooldown_s}
 step_cooldown_s = 1.0
+down_stable_s = {self.down_stable_s}
 max_step_up = 3
 max_step_down = 1
 drain_deadline_s = 30.0
@@ -96,8 +98,8 @@ provisioning_s = {self.provisioning_s}
 
 
 QUICK = Setup(duration_s=60, peak_rps=16, window_s=2.0, peak_engines=5, average_engines=2)
-FULL = Setup(duration_s=600, peak_rps=16, window_s=20.0, peak_engines=5, average_engines=2, cooldown_s=60,
-             provisioning_s=10.0)
+FULL = Setup(duration_s=600, peak_rps=16, window_s=20.0, peak_engines=5, average_engines=2, cooldown_s=40,
+             provisioning_s=10.0, down_stable_s=20.0)
 
 
 async def drive(client: HttpClient, url: str, setup: Setup, on_tick=None) -> list[RequestResult]:

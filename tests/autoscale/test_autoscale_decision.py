@@ -78,6 +78,15 @@ def test_opposite_direction_waits_for_the_cooldown():
     assert auto.decide(FleetSignals(engines(4)), 60).action == "down"
 
 
+def test_scale_down_waits_until_idle_for_down_stable_s():
+    auto = scaler(min_engines=1, down_stable_s=5)
+    assert auto.decide(FleetSignals(engines(3)), 0).action == "hold"
+    assert auto.decide(FleetSignals(engines(3)), 4).action == "hold"
+    assert auto.decide(FleetSignals(engines(3, waiting=3, running=2)), 4.5).action != "down"  # busy again
+    assert auto.decide(FleetSignals(engines(3)), 6).action == "hold"
+    assert auto.decide(FleetSignals(engines(3)), 11).action == "down"
+
+
 def test_dry_run_marks_decisions():
     decision = scaler(dry_run=True).decide(FleetSignals(engines(1, waiting=9, running=4)), 0)
     assert decision.dry_run and decision.as_json()["dry_run"] is True

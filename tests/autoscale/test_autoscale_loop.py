@@ -58,7 +58,7 @@ class FakeRouter:
 
 def config(**kw) -> AutoscaleConfig:
     return AutoscaleConfig(enabled=True, offers=[Offer("o", price_per_hour=2.0, capacity=2, provisioning_s=0)],
-                           cooldown_s=0, step_cooldown_s=0, **kw)
+                           cooldown_s=0, step_cooldown_s=0, down_stable_s=0, **kw)
 
 
 async def test_provisions_to_min_then_drains_an_idle_engine_before_releasing(autojump_clock):
