@@ -157,13 +157,15 @@ class AutoscaleLoop:
         if not self.acting:
             self._export_shared()
             return None
+        started = time.perf_counter()
         pending = self._live_pending(now)
         managed = {key.removeprefix("engine:"): float(v.get("price_per_hour", 0.0))
                    for key, v in self._entries("engine:").items()}
         signals = self.reader.read(managed, self.draining, len(pending))
         decision = self.core.decide(signals, now)
         record = decision.as_json()
-        log.info("autoscaler decision", extra={"autoscaler": record, "holder": self.me})
+        log.info("autoscaler decision", extra={"autoscaler": record, "holder": self.me,
+                                               "took_ms": round((time.perf_counter() - started) * 1000, 2)})
         self.decisions.append(record)
         self.metrics.decisions.labels(decision.action).inc()
         if not decision.dry_run:
