@@ -12,6 +12,8 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from autoscale.decision import EngineSignal, FleetSignals
 
 if TYPE_CHECKING:
@@ -56,13 +58,16 @@ class SignalReader:
         return histogram_quantile(0.99, before, buckets)
 
     def unique_blocks(self) -> dict[str, int]:
+        """Per engine, its blocks no other engine holds (vectorised: this runs on the event loop)."""
         store = self.router.planner.cache.store
-        holders: Counter[int] = Counter()
-        keys = {}
-        for engine in self.router.engines.all():
-            keys[engine.id] = set(store.pairs(engine.id).values())
-            holders.update(keys[engine.id])
-        return {engine: sum(1 for k in own if holders[k] == 1) for engine, own in keys.items()}
+        ids = [engine.id for engine in self.router.engines.all()]
+        keys = [np.unique(store.export(engine_id)[1]) for engine_id in ids]
+        if not keys:
+            return {}
+        values, counts = np.unique(np.concatenate(keys), return_counts=True)
+        singles = values[counts == 1]
+        return {engine_id: int(np.isin(own, singles, assume_unique=True).sum())
+                for engine_id, own in zip(ids, keys, strict=True)}
 
     def read(self, managed: Mapping[str, float], draining: set[str], pending: int) -> FleetSignals:
         """``managed``: engines the autoscaler may release, with their price per hour."""

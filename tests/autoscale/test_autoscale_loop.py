@@ -3,6 +3,7 @@ drained first and only terminated once idle."""
 
 from types import SimpleNamespace
 
+import numpy as np
 import trio
 
 from autoscale.config import AutoscaleConfig
@@ -40,9 +41,13 @@ class FakeRouter:
         self.metrics = RouterMetrics()
         self.engines = EngineRegistry()
         self.blocks: dict[str, dict[int, int]] = {}
-        store = SimpleNamespace(pairs=lambda engine: self.blocks.get(engine, {}), block_count=lambda engine: 0)
+        store = SimpleNamespace(export=self._export, block_count=lambda engine: 0)
         self.planner = SimpleNamespace(cache=SimpleNamespace(store=store), peer_in_flight=dict)
         self.removed: list[str] = []
+
+    def _export(self, engine: str) -> tuple[np.ndarray, np.ndarray]:
+        pairs = self.blocks.get(engine, {})
+        return np.array(list(pairs), dtype=np.uint64), np.array(list(pairs.values()), dtype=np.uint64)
 
     def add_engine(self, config: EngineConfig) -> str:
         return self.engines.add(config).id
@@ -81,7 +86,8 @@ async def test_provisions_to_min_then_drains_an_idle_engine_before_releasing(aut
         busy.load.polled_at = trio.current_time()
         idle = router.engines.get("new-2")
         idle.in_flight = 1  # a stream in progress: the engine is drained, not released
-        router.blocks["new-1"] = {11: 1, 12: 2}  # only new-1 caches these: losing new-2 costs less
+        router.blocks["new-1"] = {11: 1, 12: 2, 13: 3}  # new-1 alone caches 1 and 2: losing new-2 costs less
+        router.blocks["new-2"] = {21: 3}
         decision = loop.tick(1002.0)
         assert decision.action == "down" and decision.release == ("new-2",)
         assert idle.draining and loop.provider.terminated == []
