@@ -10,6 +10,7 @@ is stopped (SIGTERM, then SIGKILL) when terminated or when the owning loop ends.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,7 +35,12 @@ def _fork_context() -> Any:
 
 def serve_engine(argv: list[str], report: Connection) -> None:
     """In the child: run one simulated engine with ``kvmesh sim`` flags, send its description, serve until
-    SIGTERM."""
+    SIGTERM.
+
+    The engine leaves the router's session first: with the kernel's autogroup scheduling every session
+    shares one CPU slice, so engines in the router's session would take the router's CPU (and each
+    other's), as no engine on a machine of its own would."""
+    os.setsid()
     from sim.cli import build_parser, config_from_args
     from sim.fleet import describe, run_fleet
 
