@@ -1,4 +1,4 @@
-"""The admin API: engines (add, remove, label, drain, maintenance), the index and the mesh, as JSON.
+"""The admin API: engines (add, remove, label, drain, maintenance), the index, the mesh and the autoscaler.
 
 Everything here is for operators and the chaos suite; none of it is on the request path.
 """
@@ -82,6 +82,10 @@ async def handle_admin(router: Router, method: str, path: str, scope: dict, rece
         return 200
     if parts == ["mesh"] and method == "GET":
         await http_app.send_json(send, 200, router.mesh_report())
+        return 200
+    if parts == ["autoscaler"] and method == "GET":
+        autoscaler = getattr(router, "autoscaler", None)
+        await http_app.send_json(send, 200, autoscaler.report() if autoscaler is not None else {"enabled": False})
         return 200
     if parts == ["mesh", "isolate"] and method == "POST":
         isolated = _flag(await _json_body(router, scope, receive), "isolated")

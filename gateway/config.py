@@ -16,14 +16,15 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from autoscale.config import AutoscaleConfig
 from events.discovery import check_topic
 from gateway.admission.config import AdmissionConfig
 from gateway.body_limits import LimitsConfig
 from gateway.config_errors import ConfigError
 from gateway.security.config import AuthConfig, TenantConfig, validate_security
 
-__all__ = ["AdmissionConfig", "AuthConfig", "ConfigError", "EngineConfig", "LimitsConfig", "MeshConfig",
-           "RouterConfig", "TenantConfig", "TracingConfig", "load_config", "validate_engine_url"]
+__all__ = ["AdmissionConfig", "AuthConfig", "AutoscaleConfig", "ConfigError", "EngineConfig", "LimitsConfig",
+           "MeshConfig", "RouterConfig", "TenantConfig", "TracingConfig", "load_config", "validate_engine_url"]
 
 POLICIES = ("kv_aware", "approximate", "prefix_hash", "session", "least_loaded", "round_robin", "random")
 
@@ -126,6 +127,7 @@ class RouterConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    autoscaler: AutoscaleConfig = field(default_factory=AutoscaleConfig)
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -150,6 +152,7 @@ class RouterConfig:
         self.admission.validate("admission")
         self.tracing.validate()
         self.limits.validate("limits")
+        self.autoscaler.validate()
 
 
 def _coerce(value: Any, hint: Any, where: str) -> Any:

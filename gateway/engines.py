@@ -28,6 +28,11 @@ class PrefixReuse:
     _queries: float = 0.0
     _hits: float = 0.0
 
+    @property
+    def measured(self) -> bool:
+        """Whether any query was counted yet (a fresh engine's ratio of 0 means nothing)."""
+        return self._queries > 0
+
     def record(self, queries: float, hits: float) -> None:
         last, self._last = self._last, (queries, hits)
         if last is None or queries < last[0] or hits < last[1]:

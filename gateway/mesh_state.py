@@ -6,6 +6,8 @@ Namespaces (flat maps of string keys to string values, see mesh/crdt_doc.py):
 - ``approx``:   ``"<engine>\\x1f<own_key>"`` -> expiry (unix seconds) of a block some replica sent there
                 (approximate entries of engines without events, speculative entries of the others)
 - ``limits``:   ``"<replica>"`` -> JSON of that replica's windowed request/token counts per tenant
+- ``autoscaler``: ``"lease"`` -> JSON lease (holder, expiry, term: autoscale/lease.py); ``"state"``,
+                ``"pending:<request>"`` and ``"engine:<id>"`` -> JSON written by the lease holder
 
 The block index itself is not here: every replica ingests every engine's KV events itself and a starting
 replica takes a peer's index by state transfer (gateway/index_transfer.py). Each key has one writer at a
@@ -26,7 +28,7 @@ from mesh.node import MeshNode
 
 log = logging.getLogger("kvmesh.mesh")
 
-NAMESPACES = ("registry", "approx", "limits")
+NAMESPACES = ("registry", "approx", "limits", "autoscaler")
 MAX_JSON_BYTES = 64 * 1024
 """A registry or limits value larger than this is refused (a replica writes a few hundred bytes)."""
 
@@ -139,6 +141,23 @@ class MeshState:
 
     def live_members(self) -> list[str]:
         return self.node.live_members()
+
+    # ----- autoscaler lease and state --------------------------------------------------------------
+
+    def lease(self) -> str | None:
+        """The autoscaler's lease as written (parse with autoscale.lease.Lease.from_json)."""
+        return self.content["autoscaler"].get("lease")
+
+    def write_lease(self, text: str) -> None:
+        self.node.write([("autoscaler", "lease", text)])
+
+    def autoscaler_entries(self, prefix: str) -> dict[str, dict[str, Any]]:
+        """The autoscaler's JSON objects whose keys start with ``prefix`` (malformed ones are counted)."""
+        return self._decoded("autoscaler", ((k, v) for k, v in self.content["autoscaler"].items()
+                                            if k.startswith(prefix)))
+
+    def set_autoscaler_entry(self, key: str, value: dict[str, Any] | None) -> None:
+        self.node.write([("autoscaler", key, None if value is None else json.dumps(value, sort_keys=True))])
 
     # ----- change feed -----------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import trio
 
+from autoscale.loop import AutoscaleLoop
 from events.ingest_budget import IngestBudget
 from gateway import http_app, tracing
 from gateway.admin import ADMIN_STATE_KEYS, handle_admin
@@ -80,6 +81,9 @@ class Router:
             await nursery.start(self.planner.run)
             for engine in self.engines.all():
                 self._watch(engine)
+            if self.config.autoscaler.enabled:
+                self.autoscaler = AutoscaleLoop(self)
+                await nursery.start(self.autoscaler.run)
             task_status.started()
 
     def _watch(self, engine: EngineState) -> None:

@@ -1,0 +1,76 @@
+"""The ``[autoscaler]`` table of the router's configuration (see README: Fleet autoscaler)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autoscale.decision import ScalePolicy
+from autoscale.offers import Offer, Placement
+from gateway.config_errors import ConfigError
+
+PROVIDERS = ("local", "command")
+
+
+@dataclass
+class AutoscaleConfig:
+    enabled: bool = False
+    dry_run: bool = False
+    provider: str = "local"
+    command: list[str] = field(default_factory=list)
+    """``command`` provider: the executable and its first arguments (the action is appended)."""
+    command_timeout_s: float = 600.0
+    sim_args: list[str] = field(default_factory=list)
+    """``local`` provider: extra ``kvmesh sim`` flags for every engine it starts."""
+    provisioning_scale: float = 1.0
+    """``local`` provider: multiplies each offer's provisioning latency before a start."""
+    interval_s: float = 5.0
+    drain_deadline_s: float = 120.0
+    lease_ttl_s: float = 3.0
+    min_engines: int = 1
+    max_engines: int = 8
+    queue_up: float = 4.0
+    queue_drain: float = 0.5
+    utilisation_floor: float = 0.35
+    target_utilisation: float = 0.7
+    hit_ratio_floor: float = 0.2
+    saturation: float = 0.9
+    ttft_p99_ceiling_s: float = 2.0
+    cooldown_s: float = 60.0
+    step_cooldown_s: float = 10.0
+    down_stable_s: float = 30.0
+    max_step_up: int = 4
+    max_step_down: int = 1
+    latency_limit_ms: float = 100.0
+    cross_island_ms: float = 50.0
+    provisioning_limit_s: float = 600.0
+    offers: list[Offer] = field(default_factory=list)
+
+    def policy(self) -> ScalePolicy:
+        return ScalePolicy(
+            min_engines=self.min_engines, max_engines=self.max_engines, queue_up=self.queue_up,
+            queue_drain=self.queue_drain, utilisation_floor=self.utilisation_floor,
+            target_utilisation=self.target_utilisation, hit_ratio_floor=self.hit_ratio_floor,
+            saturation=self.saturation, ttft_p99_ceiling_s=self.ttft_p99_ceiling_s, cooldown_s=self.cooldown_s,
+            step_cooldown_s=self.step_cooldown_s, down_stable_s=self.down_stable_s, max_step_up=self.max_step_up,
+            max_step_down=self.max_step_down,
+            dry_run=self.dry_run,
+            placement=Placement(self.latency_limit_ms, self.cross_island_ms, self.provisioning_limit_s))
+
+    def validate(self, where: str = "autoscaler") -> None:
+        if not self.enabled:
+            return
+        if self.provider not in PROVIDERS:
+            raise ConfigError(f"{where}.provider: {self.provider!r} is not {' | '.join(PROVIDERS)}")
+        if self.provider == "command" and not self.command:
+            raise ConfigError(f"{where}.command: the command provider needs an executable")
+        if not self.offers:
+            raise ConfigError(f"{where}.offers: at least one offer is needed")
+        for key in ("interval_s", "drain_deadline_s", "lease_ttl_s", "command_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"{where}.{key}: must be positive")
+        try:
+            for i, offer in enumerate(self.offers):
+                offer.validate(f"{where}.offers[{i}]")
+            self.policy().validate(where)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
