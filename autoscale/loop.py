@@ -38,6 +38,8 @@ log = logging.getLogger("kvmesh.autoscaler")
 KEPT_DECISIONS = 20
 IDLE_CHECKS = 2
 """Consecutive idle looks (half a second apart) before a drained engine is released."""
+STREAM_HANDOVER_S = 2.0
+"""Before the drain deadline, streams still on the engine are handed to others this long ahead."""
 
 
 def make_provider(config: AutoscaleConfig) -> Provider:
@@ -226,9 +228,14 @@ class AutoscaleLoop:
         self.router.add_engine(config)
 
     async def _drain(self, engine_id: str) -> None:
-        """No new requests reach it (draining); release it once idle for a while, or at the deadline."""
+        """No new requests reach it (draining); release it once idle for a while, or at the deadline. Streams
+        still running on it shortly before the deadline are continued on other engines (gateway/proxy.py),
+        so releasing it fails nobody."""
         started = trio.current_time()
         deadline = started + self.config.drain_deadline_s
+        engine = self.router.engines.get(engine_id)
+        if engine is not None:
+            engine.pool.drain_at = max(started, deadline - STREAM_HANDOVER_S)
         idle_looks = 0
         while trio.current_time() < deadline and idle_looks < IDLE_CHECKS:
             await trio.sleep(0.5)
