@@ -1,8 +1,11 @@
 """The router's tokenizer: exact vLLM token ids without stalling the event loop.
 
 Per request: render (on the loop, ~15 us), split the text at added tokens, look every segment up in a
-token-bounded LRU cache, and encode only the misses: inline when they are short (cheaper than a round
-trip), otherwise in a spawned worker process. Every ``verify_every``-th segmented prompt is also
+token-bounded LRU cache, and encode only the misses: inline when they are short (cheaper than any hop),
+in a thread up to ``thread_max_chars`` (HF tokenizers encode in Rust with the GIL released, so the loop
+keeps running; the hop costs ~0.1 ms where a worker process round trip cost 1-8 ms on a busy 2-core
+machine, most of the router's added time to first token), otherwise in a spawned worker process, so a
+huge prompt's Python-side conversion never holds the router's GIL. Every ``verify_every``-th segmented prompt is also
 encoded whole and compared; a mismatch turns segmenting off for that tokenizer and the whole-text ids
 are used, so a tokenizer that breaks the independence assumption costs speed, never correctness.
 """
@@ -23,7 +26,9 @@ from tokenization.worker import WorkerError, WorkerPool
 
 DEFAULT_CACHE_TOKENS = 4_000_000
 DEFAULT_INLINE_MAX_CHARS = 1_024
-"""Below about 1k characters (~250 tokens) encoding inline (~0.45 ms) is cheaper than a worker round trip."""
+"""Below about 1k characters (~250 tokens) encoding inline (~0.45 ms) is cheaper than a thread hop."""
+DEFAULT_THREAD_MAX_CHARS = 96 * 1024
+"""Up to ~20k tokens a thread encodes; beyond, converting the ids to Python lists holds the GIL for long."""
 DEFAULT_VERIFY_EVERY = 64
 
 
@@ -31,6 +36,7 @@ DEFAULT_VERIFY_EVERY = 64
 class ServiceStats:
     prompts: int = 0
     inline_encodes: int = 0
+    thread_encodes: int = 0
     worker_encodes: int = 0
     worker_failures: int = 0
     """Worker jobs that failed and were redone in a thread."""
@@ -42,12 +48,14 @@ class TokenizerService:
     """Token ids per request for every model in a registry; create it with ``TokenizerService.open``."""
 
     def __init__(self, registry: TokenizerRegistry, tokenizers: dict[str, LoadedTokenizer], pool: WorkerPool,
-                 *, cache_tokens: int, inline_max_chars: int, verify_every: int) -> None:
+                 *, cache_tokens: int, inline_max_chars: int, verify_every: int,
+                 thread_max_chars: int = DEFAULT_THREAD_MAX_CHARS) -> None:
         self.registry = registry
         self.tokenizers = tokenizers
         self.pool = pool
         self.cache = TokenCache(cache_tokens)
         self.inline_max_chars = inline_max_chars
+        self.thread_max_chars = thread_max_chars
         self.verify_every = verify_every
         self.stats = ServiceStats()
         self._segmented = {spec: tok.plan.segmentable for spec, tok in tokenizers.items()}
@@ -57,6 +65,7 @@ class TokenizerService:
     @asynccontextmanager
     async def open(cls, registry: TokenizerRegistry, *, workers: int = 1, queue_size: int = 64,
                    cache_tokens: int = DEFAULT_CACHE_TOKENS, inline_max_chars: int = DEFAULT_INLINE_MAX_CHARS,
+                   thread_max_chars: int = DEFAULT_THREAD_MAX_CHARS,
                    verify_every: int = DEFAULT_VERIFY_EVERY) -> AsyncIterator[TokenizerService]:
         """Load and check every tokenizer, start the workers, and stop them all on exit."""
         specs = registry.specs()
@@ -65,7 +74,8 @@ class TokenizerService:
         async with trio.open_nursery() as nursery:
             await nursery.start(pool.run)
             yield cls(registry, tokenizers, pool, cache_tokens=cache_tokens,
-                      inline_max_chars=inline_max_chars, verify_every=verify_every)
+                      inline_max_chars=inline_max_chars, verify_every=verify_every,
+                      thread_max_chars=thread_max_chars)
             nursery.cancel_scope.cancel()
 
     def fewest_tokens(self, model: object, texts: Sequence[str], above: int) -> int:
@@ -131,12 +141,17 @@ class TokenizerService:
         return whole
 
     async def _encode(self, tok: LoadedTokenizer, texts: Sequence[str]) -> list[list[int]]:
-        """Plain ids of each text: inline if short, else in a worker (a thread if the worker fails)."""
+        """Plain ids of each text: inline if short, in a thread if middling, else in a worker (a thread if
+        the worker fails)."""
         if not texts:
             return []
-        if sum(map(len, texts)) <= self.inline_max_chars:
+        chars = sum(map(len, texts))
+        if chars <= self.inline_max_chars:
             self.stats.inline_encodes += 1
             return encode_plain(tok.hf, texts)
+        if chars <= self.thread_max_chars:
+            self.stats.thread_encodes += 1
+            return await trio.to_thread.run_sync(encode_plain, tok.hf, texts)
         self.stats.worker_encodes += 1
         try:
             return await self.pool.encode(tok.spec, list(texts))

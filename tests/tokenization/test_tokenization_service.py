@@ -52,17 +52,28 @@ def random_body(rnd: random.Random) -> tuple[dict, str]:
 
 async def test_ids_equal_direct_tokenization_across_paths() -> None:
     rnd = random.Random(11)
-    async with TokenizerService.open(TokenizerRegistry(default=SPEC), verify_every=3) as svc:
+    async with TokenizerService.open(TokenizerRegistry(default=SPEC), verify_every=3, thread_max_chars=3_500) as svc:
         for _ in range(60):
             body, kind = random_body(rnd)
             assert await svc.all_token_ids("any-model", body, kind) == all_prompt_token_ids_sync(HF, body, kind)
         assert svc.stats.inline_encodes > 0
+        assert svc.stats.thread_encodes > 0
         assert svc.stats.worker_encodes > 0
         assert svc.cache.stats.hits > 0
         assert svc.stats.verifications > 0
         assert svc.stats.segment_mismatches == 0
         with pytest.raises(RenderError):
             await svc.token_ids("any-model", {"messages": [{"role": 1}]}, "chat")
+
+
+async def test_a_middling_fresh_turn_is_encoded_in_a_thread_not_a_worker_process() -> None:
+    """A worker round trip cost more than the whole encode of a few thousand characters."""
+    rnd = random.Random(3)
+    async with TokenizerService.open(TokenizerRegistry(default=SPEC)) as svc:
+        body = {"messages": [{"role": "system", "content": "Be brief."},
+                             {"role": "user", "content": excerpt(rnd, 12_000)}]}
+        assert await svc.token_ids(None, body, "chat") == all_prompt_token_ids_sync(HF, body, "chat")[0]
+        assert (svc.stats.thread_encodes, svc.stats.worker_encodes) == (1, 0)
 
 
 async def test_unknown_model_without_default_is_a_render_error() -> None:
@@ -110,9 +121,10 @@ async def ticker(stop: trio.Event, gaps: list[float]) -> None:
         last = now
 
 
-async def test_event_loop_keeps_running_during_a_32k_token_prompt() -> None:
+@pytest.mark.parametrize(("thread_max_chars", "path"), [(100_000, "worker"), (1_000_000, "thread")])
+async def test_event_loop_keeps_running_during_a_32k_token_prompt(thread_max_chars: int, path: str) -> None:
     rnd = random.Random(5)
-    async with TokenizerService.open(TokenizerRegistry(default=SPEC)) as svc:
+    async with TokenizerService.open(TokenizerRegistry(default=SPEC), thread_max_chars=thread_max_chars) as svc:
         long_body = {"messages": [{"role": "user", "content": excerpt(rnd, 120_000)}]}
         reference_text = render_chat(HF, {"messages": [{"role": "user", "content": excerpt(rnd, 120_000)}]})
         started = time.perf_counter()
@@ -126,7 +138,7 @@ async def test_event_loop_keeps_running_during_a_32k_token_prompt() -> None:
             ids = await svc.token_ids(None, long_body, "chat")
             stop.set()
         assert len(ids) > 25_000
-        assert svc.stats.worker_encodes == 1
+        assert getattr(svc.stats, f"{path}_encodes") == 1
         assert max(gaps) < 0.5 * inline_seconds
 
 
@@ -154,7 +166,7 @@ async def test_cache_hits_are_served_while_a_worker_is_busy() -> None:
 
 async def test_killed_worker_is_replaced_and_its_job_still_answered() -> None:
     rnd = random.Random(13)
-    async with TokenizerService.open(TokenizerRegistry(default=SPEC)) as svc:
+    async with TokenizerService.open(TokenizerRegistry(default=SPEC), thread_max_chars=0) as svc:
         (pid,) = svc.pool.pids
         os.kill(pid, signal.SIGKILL)
         body = {"messages": [{"role": "user", "content": excerpt(rnd, 8_000)}]}
