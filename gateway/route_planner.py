@@ -285,6 +285,14 @@ class RoutePlanner:
             self.metrics.reported_cached.inc(reported)
         if len(result.attempts) == 1 and plan.parsed.stream:
             self.policy.observe(engine_id, score.uncached_tokens, score.queue_depth, result.ttft_s)
+            self._refit_now(engine_id)
             if not result.broken_after_first_byte and result.events > STREAM_FRAMING_EVENTS:
                 self.policy.observe_decode(engine_id, score.queue_depth, result.events - STREAM_FRAMING_EVENTS,
                                            result.total_s - result.ttft_s)
+
+    def _refit_now(self, engine_id: str) -> None:
+        """Refit the TTFT model after the answer instead of in the next request's decision, where the lazy
+        refit after each observation sat on the path to the first byte (~0.4 ms a request). Same data, same
+        fit: the slots it is asked for are the model's own, so only staleness triggers the work."""
+        learner = self.policy.costs.learner
+        learner.params(engine_id, learner.model(engine_id).max_num_seqs)

@@ -78,3 +78,12 @@ async def test_debug_route_is_admitted_and_charged_like_a_request(monkeypatch):
     assert (await call(router, "POST", "/debug/route", body, headers)).status == 200
     refused = await call(router, "POST", "/debug/route", body, headers)
     assert assert_openai_error(refused, 429)["code"] and "retry-after" in refused.headers
+
+
+async def test_the_ttft_model_is_refit_after_an_answer_not_in_the_next_decision(monkeypatch):
+    """The lazy refit after an observation used to run inside the next request's routing decision."""
+    router = make_router(monkeypatch, policy="kv_aware")
+    learner = router.planner.policy.costs.learner
+    body = json.dumps({"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    assert (await call(router, "POST", "/v1/chat/completions", body)).status == 200
+    assert learner._models and not learner._stale
