@@ -12,7 +12,7 @@ are used, so a tokenizer that breaks the independence assumption costs speed, ne
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +33,19 @@ DEFAULT_VERIFY_EVERY = 64
 
 
 @dataclass
+class DeferredIds:
+    """A prompt whose cached beginning is known now and whose long fresh rest is still to be encoded.
+
+    ``head`` is a prefix of the prompt's ids (every segment before the first cache miss), enough to look
+    the prefix up in the KV index; ``estimated_tokens`` guesses the whole prompt's length from the head's
+    characters per token; ``complete`` encodes the rest (filling the cache) and returns all the ids."""
+
+    head: list[int]
+    estimated_tokens: int
+    complete: Callable[[], Awaitable[list[int]]]
+
+
+@dataclass
 class ServiceStats:
     prompts: int = 0
     inline_encodes: int = 0
@@ -42,6 +55,8 @@ class ServiceStats:
     """Worker jobs that failed and were redone in a thread."""
     verifications: int = 0
     segment_mismatches: int = 0
+    deferred: int = 0
+    """Prompts routed on their cached head while the fresh rest was still being encoded."""
 
 
 class TokenizerService:
@@ -102,6 +117,32 @@ class TokenizerService:
                 ids = await self._text_ids(tok, prompt)
             out.append(finish(truncated(ids, prompt.truncate, prompt.keep_left)))
         return out
+
+    async def token_ids_or_head(self, model: object, body: dict[str, Any], kind: Kind,
+                                defer_chars: int) -> list[int] | DeferredIds:
+        """The prompt's ids, or, when its uncached segments hold at least ``defer_chars`` characters, its
+        cached head at once and the rest to encode later: a long fresh user turn adds nothing a KV index
+        could match, and encoding it first delayed the first byte by milliseconds per thousand tokens.
+
+        Only a lone text prompt without truncation is split this way (truncation may cut the head)."""
+        tok = self.tokenizers[self.registry.spec_for(model)]
+        found = prompts(tok.hf, body, kind)
+        if len(found) != 1 or not isinstance(found[0], TextPrompt) or found[0].truncate is not None:
+            return await self.token_ids(model, body, kind)
+        prompt = found[0]
+        affixes = tok.plan.affixes if prompt.add_special_tokens else ((), ())
+        pieces = tok.plan.split(prompt.text) if self._segmented[tok.spec] else []
+        cached = [self.cache.peek(tok.spec, piece) for piece in pieces]
+        first_miss = next((i for i, ids in enumerate(cached) if ids is None), len(pieces))
+        rest_chars = sum(len(p) for p, ids in zip(pieces, cached, strict=True) if ids is None)
+        if affixes is None or first_miss == 0 or rest_chars < defer_chars:
+            return await self.token_ids(model, body, kind)
+        self.stats.deferred += 1
+        head = [*affixes[0], *(t for ids in cached[:first_miss] for t in ids or ())]
+        head_chars = sum(map(len, pieces[:first_miss]))
+        rest = len(prompt.text) - head_chars
+        estimated = len(head) + len(affixes[1]) + round(rest * (len(head) or 1) / max(head_chars, 1))
+        return DeferredIds(head, estimated, lambda: self.token_ids(model, body, kind))
 
     async def _text_ids(self, tok: LoadedTokenizer, prompt: TextPrompt) -> list[int]:
         affixes = tok.plan.affixes if prompt.add_special_tokens else ((), ())

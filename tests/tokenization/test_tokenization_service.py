@@ -20,7 +20,7 @@ from tokenization.build_default import CHATML_TEMPLATE
 from tokenization.messages import RenderError
 from tokenization.registry import DEFAULT_TOKENIZER_DIR, LoadedTokenizer, TokenizerRegistry, load_tokenizer
 from tokenization.render import all_prompt_token_ids_sync, render_chat
-from tokenization.service import TokenizerService
+from tokenization.service import DeferredIds, TokenizerService
 from tokenization.worker import WorkerPool
 
 pytestmark = pytest.mark.integration
@@ -179,3 +179,23 @@ async def test_killed_worker_is_replaced_and_its_job_still_answered() -> None:
         assert await svc.token_ids(None, body, "chat") == all_prompt_token_ids_sync(HF, body, "chat")[0]
         assert svc.stats.worker_failures == 1
         assert svc.pool.pids != {pid}
+
+
+async def test_a_long_fresh_turn_after_a_cached_head_is_deferred_and_completed_exactly() -> None:
+    rnd = random.Random(21)
+    system = CORPUS[:5000]
+    async with TokenizerService.open(TokenizerRegistry(default=SPEC)) as svc:
+        warm = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]}
+        await svc.token_ids(None, warm, "chat")
+        body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": excerpt(rnd, 20_000)}]}
+        exact = all_prompt_token_ids_sync(HF, body, "chat")[0]
+        found = await svc.token_ids_or_head(None, body, "chat", defer_chars=16_000)
+        assert isinstance(found, DeferredIds)
+        assert 0 < len(found.head) < len(exact) and exact[:len(found.head)] == found.head
+        assert 0.5 * len(exact) < found.estimated_tokens < 2 * len(exact)
+        assert await found.complete() == exact
+        assert await svc.token_ids_or_head(None, body, "chat", defer_chars=16_000) == exact  # now cached
+        short = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": excerpt(rnd, 2_000)}]}
+        assert await svc.token_ids_or_head(None, short, "chat", defer_chars=16_000) == \
+            all_prompt_token_ids_sync(HF, short, "chat")[0]
+        assert svc.stats.deferred == 1
