@@ -108,8 +108,11 @@ class TokenizerService:
     async def all_token_ids(self, model: object, body: dict[str, Any], kind: Kind) -> list[list[int]]:
         """The ids of every prompt in the request."""
         tok = self.tokenizers[self.registry.spec_for(model)]
+        return await self._ids_of(tok, prompts(tok.hf, body, kind))
+
+    async def _ids_of(self, tok: LoadedTokenizer, rendered: Sequence[TextPrompt | TokenPrompt]) -> list[list[int]]:
         out = []
-        for prompt in prompts(tok.hf, body, kind):
+        for prompt in rendered:
             self.stats.prompts += 1
             if isinstance(prompt, TokenPrompt):
                 ids = prompt.ids
@@ -128,7 +131,7 @@ class TokenizerService:
         tok = self.tokenizers[self.registry.spec_for(model)]
         found = prompts(tok.hf, body, kind)
         if len(found) != 1 or not isinstance(found[0], TextPrompt) or found[0].truncate is not None:
-            return await self.token_ids(model, body, kind)
+            return (await self._ids_of(tok, found))[0]
         prompt = found[0]
         affixes = tok.plan.affixes if prompt.add_special_tokens else ((), ())
         pieces = tok.plan.split(prompt.text) if self._segmented[tok.spec] else []
@@ -136,13 +139,17 @@ class TokenizerService:
         first_miss = next((i for i, ids in enumerate(cached) if ids is None), len(pieces))
         rest_chars = sum(len(p) for p, ids in zip(pieces, cached, strict=True) if ids is None)
         if affixes is None or first_miss == 0 or rest_chars < defer_chars:
-            return await self.token_ids(model, body, kind)
+            return (await self._ids_of(tok, found))[0]
         self.stats.deferred += 1
         head = [*affixes[0], *(t for ids in cached[:first_miss] for t in ids or ())]
         head_chars = sum(map(len, pieces[:first_miss]))
         rest = len(prompt.text) - head_chars
         estimated = len(head) + len(affixes[1]) + round(rest * (len(head) or 1) / max(head_chars, 1))
-        return DeferredIds(head, estimated, lambda: self.token_ids(model, body, kind))
+
+        async def complete() -> list[int]:
+            return (await self._ids_of(tok, found))[0]
+
+        return DeferredIds(head, estimated, complete)
 
     async def _text_ids(self, tok: LoadedTokenizer, prompt: TextPrompt) -> list[int]:
         affixes = tok.plan.affixes if prompt.add_special_tokens else ((), ())

@@ -199,3 +199,27 @@ async def test_a_long_fresh_turn_after_a_cached_head_is_deferred_and_completed_e
         assert await svc.token_ids_or_head(None, short, "chat", defer_chars=16_000) == \
             all_prompt_token_ids_sync(HF, short, "chat")[0]
         assert svc.stats.deferred == 1
+
+
+async def test_a_prompt_is_rendered_once_whether_or_not_it_is_deferred(monkeypatch) -> None:
+    """Rendering the chat template is the loop's largest cost on the path to the first byte."""
+    from tokenization import service
+
+    renders = []
+
+    def counted(*args):
+        renders.append(1)
+        return service_prompts(*args)
+
+    service_prompts = service.prompts
+    monkeypatch.setattr(service, "prompts", counted)
+    rnd = random.Random(4)
+    async with TokenizerService.open(TokenizerRegistry(default=SPEC)) as svc:
+        body = {"messages": [{"role": "system", "content": "Be brief."},
+                             {"role": "user", "content": excerpt(rnd, 900)}]}
+        await svc.token_ids_or_head(None, body, "chat", defer_chars=16_000)
+        long_body = {"messages": [body["messages"][0], {"role": "user", "content": excerpt(rnd, 20_000)}]}
+        found = await svc.token_ids_or_head(None, long_body, "chat", defer_chars=16_000)
+        assert isinstance(found, DeferredIds)
+        await found.complete()
+    assert len(renders) == 2
