@@ -11,7 +11,7 @@ from pathlib import Path
 import trio
 
 from bench import mesh, scale
-from bench.overhead import format_overhead, measure_overhead
+from bench.overhead import PEERS, format_overhead, format_system_prompt, measure_overhead, measure_system_prompt
 from bench.processes import StartFailed
 from bench.report import Row, format_table, verdicts
 from bench.runner import FleetSpec, MeasureOptions, compare_policies, measure_target
@@ -81,6 +81,11 @@ def parser() -> argparse.ArgumentParser:
     overhead.add_argument("--requests", type=int, default=200, help="per block")
     overhead.add_argument("--rounds", type=int, default=4)
     overhead.add_argument("--policy", default="kv_aware")
+    overhead.add_argument("--workload", choices=("system", "tiny"), default="system",
+                          help="system: 1,500-token shared system prompt + fresh user turn, streamed, c=1 and "
+                               "c=64; tiny: small unique prompts at --concurrency")
+    overhead.add_argument("--peers", default="",
+                          help=f"comma-separated peer routers in the same run ({', '.join(PEERS)})")
     _fleet_args(overhead, "fast")
     mesh_bench = sub.add_parser("mesh", help="1..8 replicas behind HAProxy: hit rate, TTFT, lag, ingest, CPU")
     mesh.add_arguments(mesh_bench)
@@ -131,6 +136,21 @@ async def _targets(args: argparse.Namespace, log_dir: Path) -> list[Row]:
     return rows
 
 
+def _overhead(args: argparse.Namespace, log_dir: Path) -> int:
+    spec = _spec(args, "", engines=1)
+    if args.workload == "tiny":
+        rows = trio.run(measure_overhead, spec, log_dir, args.concurrency, args.requests, args.rounds, args.policy)
+        print(format_overhead(rows))
+        return 0
+    peer_names = [p for p in args.peers.split(",") if p]
+    unknown = set(peer_names) - set(PEERS)
+    if unknown:
+        raise SystemExit(f"kvmesh bench overhead: unknown peers {sorted(unknown)}; known: {', '.join(PEERS)}")
+    blocks = trio.run(measure_system_prompt, spec, log_dir, args.rounds, args.policy, peer_names)
+    print(format_system_prompt(blocks))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kvmesh bench``; exits 1 when a judged target fails."""
     argv = sys.argv[1:] if argv is None else argv
@@ -145,10 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "scale":
             return scale.run(args, log_dir)
         if args.command == "overhead":
-            spec = _spec(args, "", engines=1)
-            rows = trio.run(measure_overhead, spec, log_dir, args.concurrency, args.requests, args.rounds, args.policy)
-            print(format_overhead(rows))
-            return 0
+            return _overhead(args, log_dir)
         table_rows = trio.run(_routing if args.command == "routing" else _targets, args, log_dir)
     except StartFailed as exc:
         print(f"kvmesh bench: {exc}", file=sys.stderr)

@@ -1,17 +1,26 @@
-"""What the router adds: the same small requests sent to one engine directly and through the router.
+"""What the router adds: the same requests sent to one engine directly and through the router.
 
-Direct and routed blocks alternate (A B B A ...) in one run so machine noise hits both alike.
+Two workloads. ``tiny``: small unique prompts, direct and routed blocks alternating (A B B A ...).
+``system``: a 1,500-token system prompt every request shares plus a fresh user turn, streamed, the
+shape where a router's own cost sits next to a cached prefill; engine, kvmesh and peer routers (smg)
+take turns in each round so machine noise hits all alike, and each router's cost is taken against the
+engine's numbers from the same round.
 """
 
 from __future__ import annotations
 
+import random
+import statistics
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.client import HttpClient, model_name, run_closed_loop
+from bench.peers import smg_router
 from bench.runner import FleetSpec, router, sim_fleet
-from bench.stats import RequestResult, Summary, summarize
-from bench.workloads import unique_prompts
+from bench.stats import RequestResult, Summary, percentile, summarize
+from bench.workloads import Conversation, text, unique_prompts
 
 
 @dataclass
@@ -75,4 +84,140 @@ def format_overhead(rows: list[OverheadRow]) -> str:
                 f"p99 {(routed.latency_p99 - direct.latency_p99) * 1000:+.2f} ms, "
                 f"req/s x{routed.req_per_s / direct.req_per_s:.2f}"
             )
+    return "\n".join(lines)
+
+
+# --- The issue's workload: a long system prompt every request shares, a fresh user turn, streamed. ---
+
+SYSTEM_WORDS = 1_500
+USER_WORDS = 300
+LONG_USER_WORDS = 8_000
+ANSWER_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measured shape: concurrency, fresh user-turn length and requests per block."""
+
+    name: str
+    concurrency: int
+    user_words: int
+    requests: int
+
+
+def system_prompt_cases(c1_requests: int = 40, c64_requests: int = 256) -> list[Case]:
+    return [
+        Case("c=1", 1, USER_WORDS, c1_requests),
+        Case("c=1 8k", 1, LONG_USER_WORDS, max(4, c1_requests // 2)),
+        Case("c=64", 64, USER_WORDS, c64_requests),
+    ]
+
+
+def system_prompt_requests(seed: int, count: int, user_words: int) -> list[Conversation]:
+    """``count`` requests sharing one fixed system prompt, each with a user turn no other request has."""
+    system = text(random.Random("overhead-system"), SYSTEM_WORDS)
+    rng = random.Random(f"overhead-user-{seed}")
+    return [Conversation(f"s{seed}-{i}", [f"Question {seed}-{i}:" + text(rng, user_words)], ANSWER_TOKENS, system)
+            for i in range(count)]
+
+
+def rotated(paths: list[str], round_index: int) -> list[str]:
+    """Each round starts with the next path, so none always runs first (or right after a warm-up)."""
+    k = round_index % len(paths)
+    return paths[k:] + paths[:k]
+
+
+@dataclass
+class Block:
+    """One path's closed-loop block of one case in one round."""
+
+    path: str
+    case: str
+    round: int
+    results: list[RequestResult]
+    wall: float
+
+    @property
+    def ok(self) -> list[RequestResult]:
+        return [r for r in self.results if r.ok]
+
+    def ttft(self, q: float) -> float:
+        return percentile([r.ttft for r in self.ok if r.ttft is not None], q)
+
+    @property
+    def req_per_s(self) -> float:
+        return len(self.ok) / self.wall if self.wall > 0 else 0.0
+
+
+PEERS = ("smg",)
+QUEUE_THRESHOLD = 1024
+"""kvmesh sheds load (429) once an engine's queue passes its threshold, 64 by default; the peer does not, and
+at c=64 on one engine the default sheds. The bench compares data paths, so shedding is kept out of it."""
+PEER_POLICY = "cache_aware"
+
+
+@asynccontextmanager
+async def _paths(client: HttpClient, spec: FleetSpec, log_dir: Path, policy: str,
+                 peer_names: list[str]) -> AsyncIterator[dict[str, str]]:
+    """One engine, kvmesh in front of it, and each peer in front of the same engine."""
+    async with AsyncExitStack() as stack:
+        engines = await stack.enter_async_context(sim_fleet(client, spec, log_dir))
+        config = log_dir / "overhead-router.toml"
+        config.write_text(f"[admission]\nqueue_threshold = {QUEUE_THRESHOLD}\n")
+        kvmesh = await stack.enter_async_context(router(client, engines, policy, log_dir,
+                                                        extra_args=["--config", str(config)]))
+        urls = {"engine": engines[0], "kvmesh": kvmesh}
+        for name in peer_names:
+            urls[name] = await stack.enter_async_context(smg_router(client, engines, f"smg:{PEER_POLICY}", log_dir))
+        yield urls
+
+
+async def measure_system_prompt(spec: FleetSpec, log_dir: Path, rounds: int = 5, policy: str = "kv_aware",
+                                peer_names: list[str] | None = None, cases: list[Case] | None = None) -> list[Block]:
+    """Interleaved rounds: in each, every case runs on every path (engine, kvmesh, peers) in rotated order."""
+    client = HttpClient()
+    cases = cases or system_prompt_cases()
+    blocks: list[Block] = []
+    try:
+        async with _paths(client, spec, log_dir, policy, peer_names or []) as urls:
+            model = await model_name(client, urls["engine"])
+            for url in urls.values():  # warm-up: the system prompt cached, connections open
+                await run_closed_loop(client, url, system_prompt_requests(10_000, 8, USER_WORDS), 4, model, True)
+            seed = 0
+            for rnd in range(rounds):
+                for case in cases:
+                    for path in rotated(list(urls), rnd):
+                        seed += 1
+                        convs = system_prompt_requests(seed, case.requests, case.user_words)
+                        results, wall = await run_closed_loop(client, urls[path], convs, case.concurrency, model, True)
+                        blocks.append(Block(path, case.name, rnd, results, wall))
+    finally:
+        await client.aclose()
+    return blocks
+
+
+def format_system_prompt(blocks: list[Block]) -> str:
+    """Per case and path: pooled TTFT p50/p90 and req/s, then the medians over rounds of what each router
+    adds to the engine's TTFT p50/p90 and of its req/s ratio to the engine's (both from the same round)."""
+    lines = [f"{'case':<8} {'path':<7} {'reqs':>5} {'errs':>4} {'TTFT p50':>9} {'p90':>7} {'req/s':>7} "
+             f"{'added p50':>10} {'added p90':>10} {'req/s x':>8} {'spread p50':>11}"]
+    cases = list(dict.fromkeys(b.case for b in blocks))
+    paths = list(dict.fromkeys(b.path for b in blocks))
+    for case in cases:
+        base = {b.round: b for b in blocks if b.case == case and b.path == "engine"}
+        for path in paths:
+            mine = [b for b in blocks if b.case == case and b.path == path]
+            pooled = Block(path, case, -1, [r for b in mine for r in b.results], sum(b.wall for b in mine))
+            errors = len(pooled.results) - len(pooled.ok)
+            row = (f"{case:<8} {path:<7} {len(pooled.results):>5} {errors:>4} {pooled.ttft(50) * 1e3:>7.2f}ms "
+                   f"{pooled.ttft(90) * 1e3:>5.2f}ms {statistics.median(b.req_per_s for b in mine):>7.1f}")
+            if path != "engine":
+                added50 = [(b.ttft(50) - base[b.round].ttft(50)) * 1e3 for b in mine]
+                added90 = [(b.ttft(90) - base[b.round].ttft(90)) * 1e3 for b in mine]
+                speed = [b.req_per_s / base[b.round].req_per_s for b in mine if base[b.round].req_per_s]
+                row += (f" {statistics.median(added50):>+8.2f}ms {statistics.median(added90):>+8.2f}ms "
+                        f"{statistics.median(speed):>8.2f} {min(added50):>+5.1f}..{max(added50):<+5.1f}")
+            lines.append(row)
+    lines.append("added = median over rounds of (path - engine, same round); req/s x = median of per-round ratios;"
+                 " spread = per-round range of added p50 (noise)")
     return "\n".join(lines)

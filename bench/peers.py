@@ -2,8 +2,9 @@
 Gateway (``pip install smg`` into its own venv) in front of the same kind of fresh fleet as kvmesh's
 rows, so the peer's row comes from the same run on the same machine.
 
-The binary is ``$KVMESH_SMG`` or ``smg`` on PATH. Its replicas are independent, as smg's are without
-its own mesh.
+The binary is ``$SMG_BINARY`` or ``smg`` on PATH (not a ``KVMESH_*`` variable: kvmesh routers started in
+the same run read those as their configuration and refuse unknown keys). Its replicas are independent,
+as smg's are without its own mesh.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ def is_peer(policy: str) -> bool:
 
 
 def smg_binary() -> str:
-    found = os.environ.get("KVMESH_SMG") or shutil.which("smg")
+    found = os.environ.get("SMG_BINARY") or shutil.which("smg")
     if not found:
         raise StartFailed("smg is not installed: `python -m venv smg-venv && smg-venv/bin/pip install smg`, "
-                          "then put smg-venv/bin on PATH or set KVMESH_SMG to its smg")
+                          "then put smg-venv/bin on PATH or set SMG_BINARY to its smg")
     return found
 
 

@@ -281,7 +281,7 @@ class Router:
                 value = plan.header(engine.id, len(attempts))
                 return [(b"x-kvmesh-route", value.encode()), (b"x-request-id", request_id.encode())]
 
-            continuation = ContinuationSpec.of(parsed.body, kind, parsed.stream, plan.prompt_tokens)
+            continuation = ContinuationSpec.of(parsed.body, kind, parsed.stream, plan.counted_tokens)
             try:
                 result = await _forward_until_disconnect(
                     receive, send,

@@ -45,6 +45,10 @@ class TokenCache:
         self.stats.hits += 1
         return ids
 
+    def peek(self, tokenizer_id: str, text: str) -> tuple[int, ...] | None:
+        """The cached ids without counting a hit or refreshing the entry (the lookup that follows does)."""
+        return self._entries.get((tokenizer_id, text))
+
     def put(self, tokenizer_id: str, text: str, ids: tuple[int, ...]) -> None:
         """Store ids, evicting least recently used entries until the token budget holds."""
         size = max(len(ids), 1)

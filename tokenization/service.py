@@ -1,15 +1,18 @@
 """The router's tokenizer: exact vLLM token ids without stalling the event loop.
 
 Per request: render (on the loop, ~15 us), split the text at added tokens, look every segment up in a
-token-bounded LRU cache, and encode only the misses: inline when they are short (cheaper than a round
-trip), otherwise in a spawned worker process. Every ``verify_every``-th segmented prompt is also
+token-bounded LRU cache, and encode only the misses: inline when they are short (cheaper than any hop),
+in a thread up to ``thread_max_chars`` (HF tokenizers encode in Rust with the GIL released, so the loop
+keeps running; the hop costs ~0.1 ms where a worker process round trip cost 1-8 ms on a busy 2-core
+machine, most of the router's added time to first token), otherwise in a spawned worker process, so a
+huge prompt's Python-side conversion never holds the router's GIL. Every ``verify_every``-th segmented prompt is also
 encoded whole and compared; a mismatch turns segmenting off for that tokenizer and the whole-text ids
 are used, so a tokenizer that breaks the independence assumption costs speed, never correctness.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -23,31 +26,51 @@ from tokenization.worker import WorkerError, WorkerPool
 
 DEFAULT_CACHE_TOKENS = 4_000_000
 DEFAULT_INLINE_MAX_CHARS = 1_024
-"""Below about 1k characters (~250 tokens) encoding inline (~0.45 ms) is cheaper than a worker round trip."""
+"""Below about 1k characters (~250 tokens) encoding inline (~0.45 ms) is cheaper than a thread hop."""
+DEFAULT_THREAD_MAX_CHARS = 96 * 1024
+"""Up to ~20k tokens a thread encodes; beyond, converting the ids to Python lists holds the GIL for long."""
 DEFAULT_VERIFY_EVERY = 64
+
+
+@dataclass
+class DeferredIds:
+    """A prompt whose cached beginning is known now and whose long fresh rest is still to be encoded.
+
+    ``head`` is a prefix of the prompt's ids (every segment before the first cache miss), enough to look
+    the prefix up in the KV index; ``estimated_tokens`` guesses the whole prompt's length from the head's
+    characters per token; ``complete`` encodes the rest (filling the cache) and returns all the ids."""
+
+    head: list[int]
+    estimated_tokens: int
+    complete: Callable[[], Awaitable[list[int]]]
 
 
 @dataclass
 class ServiceStats:
     prompts: int = 0
     inline_encodes: int = 0
+    thread_encodes: int = 0
     worker_encodes: int = 0
     worker_failures: int = 0
     """Worker jobs that failed and were redone in a thread."""
     verifications: int = 0
     segment_mismatches: int = 0
+    deferred: int = 0
+    """Prompts routed on their cached head while the fresh rest was still being encoded."""
 
 
 class TokenizerService:
     """Token ids per request for every model in a registry; create it with ``TokenizerService.open``."""
 
     def __init__(self, registry: TokenizerRegistry, tokenizers: dict[str, LoadedTokenizer], pool: WorkerPool,
-                 *, cache_tokens: int, inline_max_chars: int, verify_every: int) -> None:
+                 *, cache_tokens: int, inline_max_chars: int, verify_every: int,
+                 thread_max_chars: int = DEFAULT_THREAD_MAX_CHARS) -> None:
         self.registry = registry
         self.tokenizers = tokenizers
         self.pool = pool
         self.cache = TokenCache(cache_tokens)
         self.inline_max_chars = inline_max_chars
+        self.thread_max_chars = thread_max_chars
         self.verify_every = verify_every
         self.stats = ServiceStats()
         self._segmented = {spec: tok.plan.segmentable for spec, tok in tokenizers.items()}
@@ -57,6 +80,7 @@ class TokenizerService:
     @asynccontextmanager
     async def open(cls, registry: TokenizerRegistry, *, workers: int = 1, queue_size: int = 64,
                    cache_tokens: int = DEFAULT_CACHE_TOKENS, inline_max_chars: int = DEFAULT_INLINE_MAX_CHARS,
+                   thread_max_chars: int = DEFAULT_THREAD_MAX_CHARS,
                    verify_every: int = DEFAULT_VERIFY_EVERY) -> AsyncIterator[TokenizerService]:
         """Load and check every tokenizer, start the workers, and stop them all on exit."""
         specs = registry.specs()
@@ -65,7 +89,8 @@ class TokenizerService:
         async with trio.open_nursery() as nursery:
             await nursery.start(pool.run)
             yield cls(registry, tokenizers, pool, cache_tokens=cache_tokens,
-                      inline_max_chars=inline_max_chars, verify_every=verify_every)
+                      inline_max_chars=inline_max_chars, verify_every=verify_every,
+                      thread_max_chars=thread_max_chars)
             nursery.cancel_scope.cancel()
 
     def fewest_tokens(self, model: object, texts: Sequence[str], above: int) -> int:
@@ -83,8 +108,11 @@ class TokenizerService:
     async def all_token_ids(self, model: object, body: dict[str, Any], kind: Kind) -> list[list[int]]:
         """The ids of every prompt in the request."""
         tok = self.tokenizers[self.registry.spec_for(model)]
+        return await self._ids_of(tok, prompts(tok.hf, body, kind))
+
+    async def _ids_of(self, tok: LoadedTokenizer, rendered: Sequence[TextPrompt | TokenPrompt]) -> list[list[int]]:
         out = []
-        for prompt in prompts(tok.hf, body, kind):
+        for prompt in rendered:
             self.stats.prompts += 1
             if isinstance(prompt, TokenPrompt):
                 ids = prompt.ids
@@ -92,6 +120,36 @@ class TokenizerService:
                 ids = await self._text_ids(tok, prompt)
             out.append(finish(truncated(ids, prompt.truncate, prompt.keep_left)))
         return out
+
+    async def token_ids_or_head(self, model: object, body: dict[str, Any], kind: Kind,
+                                defer_chars: int) -> list[int] | DeferredIds:
+        """The prompt's ids, or, when its uncached segments hold at least ``defer_chars`` characters, its
+        cached head at once and the rest to encode later: a long fresh user turn adds nothing a KV index
+        could match, and encoding it first delayed the first byte by milliseconds per thousand tokens.
+
+        Only a lone text prompt without truncation is split this way (truncation may cut the head)."""
+        tok = self.tokenizers[self.registry.spec_for(model)]
+        found = prompts(tok.hf, body, kind)
+        if len(found) != 1 or not isinstance(found[0], TextPrompt) or found[0].truncate is not None:
+            return (await self._ids_of(tok, found))[0]
+        prompt = found[0]
+        affixes = tok.plan.affixes if prompt.add_special_tokens else ((), ())
+        pieces = tok.plan.split(prompt.text) if self._segmented[tok.spec] else []
+        cached = [self.cache.peek(tok.spec, piece) for piece in pieces]
+        first_miss = next((i for i, ids in enumerate(cached) if ids is None), len(pieces))
+        rest_chars = sum(len(p) for p, ids in zip(pieces, cached, strict=True) if ids is None)
+        if affixes is None or first_miss == 0 or rest_chars < defer_chars:
+            return (await self._ids_of(tok, found))[0]
+        self.stats.deferred += 1
+        head = [*affixes[0], *(t for ids in cached[:first_miss] for t in ids or ())]
+        head_chars = sum(map(len, pieces[:first_miss]))
+        rest = len(prompt.text) - head_chars
+        estimated = len(head) + len(affixes[1]) + round(rest * (len(head) or 1) / max(head_chars, 1))
+
+        async def complete() -> list[int]:
+            return (await self._ids_of(tok, found))[0]
+
+        return DeferredIds(head, estimated, complete)
 
     async def _text_ids(self, tok: LoadedTokenizer, prompt: TextPrompt) -> list[int]:
         affixes = tok.plan.affixes if prompt.add_special_tokens else ((), ())
@@ -131,12 +189,17 @@ class TokenizerService:
         return whole
 
     async def _encode(self, tok: LoadedTokenizer, texts: Sequence[str]) -> list[list[int]]:
-        """Plain ids of each text: inline if short, else in a worker (a thread if the worker fails)."""
+        """Plain ids of each text: inline if short, in a thread if middling, else in a worker (a thread if
+        the worker fails)."""
         if not texts:
             return []
-        if sum(map(len, texts)) <= self.inline_max_chars:
+        chars = sum(map(len, texts))
+        if chars <= self.inline_max_chars:
             self.stats.inline_encodes += 1
             return encode_plain(tok.hf, texts)
+        if chars <= self.thread_max_chars:
+            self.stats.thread_encodes += 1
+            return await trio.to_thread.run_sync(encode_plain, tok.hf, texts)
         self.stats.worker_encodes += 1
         try:
             return await self.pool.encode(tok.spec, list(texts))

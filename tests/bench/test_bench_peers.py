@@ -19,9 +19,9 @@ def test_smg_policies_are_peers_and_start_on_loopback_with_their_own_metrics_por
 
 
 def test_a_missing_smg_says_how_to_install_it(monkeypatch):
-    monkeypatch.delenv("KVMESH_SMG", raising=False)
+    monkeypatch.delenv("SMG_BINARY", raising=False)
     monkeypatch.setenv("PATH", "")
     with pytest.raises(StartFailed, match="pip install smg"):
         peers.smg_binary()
-    monkeypatch.setenv("KVMESH_SMG", "/somewhere/smg")
+    monkeypatch.setenv("SMG_BINARY", "/somewhere/smg")
     assert peers.smg_binary() == "/somewhere/smg"

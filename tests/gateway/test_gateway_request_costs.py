@@ -16,6 +16,7 @@ from gateway.request_body import parse_request
 from gateway.route_planner import MAX_KEY_CHARS, bounded_key, request_prefix_key
 from gateway.security.config import AuthConfig, TenantConfig
 from gateway.security.keys import hash_key
+from tokenization.service import DeferredIds
 
 
 async def test_a_trickling_body_gets_a_408(monkeypatch, autojump_clock):
@@ -78,3 +79,40 @@ async def test_debug_route_is_admitted_and_charged_like_a_request(monkeypatch):
     assert (await call(router, "POST", "/debug/route", body, headers)).status == 200
     refused = await call(router, "POST", "/debug/route", body, headers)
     assert assert_openai_error(refused, 429)["code"] and "retry-after" in refused.headers
+
+
+async def test_the_ttft_model_is_refit_after_an_answer_not_in_the_next_decision(monkeypatch):
+    """The lazy refit after an observation used to run inside the next request's routing decision."""
+    router = make_router(monkeypatch, policy="kv_aware")
+    learner = router.planner.policy.costs.learner
+    body = json.dumps({"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    assert (await call(router, "POST", "/v1/chat/completions", body)).status == 200
+    assert learner._models and not learner._stale
+
+
+async def test_a_deferred_prompt_is_routed_on_its_head_and_completed_in_the_background(monkeypatch):
+    router = make_router(monkeypatch, policy="kv_aware")
+    planner = router.planner
+    completed = trio.Event()
+
+    class HeadFirst:
+        def fewest_tokens(self, model, texts, above):
+            return 0
+
+        async def token_ids_or_head(self, model, body, kind, defer_chars):
+            async def complete():
+                completed.set()
+                return list(range(5000))
+            return DeferredIds(list(range(40)), 5000, complete)
+
+    planner.tokenizers = HeadFirst()
+    parsed = parse_request(json.dumps({"model": MODEL, "stream": True,
+                                       "messages": [{"role": "user", "content": "x"}]}).encode(), "chat",
+                           LimitsConfig())
+    async with trio.open_nursery() as nursery:
+        planner._background = nursery
+        plan = await planner.plan(parsed, {})
+        await completed.wait()
+    assert (plan.prompt_tokens, plan.counted_tokens, plan.estimated) == (5000, 0, True)
+    assert all(len(blocks) == 40 // size for size, blocks in plan.chains.items())
+    assert plan.decision.prompt_tokens == 5000

@@ -20,7 +20,7 @@ from tokenization.build_default import CHATML_TEMPLATE
 from tokenization.messages import RenderError
 from tokenization.registry import DEFAULT_TOKENIZER_DIR, LoadedTokenizer, TokenizerRegistry, load_tokenizer
 from tokenization.render import all_prompt_token_ids_sync, render_chat
-from tokenization.service import TokenizerService
+from tokenization.service import DeferredIds, TokenizerService
 from tokenization.worker import WorkerPool
 
 pytestmark = pytest.mark.integration
@@ -52,17 +52,28 @@ def random_body(rnd: random.Random) -> tuple[dict, str]:
 
 async def test_ids_equal_direct_tokenization_across_paths() -> None:
     rnd = random.Random(11)
-    async with TokenizerService.open(TokenizerRegistry(default=SPEC), verify_every=3) as svc:
+    async with TokenizerService.open(TokenizerRegistry(default=SPEC), verify_every=3, thread_max_chars=3_500) as svc:
         for _ in range(60):
             body, kind = random_body(rnd)
             assert await svc.all_token_ids("any-model", body, kind) == all_prompt_token_ids_sync(HF, body, kind)
         assert svc.stats.inline_encodes > 0
+        assert svc.stats.thread_encodes > 0
         assert svc.stats.worker_encodes > 0
         assert svc.cache.stats.hits > 0
         assert svc.stats.verifications > 0
         assert svc.stats.segment_mismatches == 0
         with pytest.raises(RenderError):
             await svc.token_ids("any-model", {"messages": [{"role": 1}]}, "chat")
+
+
+async def test_a_middling_fresh_turn_is_encoded_in_a_thread_not_a_worker_process() -> None:
+    """A worker round trip cost more than the whole encode of a few thousand characters."""
+    rnd = random.Random(3)
+    async with TokenizerService.open(TokenizerRegistry(default=SPEC)) as svc:
+        body = {"messages": [{"role": "system", "content": "Be brief."},
+                             {"role": "user", "content": excerpt(rnd, 12_000)}]}
+        assert await svc.token_ids(None, body, "chat") == all_prompt_token_ids_sync(HF, body, "chat")[0]
+        assert (svc.stats.thread_encodes, svc.stats.worker_encodes) == (1, 0)
 
 
 async def test_unknown_model_without_default_is_a_render_error() -> None:
@@ -110,9 +121,10 @@ async def ticker(stop: trio.Event, gaps: list[float]) -> None:
         last = now
 
 
-async def test_event_loop_keeps_running_during_a_32k_token_prompt() -> None:
+@pytest.mark.parametrize(("thread_max_chars", "path"), [(100_000, "worker"), (1_000_000, "thread")])
+async def test_event_loop_keeps_running_during_a_32k_token_prompt(thread_max_chars: int, path: str) -> None:
     rnd = random.Random(5)
-    async with TokenizerService.open(TokenizerRegistry(default=SPEC)) as svc:
+    async with TokenizerService.open(TokenizerRegistry(default=SPEC), thread_max_chars=thread_max_chars) as svc:
         long_body = {"messages": [{"role": "user", "content": excerpt(rnd, 120_000)}]}
         reference_text = render_chat(HF, {"messages": [{"role": "user", "content": excerpt(rnd, 120_000)}]})
         started = time.perf_counter()
@@ -126,7 +138,7 @@ async def test_event_loop_keeps_running_during_a_32k_token_prompt() -> None:
             ids = await svc.token_ids(None, long_body, "chat")
             stop.set()
         assert len(ids) > 25_000
-        assert svc.stats.worker_encodes == 1
+        assert getattr(svc.stats, f"{path}_encodes") == 1
         assert max(gaps) < 0.5 * inline_seconds
 
 
@@ -154,7 +166,7 @@ async def test_cache_hits_are_served_while_a_worker_is_busy() -> None:
 
 async def test_killed_worker_is_replaced_and_its_job_still_answered() -> None:
     rnd = random.Random(13)
-    async with TokenizerService.open(TokenizerRegistry(default=SPEC)) as svc:
+    async with TokenizerService.open(TokenizerRegistry(default=SPEC), thread_max_chars=0) as svc:
         (pid,) = svc.pool.pids
         os.kill(pid, signal.SIGKILL)
         body = {"messages": [{"role": "user", "content": excerpt(rnd, 8_000)}]}
@@ -167,3 +179,47 @@ async def test_killed_worker_is_replaced_and_its_job_still_answered() -> None:
         assert await svc.token_ids(None, body, "chat") == all_prompt_token_ids_sync(HF, body, "chat")[0]
         assert svc.stats.worker_failures == 1
         assert svc.pool.pids != {pid}
+
+
+async def test_a_long_fresh_turn_after_a_cached_head_is_deferred_and_completed_exactly() -> None:
+    rnd = random.Random(21)
+    system = CORPUS[:5000]
+    async with TokenizerService.open(TokenizerRegistry(default=SPEC)) as svc:
+        warm = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]}
+        await svc.token_ids(None, warm, "chat")
+        body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": excerpt(rnd, 20_000)}]}
+        exact = all_prompt_token_ids_sync(HF, body, "chat")[0]
+        found = await svc.token_ids_or_head(None, body, "chat", defer_chars=16_000)
+        assert isinstance(found, DeferredIds)
+        assert 0 < len(found.head) < len(exact) and exact[:len(found.head)] == found.head
+        assert 0.5 * len(exact) < found.estimated_tokens < 2 * len(exact)
+        assert await found.complete() == exact
+        assert await svc.token_ids_or_head(None, body, "chat", defer_chars=16_000) == exact  # now cached
+        short = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": excerpt(rnd, 2_000)}]}
+        assert await svc.token_ids_or_head(None, short, "chat", defer_chars=16_000) == \
+            all_prompt_token_ids_sync(HF, short, "chat")[0]
+        assert svc.stats.deferred == 1
+
+
+async def test_a_prompt_is_rendered_once_whether_or_not_it_is_deferred(monkeypatch) -> None:
+    """Rendering the chat template is the loop's largest cost on the path to the first byte."""
+    from tokenization import service
+
+    renders = []
+
+    def counted(*args):
+        renders.append(1)
+        return service_prompts(*args)
+
+    service_prompts = service.prompts
+    monkeypatch.setattr(service, "prompts", counted)
+    rnd = random.Random(4)
+    async with TokenizerService.open(TokenizerRegistry(default=SPEC)) as svc:
+        body = {"messages": [{"role": "system", "content": "Be brief."},
+                             {"role": "user", "content": excerpt(rnd, 900)}]}
+        await svc.token_ids_or_head(None, body, "chat", defer_chars=16_000)
+        long_body = {"messages": [body["messages"][0], {"role": "user", "content": excerpt(rnd, 20_000)}]}
+        found = await svc.token_ids_or_head(None, long_body, "chat", defer_chars=16_000)
+        assert isinstance(found, DeferredIds)
+        await found.complete()
+    assert len(renders) == 2

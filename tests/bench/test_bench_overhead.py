@@ -1,0 +1,35 @@
+"""The system-prompt overhead bench: its requests, its round order and what its table reports."""
+
+from __future__ import annotations
+
+from bench.overhead import SYSTEM_WORDS, Block, format_system_prompt, rotated, system_prompt_requests
+from bench.stats import RequestResult
+
+
+def test_requests_share_the_system_prompt_and_nothing_else():
+    first, second = system_prompt_requests(1, 2, 30), system_prompt_requests(2, 1, 30)
+    systems = {c.system for c in [*first, *second]}
+    assert len(systems) == 1 and len(next(iter(systems)).split()) == SYSTEM_WORDS
+    users = [c.user_turns[0] for c in [*first, *second]]
+    assert len(set(users)) == 3
+    assert all(c.body("m", True)["stream"] for c in first)
+
+
+def test_each_path_leads_a_round_in_turn():
+    paths = ["engine", "kvmesh", "smg"]
+    assert [rotated(paths, r)[0] for r in range(4)] == ["engine", "kvmesh", "smg", "engine"]
+
+
+def _block(path: str, rnd: int, ttft_ms: float, wall: float = 1.0, failed: int = 0) -> Block:
+    good = [RequestResult(status=200, ttft=ttft_ms / 1e3, total=0.03) for _ in range(10)]
+    bad = [RequestResult(status=0, error="timeout") for _ in range(failed)]
+    return Block(path, "c=1", rnd, good + bad, wall)
+
+
+def test_added_ttft_and_speed_are_taken_against_the_engine_of_the_same_round():
+    blocks = [_block("engine", 0, 10), _block("kvmesh", 0, 11.5, wall=2.0),
+              _block("engine", 1, 20), _block("kvmesh", 1, 21.0, wall=2.0, failed=1)]
+    row = next(line for line in format_system_prompt(blocks).splitlines() if " kvmesh " in line)
+    assert "+1.25ms" in row  # median of +1.5 and +1.0, not pooled p50s (20.75 - 15)
+    assert " 0.50 " in row  # half the engine's req/s in both rounds
+    assert row.split()[3] == "1"  # the failed request is counted
