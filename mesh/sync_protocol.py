@@ -34,6 +34,7 @@ from mesh.crdt_doc import Epoch, ReplicatedDoc, decode_state, encode_state
 from mesh.peer_load import PeerLoad
 
 EPOCH_RESEND_S = 1.0
+MAX_EPOCH_SENT = 1024
 STATE_CHUNK_BYTES = 1 << 20
 MAX_STATE_CHUNKS = 4096
 """At most 4 GiB of state per answer; a header claiming more is malformed."""
@@ -164,6 +165,8 @@ class SyncProtocol:
         last = self._epoch_sent.get(sender)
         if last is not None and last[0] == self.doc.epoch and now - last[1] < self._epoch_resend_s:
             return []
+        if len(self._epoch_sent) >= MAX_EPOCH_SENT:  # ids are new at every start: forget the long gone
+            self._epoch_sent = {p: v for p, v in self._epoch_sent.items() if now - v[1] < self._epoch_resend_s}
         self._epoch_sent[sender] = (self.doc.epoch, now)
         return [self.epoch_frame()]
 

@@ -146,3 +146,14 @@ def test_mesh_crdt_writes_on_an_old_epoch_survive_two_compactions_they_missed() 
     exchange([pb.update_frame()], pa, pb)
     assert a.pairs("eb") == b.pairs("eb") == {3: 4}
     assert a.doc.content == b.doc.content
+
+
+def test_mesh_crdt_epoch_replies_remember_a_bounded_number_of_senders() -> None:
+    a = Replica("a")
+    protocol = SyncProtocol(a.doc)
+    a.store("e", [(1, 2)])
+    protocol.maybe_compact(True, min_churn=0, ratio=0.0)
+    for n in range(5000):
+        stale = msgpack.packb(["sv", 0, "", f"replica-{n}", b"\x00"])
+        assert protocol.on_frame(stale, float(n)) != []  # each old-epoch sender is told the epoch once
+    assert len(protocol._epoch_sent) <= 1024

@@ -18,11 +18,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_router import HitMeter, Routed, RouterClient, engine_id, user, wait_until, write_tenant_config
+from vllm_router import (
+    HitMeter,
+    Routed,
+    RouterClient,
+    engine_id,
+    route_fields,
+    user,
+    wait_until,
+    write_tenant_config,
+)
 from vllm_wire import chat, post_json, unique_text
 
 from cluster.router_process import RouterProcess
-from cluster.vllm_engine import VllmEngine, shared_memory_of
+from cluster.vllm_engine import SERVED_MODEL_NAME, VllmEngine, shared_memory_of
 from gateway.security.keys import generate_key
 
 pytestmark = pytest.mark.vllm
@@ -267,3 +276,43 @@ def test_isolated_tenants_never_share_cached_blocks(
         other, other_hits = meter.send(tenant_b, messages)
         assert other.predicted_overlap == 0
         assert other_hits == 0, "tenant-b reused tenant-a's cached blocks"
+
+
+def test_a_stream_whose_engine_is_killed_mid_answer_completes_on_the_other(
+    engines: list[VllmEngine], tiny_engine: VllmEngine, vllm_model: Path
+) -> None:
+    """The official openai client reads one whole 300-token answer although the engine streaming it was
+    SIGKILLed after 20 chunks: the router continued the answer on the other engine."""
+    import openai
+
+    pair = [engines[1], tiny_engine]
+    tiny = engine_id(tiny_engine)
+    document = unique_text(60)
+    chat(tiny_engine, user(f"{document}\n\nQuestion -1: what follows?"))
+    finish, usage, chunks = None, None, 0
+    with router_for(pair, vllm_model, policy="kv_aware") as proc:
+        kv = RouterClient(proc.url)
+        wait_until(lambda: kv.overlaps(user(document))[tiny] > 0)
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        try:
+            raw = client.chat.completions.with_raw_response.create(
+                model=SERVED_MODEL_NAME, messages=user(f"{document}\n\nQuestion 1: what follows?"),
+                max_tokens=300, temperature=0.0, stream=True, stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True})
+            assert route_fields(raw.headers["x-kvmesh-route"])["engine"] == tiny
+            for chunk in raw.parse():
+                if chunk.choices and chunk.choices[0].delta.content:
+                    chunks += 1
+                    if chunks == 20:
+                        sigkill(tiny_engine)
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    finish = chunk.choices[0].finish_reason
+                if chunk.usage is not None:
+                    usage = chunk.usage
+        finally:
+            if tiny_engine.process is None:
+                tiny_engine.start()
+                tiny_engine.wait_ready()
+    print(f"\nmid-stream kill: {chunks} content chunks, finish_reason={finish}, usage={usage}")
+    assert finish == "length"
+    assert usage is not None and usage.completion_tokens == 300
