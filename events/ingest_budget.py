@@ -23,17 +23,17 @@ def _always_serving() -> bool:
 
 @dataclass(slots=True)
 class IngestBudget:
-    share: float = 0.5
+    share: float = 0.3
     """Fraction of wall time event work may use while requests are in flight."""
     idle_share: float = 0.9
     """Fraction it may use while no request is in flight."""
-    burst_s: float = 0.005
+    burst_s: float = 0.003
     """Work allowed at once after an idle spell; also the longest a request waits behind ingest per tick."""
     slice_s: float = 0.001
     """Work done between two yields to the scheduler."""
     serving: Callable[[], bool] = field(default=_always_serving, repr=False)
     """Whether requests are in flight now (the router's count; always, when nobody says)."""
-    tokens: float = 0.005
+    tokens: float = 0.003
     updated_at: float | None = None
     deferrals: int = 0
     deferred_s: float = 0.0
