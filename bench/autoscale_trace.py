@@ -1,5 +1,5 @@
 """The autoscaling benchmark's arithmetic, free of I/O: the traffic ramp, arrival times, the traffic mix,
-per-window TTFT p99, engine-seconds, flapping, and the verdicts of the issue's targets.
+per-window TTFT p99, engine-seconds, flapping, and the verdicts of its targets.
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def direction_changes(decisions: Sequence[dict]) -> list[float]:
 
 def judge(auto: RunRecord, peak: RunRecord, average: RunRecord, window_s: float, ceiling_s: float,
           cooldown_s: float, lease: tuple[float | None, int] | None) -> list[Verdict]:
-    """One verdict per target of the issue (``lease``: handover seconds and provisions, None when skipped)."""
+    """One verdict per target (``lease``: handover seconds and provisions, None when skipped)."""
     share = auto.engine_seconds() / peak.engine_seconds() if peak.engine_seconds() else math.nan
     bad, windows = auto.slo_windows(window_s, ceiling_s)
     avg_bad, _ = average.slo_windows(window_s, ceiling_s)

@@ -1,4 +1,4 @@
-"""``kvmesh bench``: compare routing policies, measure router overhead, check the issue's targets."""
+"""``kvmesh bench``: compare routing policies, measure router overhead, check the targets."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def parser() -> argparse.ArgumentParser:
     routing.add_argument("--runs", type=int, default=1, help="consecutive runs per policy on the same warm engines")
     _fleet_args(routing, "a40-qwen1.5b")
     _measure_args(routing)
-    targets = sub.add_parser("targets", help="run workloads a, b and d and judge the issue's targets")
+    targets = sub.add_parser("targets", help="run workloads a, b and d and judge the targets")
     targets.add_argument("--routers", type=int, default=2, help="router replicas for the multi-router (d) rows")
     _fleet_args(targets, "a40-qwen1.5b")
     _measure_args(targets)

@@ -91,7 +91,7 @@ def format_rows(rows: list[MeshRow], lags: dict[int, dict[str, float]], ingest: 
 def verdicts(
     rows: list[MeshRow], lags: dict[int, dict[str, float]], ingest: dict[str, float]
 ) -> list[Verdict]:
-    """The issue's targets: hit rate at the most replicas within 1 point of one replica, lag, ingest."""
+    """The targets: hit rate at the most replicas within 1 point of one replica, lag, ingest."""
     out = []
     for workload in dict.fromkeys(r.workload for r in rows):
         mine = sorted((r for r in rows if r.workload == workload), key=lambda r: r.replicas)

@@ -87,7 +87,7 @@ def format_overhead(rows: list[OverheadRow]) -> str:
     return "\n".join(lines)
 
 
-# --- The workload: a long system prompt every request shares, a fresh user turn, streamed. ---
+# --- The overhead workload: a long system prompt every request shares, a fresh user turn, streamed. ---
 
 SYSTEM_WORDS = 1_500
 USER_WORDS = 300

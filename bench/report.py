@@ -177,7 +177,7 @@ def _partition(rows: list[Row], subject: str) -> list[Verdict]:
 
 
 def verdicts(rows: list[Row], subject: str = "kv_aware") -> list[Verdict]:
-    """The issue's targets that this run has the rows for; a target without its rows is not judged.
+    """The targets that this run has the rows for; a target without its rows is not judged.
 
     (d) is judged for every number of router replicas measured: on one router ``approximate`` sees all
     the traffic, on several each of its replicas only knows what it sent itself.

@@ -59,7 +59,7 @@ DEFAULTS = {"replicas": "1,2,3", "rates": "10000,50000", "engines": 16, "cap": 6
             "burst_s": 10.0, "probe_s": 10.0, "converge_timeout_s": 30.0}
 QUICK = {**DEFAULTS, "rates": "10000", "engines": 8, "cap": 16384, "steady_s": 6.0, "burst_s": 5.0, "probe_s": 4.0,
          "converge_timeout_s": 10.0}
-"""The full run holds about a million live blocks (the issue's RSS target); ``--quick`` 131k, at one rate,
+"""The full run holds about a million live blocks (the scale of the RSS target); ``--quick`` 131k, at one rate,
 with a small fleet and short phases (3-3.5 minutes on two busy cores). Flags given
 explicitly win over both tables."""
 

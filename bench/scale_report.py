@@ -165,7 +165,7 @@ def format_ratios(results: list[ReplicaResult]) -> str:
 
 
 def verdicts(results: list[ReplicaResult]) -> list[Verdict]:
-    """The issue's targets, each judged on the worst replica of the cells it applies to."""
+    """The targets, each judged on the worst replica of the cells it applies to."""
     out = []
     cells = by_cell(results)
     for (rate, replicas), rows in cells.items():
@@ -220,7 +220,7 @@ def _burst_verdicts(results: list[ReplicaResult]) -> list[Verdict]:
 
 
 def moonshot(results: list[ReplicaResult]) -> str:
-    """The issue's stretch goal, printed but not judged: block ops per replica core, at the most replicas."""
+    """The stretch goal, printed but not judged: block ops per replica core, at the most replicas."""
     largest = max(r.replicas for r in results)
     cost = _mean([r.cpu_us_per_op for r in results if r.replicas == largest])
     per_core = 1e6 / cost if cost and not math.isnan(cost) else math.nan

@@ -35,7 +35,7 @@ ALLOWED_CAUSES = frozenset({"reset_in_flight_on_killed_router", "sse_error_engin
 
 @dataclass(frozen=True)
 class Limits:
-    """The thresholds the issue sets, plus the measurement knobs that are not in it."""
+    """The thresholds the invariants hold to, plus the measurement knobs that are not in it."""
 
     convergence_s: float = 5.0
     hit_rate_recovery_s: float = 10.0
@@ -270,7 +270,7 @@ def continuation_latencies(records: list[RequestRecord], actions: list[FaultActi
 def evaluate(records: list[RequestRecord], actions: list[FaultAction], samples: list[Sample],
              routers: list[str], engine_ids: list[str], run_end: float, warmup: float,
              limits: Limits = Limits(), streams_continue: bool = False) -> Evaluation:
-    """Check every invariant of the issue over one run. ``streams_continue``: a stream whose engine is
+    """Check every invariant over one run. ``streams_continue``: a stream whose engine is
     killed must be finished by another engine, so no client sees a failure while an engine is alive."""
     causes = Counter(classify(r, actions, engine_ids, limits) for r in records)
     allowed = ALLOWED_CAUSES - {"sse_error_engine_killed"} if streams_continue else ALLOWED_CAUSES

@@ -35,7 +35,7 @@ TINY_MODEL = VLLM_VENV / "tiny-model"
 INSTALL_SCRIPT = REPO / "scripts" / "vllm_venv.sh"
 LOG_DIR = REPO / "run" / "vllm"
 SERVED_MODEL_NAME = "kvmesh-tiny"
-# Every engine must hash with the same seed: PYTHONHASHSEED is vLLM's NONE_HASH seed (see FACTS.md).
+# Every engine must hash with the same seed: PYTHONHASHSEED is vLLM's NONE_HASH seed (see docs/vllm.md).
 HASH_SEED = "0"
 KV_TOPIC = "kv"
 LOG_TAIL_LINES = 40

@@ -1,6 +1,6 @@
 """Sans-IO decoding of vLLM KV-event frames (live PUB and replay ROUTER) into typed batches.
 
-Both event encodings are accepted (FACTS.md): the map form (vLLM >= ~0.26) and the legacy tagged
+Both event encodings are accepted (docs/vllm.md): the map form (vLLM >= ~0.26) and the legacy tagged
 array. Unknown fields are ignored, unknown event types are counted and skipped. Anything malformed
 raises DecodeError with a short reason that becomes a metrics label; nothing else escapes.
 """

@@ -1,4 +1,4 @@
-"""kvmesh's own chained block keys over token ids (DESIGN.md principle 3).
+"""kvmesh's own chained block keys over token ids.
 
 The router computes `chain(tokens, block_size, root_seed(model, lora, salt))` for a request; event
 ingestion computes the same keys from the token ids that BlockStored carries. Engine hash settings

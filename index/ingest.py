@@ -4,7 +4,7 @@ Own keys are derived from the token ids in BlockStored (index/block_hash.py), ch
 parent's own key found through the engine's alias map. How vLLM fills `extra_keys` (per block,
 kv_cache_utils.generate_block_hash_extra_keys): LoRA name, multimodal (identifier, offset) pairs,
 the request's cache_salt (first block only), prompt-embedding digests. Recent vLLM writes the salt
-and LoRA name as plain strings, the form in FACTS.md is ("cache_salt", salt) / ("lora", name, path);
+and LoRA name as plain strings, the form in docs/vllm.md is ("cache_salt", salt) / ("lora", name, path);
 both are read. The salt and LoRA name go into the root seed exactly as the router does it; any other
 extra key is mixed into that block's key, so such blocks never match a text-only request chain.
 Events from engines that do not send `extra_keys` (older vLLM) give salted blocks unsalted keys: the

@@ -1,7 +1,7 @@
 """vLLM v1's exact prefix-cache block hash (sha256 over pickle protocol 5).
 
 Shared by the simulated engine (which must publish the same hashes as vLLM) and by verification
-code. The router's own index does not depend on it (see FACTS.md): it exists so that engine hashes
+code. The router's own index does not depend on it (see docs/vllm.md): it exists so that engine hashes
 can be reproduced and checked byte for byte.
 """
 

@@ -1,6 +1,6 @@
 """vLLM's Prometheus metrics for one simulated engine, rendered with prometheus_client.
 
-Names and labels are vLLM's (FACTS.md) so that pollers and dashboards work unchanged. Gauges and
+Names and labels are vLLM's (docs/vllm.md) so that pollers and dashboards work unchanged. Gauges and
 counters are read from the engine state at scrape time; latency histograms are observed here.
 """
 

@@ -1,6 +1,6 @@
 """ZeroMQ side of the KV events: PUB for live batches and a ROUTER answering replay requests.
 
-Framing is vLLM's (see FACTS.md): live `[topic, seq u64 BE, payload]`; a DEALER sends
+Framing is vLLM's (see docs/vllm.md): live `[topic, seq u64 BE, payload]`; a DEALER sends
 `[b"", start_seq u64 BE]` and receives `[b"", topic, seq, payload]` per buffered batch with
 seq >= start, then the end marker `[b"", b"", b"\\xff"*8, b""]`. Sockets are driven from trio by
 waiting on the zmq FD, which is edge-triggered: `zmq.EVENTS` is re-checked after every wakeup

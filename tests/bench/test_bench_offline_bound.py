@@ -35,7 +35,7 @@ def test_shared_blocks_are_the_common_leading_whole_blocks():
 
 
 def test_six_long_prompts_on_three_small_caches_one_home_each_hit_nearly_always():
-    """The issue's shape: one home per prompt fits, so only each prompt's first request misses."""
+    """The workload's shape: one home per prompt fits, so only each prompt's first request misses."""
     trace = _trace(6, 900, 15)
     bound = offline_bound(trace, _fleet(3))
     assert sorted(len(h) for h in bound.homes.values()) == [1] * 6

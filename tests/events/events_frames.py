@@ -1,4 +1,4 @@
-"""Builders of vLLM KV-event wire frames per FACTS.md, shared by the events and index tests."""
+"""Builders of vLLM KV-event wire frames per docs/vllm.md, shared by the events and index tests."""
 
 from __future__ import annotations
 

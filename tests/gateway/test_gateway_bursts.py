@@ -55,7 +55,7 @@ async def test_bursts_after_the_engines_closed_idle_connections_all_succeed(nurs
 
 
 def test_a_router_serves_every_burst_after_idle_gaps_and_charges_no_engine():
-    """End to end, as the issue measured it: a router process in front of engines that close idle
+    """End to end, as first measured: a router process in front of engines that close idle
     connections after 0.5 s; bursts of 16 after gaps of 1.2 s (requests and health polls both meet
     closed connections)."""
     with SimFleetProcess(engines=2, profile="fast", time_scale=0.2, keep_alive=0.5) as fleet, \

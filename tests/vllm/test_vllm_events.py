@@ -1,4 +1,4 @@
-"""The real engine's KV-event stream, checked against FACTS.md and the project's decoder and hash recipe."""
+"""The real engine's KV-event stream, checked against docs/vllm.md and the project's decoder and hash recipe."""
 
 from __future__ import annotations
 
