@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from autoscale.decision import ScalePolicy
 from autoscale.offers import Offer, Placement
@@ -46,15 +46,10 @@ class AutoscaleConfig:
     offers: list[Offer] = field(default_factory=list)
 
     def policy(self) -> ScalePolicy:
-        return ScalePolicy(
-            min_engines=self.min_engines, max_engines=self.max_engines, queue_up=self.queue_up,
-            queue_drain=self.queue_drain, utilisation_floor=self.utilisation_floor,
-            target_utilisation=self.target_utilisation, hit_ratio_floor=self.hit_ratio_floor,
-            saturation=self.saturation, ttft_p99_ceiling_s=self.ttft_p99_ceiling_s, cooldown_s=self.cooldown_s,
-            step_cooldown_s=self.step_cooldown_s, down_stable_s=self.down_stable_s, max_step_up=self.max_step_up,
-            max_step_down=self.max_step_down,
-            dry_run=self.dry_run,
-            placement=Placement(self.latency_limit_ms, self.cross_island_ms, self.provisioning_limit_s))
+        """The decision core's policy: every ScalePolicy field this table sets, under the same name."""
+        shared = {f.name: getattr(self, f.name) for f in fields(ScalePolicy) if f.name != "placement"}
+        return ScalePolicy(**shared,
+                           placement=Placement(self.latency_limit_ms, self.cross_island_ms, self.provisioning_limit_s))
 
     def validate(self, where: str = "autoscaler") -> None:
         if not self.enabled:

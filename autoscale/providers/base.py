@@ -6,6 +6,7 @@ request id and the work runs in that nursery, so a slow cloud never blocks a dec
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -53,7 +54,7 @@ class ProvisionResult:
 ReadyCallback = Callable[[ProvisionResult], None]
 
 
-class Provider:
+class Provider(ABC):
     """Subclasses implement ``_provision`` (until the engine is ready), ``terminate`` and ``list``."""
 
     name = "provider"
@@ -86,11 +87,14 @@ class Provider:
         self._nursery.start_soon(run)
         return request_id
 
+    @abstractmethod
     async def _provision(self, request_id: str, offer: Offer) -> ProvisionedEngine:
-        raise NotImplementedError
+        """Start an engine for ``offer`` and return it once it answers; ProviderError when it cannot."""
 
+    @abstractmethod
     async def terminate(self, engine_id: str) -> None:
-        raise NotImplementedError
+        """Release the engine (after the loop drained it)."""
 
+    @abstractmethod
     async def list(self) -> list[ProvisionedEngine]:
-        raise NotImplementedError
+        """The engines this provider runs now."""
