@@ -153,17 +153,25 @@ async def _drain(router: Router, engine_id: str, body: dict[str, Any], send) -> 
     return 200
 
 
+def check_engine_setting(key: str, value: Any) -> None:
+    """ValueError unless ``value`` has the type of admin setting ``key`` (whether from a client or a peer)."""
+    if key in BOOLEAN_STATE_KEYS:
+        if not isinstance(value, bool):
+            raise ValueError(f"'{key}' must be true or false")
+    elif value is not None and not (isinstance(value, str) and 0 < len(value) <= 64 and value.isprintable()):
+        raise ValueError(f"'{key}' must be null or a printable string of up to 64 characters")
+
+
 def _check_state(body: dict[str, Any]) -> None:
     """Engine settings are replicated fleet-wide as given: each must have its type."""
     unknown = set(body) - set(ADMIN_STATE_KEYS)
     if unknown:
         raise ApiError(400, f"unknown engine setting(s): {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
     for key, value in body.items():
-        if key in BOOLEAN_STATE_KEYS:
-            if not isinstance(value, bool):
-                raise ApiError(400, f"'{key}' must be true or false", param=key)
-        elif value is not None and not (isinstance(value, str) and 0 < len(value) <= 64 and value.isprintable()):
-            raise ApiError(400, f"'{key}' must be null or a printable string of up to 64 characters", param=key)
+        try:
+            check_engine_setting(key, value)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param=key) from None
 
 
 async def _set_state(router: Router, engine_id: str, body: dict[str, Any], send) -> int:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from gateway.admin import ADMIN_STATE_KEYS
+from gateway.admin import ADMIN_STATE_KEYS, check_engine_setting
 from gateway.config import ConfigError, EngineConfig, RouterConfig, validate_engine_url
 from gateway.engines import EngineState
 from gateway.mesh_state import NAMESPACES, MeshState
@@ -82,16 +82,9 @@ async def sweep_dispatches(state: MeshState) -> None:
 
 def registry_settings(state: dict[str, Any]) -> dict[str, Any]:
     """The admin settings of a replicated registry entry, type-checked; ValueError names the bad one."""
-    settings = {}
-    for key in ADMIN_STATE_KEYS:
-        if key not in state:
-            continue
-        value = state[key]
-        if key in ("draining", "maintenance") and not isinstance(value, bool):
-            raise ValueError(f"{key} must be a boolean")
-        if key in ("island", "zone") and not (value is None or (isinstance(value, str) and len(value) <= 64)):
-            raise ValueError(f"{key} must be null or a short string")
-        settings[key] = value
+    settings = {key: state[key] for key in ADMIN_STATE_KEYS if key in state}
+    for key, value in settings.items():
+        check_engine_setting(key, value)
     return settings
 
 
