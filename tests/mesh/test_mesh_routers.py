@@ -126,7 +126,7 @@ def test_killed_replicas_cost_the_survivor_no_events(mesh, fleet):
     engine_url = fleet.urls[0]
     engine_id = engine_url.removeprefix("http://")
     survivor = mesh.routers[2]
-    assert engine_id in call(survivor.url, "/admin/mesh")[0]["ingesting"]
+    assert wait_until(lambda: engine_id in call(survivor.url, "/admin/mesh")[0]["ingesting"], 10)
     for router in mesh.routers[:2]:
         os.kill(router.pid, signal.SIGKILL)
     document = "events published while the other replicas were dead must not be lost " * 40
