@@ -8,6 +8,8 @@ convergence once publishing stopped.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import re
 from collections.abc import Sequence
@@ -23,6 +25,7 @@ REPLAYS = "kvmesh_event_replays_total"
 DROPPED = "kvmesh_events_dropped_total"
 DEFERRED = "kvmesh_event_ingest_deferred_seconds_total"
 BLOCK_OPS = "kvmesh_event_block_ops_total"
+LOOP_LAG = "kvmesh_event_loop_lag_seconds_bucket"
 APPLIED_OPS = ("stored", "removed")
 
 
@@ -45,6 +48,48 @@ def process_rss(pid: int) -> int:
     return rss_bytes(Path(f"/proc/{pid}/statm").read_text())
 
 
+def run_wait_seconds(schedstats: Sequence[str]) -> float:
+    """Seconds the threads waited in the kernel's run queue: a runnable process that got no core.
+
+    ``/proc/PID/task/TID/schedstat`` holds time on a CPU, time waiting for one and timeslices, in ns."""
+    return sum(int(text.split()[1]) for text in schedstats if text.strip()) / 1e9
+
+
+def process_run_wait(pid: int) -> float:
+    stats = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread may end between listing and reading
+            stats.append((task / "schedstat").read_text())
+    return run_wait_seconds(stats)
+
+
+def cpu_pressure_seconds(text: str) -> float:
+    """Seconds in which some runnable task on the machine waited for a core (``/proc/pressure/cpu``)."""
+    for line in text.splitlines():
+        if line.startswith("some "):
+            return int(dict(field.split("=") for field in line.split()[1:])["total"]) / 1e6
+    raise ValueError("no 'some' line in /proc/pressure/cpu")
+
+
+def machine_cpu_pressure() -> float:
+    """NaN where the kernel does not expose pressure stall information."""
+    try:
+        return cpu_pressure_seconds(Path("/proc/pressure/cpu").read_text())
+    except (OSError, ValueError):
+        return math.nan
+
+
+def bucket_quantile(before: dict[float, float], after: dict[float, float], q: float) -> float:
+    """Upper bound of the histogram bucket holding the q-quantile (0..1) of what was observed between two
+    scrapes of its cumulative ``le`` buckets; NaN when nothing was."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    if not counts or counts[-1] <= 0:
+        return math.nan
+    wanted = q * counts[-1]
+    return next(b for b, c in zip(bounds, counts, strict=True) if c >= wanted)
+
+
 @dataclass
 class EngineGauges:
     """One ``/metrics`` scrape, per engine id: batches applied so far, blocks held, 1 if routable."""
@@ -60,13 +105,15 @@ class EngineGauges:
     """Seconds its ingest waited for its share of the event loop, summed over engines."""
     block_ops: int = 0
     """Blocks stored and removed in its index so far, over all engines."""
+    loop_lag: dict[float, float] = field(default_factory=dict)
+    """Its event loop's lag histogram: cumulative count per bucket bound (seconds; +Inf included)."""
 
     @property
     def unhealthy(self) -> int:
         return sum(1 for v in self.healthy.values() if v < 1)
 
 
-_FOLLOWED = (BATCHES, BLOCKS, HEALTHY, REPLAYS, DROPPED, DEFERRED, BLOCK_OPS)
+_FOLLOWED = (BATCHES, BLOCKS, HEALTHY, REPLAYS, DROPPED, DEFERRED, BLOCK_OPS, LOOP_LAG)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
@@ -102,6 +149,8 @@ def engine_gauges(text: str) -> EngineGauges:
             out.deferred_s += value
         elif name == BLOCK_OPS and labels.get("op") in APPLIED_OPS:
             out.block_ops += int(value)
+        elif name == LOOP_LAG and "le" in labels:
+            out.loop_lag[float(labels["le"])] = value
     return out
 
 

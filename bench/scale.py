@@ -29,7 +29,15 @@ from pathlib import Path
 import trio
 
 from bench.client import HttpClient
-from bench.replica_stats import EngineGauges, process_cpu, process_rss, staleness
+from bench.replica_stats import (
+    EngineGauges,
+    bucket_quantile,
+    machine_cpu_pressure,
+    process_cpu,
+    process_rss,
+    process_run_wait,
+    staleness,
+)
 from bench.scale_fleet import (
     MODEL,
     EngineEndpoints,
@@ -50,7 +58,7 @@ from bench.scale_probes import (
     wait_converged,
     wait_subscribed,
 )
-from bench.scale_report import Latency, ReplicaResult, format_ratios, format_tables, moonshot, plot, verdicts
+from bench.scale_report import Latency, ReplicaResult, Strain, format_ratios, format_tables, moonshot, plot, verdicts
 from bench.stats import percentile
 
 IDLE_CPU_S = 2.0
@@ -145,15 +153,47 @@ class _Window:
     applied_ops: list[int]
     scrapes: list[Scrapes]
     latency: list[tuple[Latency, Latency]]
+    strain: list[Strain]
 
 
-async def _work_done(client: HttpClient, reps: list[Replica]) -> list[tuple[float, int]]:
-    """Each replica's CPU seconds and block ops applied so far, read at (nearly) the same moment."""
+@dataclass
+class _Reading:
+    """One replica's counters read together: CPU and run-queue wait (``/proc``), block ops applied and its
+    loop-lag histogram (``/metrics``), and the machine's CPU pressure."""
+
+    at: float
+    cpu_s: float
+    run_wait_s: float
+    block_ops: int
+    loop_lag: dict[float, float]
+    pressure_s: float
+
+
+async def _readings(client: HttpClient, reps: list[Replica]) -> list[_Reading]:
     out = []
     for replica in reps:
         gauges = (await scrape(client, replica, timeout=PROBE_TIMEOUT_S))[1]
-        out.append((process_cpu(replica.pid), gauges.block_ops))
+        out.append(_Reading(time.monotonic(), process_cpu(replica.pid), process_run_wait(replica.pid),
+                            gauges.block_ops, gauges.loop_lag, machine_cpu_pressure()))
     return out
+
+
+def _strain(before: list[_Reading], after: list[_Reading]) -> list[Strain]:
+    """What kept each replica from answering between two readings (see ``Strain``)."""
+    out = []
+    for a, b in zip(after, before, strict=True):
+        wall = max(a.at - b.at, 1e-9)
+        out.append(Strain(1000 * bucket_quantile(b.loop_lag, a.loop_lag, 0.99), (a.run_wait_s - b.run_wait_s) / wall,
+                          (a.pressure_s - b.pressure_s) / wall))
+    return out
+
+
+async def _probed(client: HttpClient, reps: list[Replica], seconds: float) -> tuple[list[tuple[Latency, Latency]],
+                                                                                       list[Strain]]:
+    """Idle chat and /ready latency through every replica, with what strained each meanwhile."""
+    before = await _readings(client, reps)
+    latency = await probe_all(client, reps, seconds)
+    return latency, _strain(before, await _readings(client, reps))
 
 
 async def _publish(client: HttpClient, pub: Publisher, reps: list[Replica], rate: float, seconds: float,
@@ -168,7 +208,7 @@ async def _publish(client: HttpClient, pub: Publisher, reps: list[Replica], rate
     async def probes() -> None:
         latency.extend(await probe_all(client, reps, seconds))
 
-    before = await _work_done(client, reps)
+    before = await _readings(client, reps)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(follow_all, client, reps, scrapes)
         async with trio.open_nursery() as publishing:
@@ -176,9 +216,10 @@ async def _publish(client: HttpClient, pub: Publisher, reps: list[Replica], rate
                 publishing.start_soon(probes)
             answer = await pub.command(f"run {rate} {seconds}")
         nursery.cancel_scope.cancel()
-    after = await _work_done(client, reps)
-    return _Window(answer, [a[0] - b[0] for a, b in zip(after, before, strict=True)],
-                   [a[1] - b[1] for a, b in zip(after, before, strict=True)], scrapes, latency)
+    after = await _readings(client, reps)
+    pairs = list(zip(after, before, strict=True))
+    return _Window(answer, [a.cpu_s - b.cpu_s for a, b in pairs], [a.block_ops - b.block_ops for a, b in pairs],
+                   scrapes, latency, _strain(before, after))
 
 
 async def _fill(client: HttpClient, pub: Publisher, reps: list[Replica], rate: float,
@@ -208,7 +249,7 @@ async def _phases(client: HttpClient, opts: ScaleOptions, pub: Publisher, reps: 
     seen: list[Scrapes] = [[] for _ in reps]
     timeline: dict[str, list[float]] = {e: [] for e in ids}
     idle_cores = await _idle_cpu(reps)
-    idle = await probe_all(client, reps, opts.probe_s)
+    idle, idle_strain = await _probed(client, reps, opts.probe_s)
     rss_idle = [process_rss(r.pid) for r in reps]  # after serving warmed up, so only the index is counted
     await _fill(client, pub, reps, opts.fill_rate, timeline, seen)
 
@@ -242,7 +283,7 @@ async def _phases(client: HttpClient, opts: ScaleOptions, pub: Publisher, reps: 
             _lag_ms(burst.scrapes[i], timeline, 99), converged[i][0], converged[i][1],
             max((g.unhealthy for _, g in everything), default=0),
             latest.replays, latest.dropped, latest.deferred_s,
-            idle[i][0], burst.latency[i][0], idle[i][1], burst.latency[i][1],
+            idle[i][0], burst.latency[i][0], idle[i][1], burst.latency[i][1], idle_strain[i], burst.strain[i],
         ))  # fmt: skip
     return results
 

@@ -36,6 +36,23 @@ class Latency:
         return f"{_num(self.p50_ms)}/{_num(self.p99_ms)}" + (f" ({self.errors} err)" if self.errors else "")
 
 
+@dataclass(frozen=True)
+class Strain:
+    """What kept a replica from answering during a probe window.
+
+    ``loop_lag_p99_ms``: its own event loop's lag (``kvmesh_event_loop_lag_seconds``, bucket bound): the
+    replica holding its loop. ``run_wait``: share of the window its threads were runnable but got no core;
+    ``pressure``: share in which any task on the machine waited for one. Lag far below the latency added
+    while run-queue wait and pressure are high says the machine, not the replica, ran out of cores."""
+
+    loop_lag_p99_ms: float = math.nan
+    run_wait: float = math.nan
+    pressure: float = math.nan
+
+    def cell(self) -> str:
+        return f"{_num(self.loop_lag_p99_ms, 0)}/{_num(100 * self.run_wait, 0)}/{_num(100 * self.pressure, 0)}"
+
+
 @dataclass
 class ReplicaResult:
     """One replica of one (replicas, rate) cell."""
@@ -73,6 +90,8 @@ class ReplicaResult:
     chat_burst: Latency
     ready_idle: Latency
     ready_burst: Latency
+    strain_idle: Strain = Strain()
+    strain_burst: Strain = Strain()
 
     @property
     def net_us_per_op(self) -> float:
@@ -121,6 +140,8 @@ SERVING: list[Column] = [
     ("/ready idle p50/p99", 20, lambda r: r.ready_idle.cell()),
     ("/ready burst p50/p99", 20, lambda r: r.ready_burst.cell()),
     ("chats idle/burst", 16, lambda r: f"{r.chat_idle.count}/{r.chat_burst.count}"),
+    ("lag/wait%/psi% idle", 19, lambda r: r.strain_idle.cell()),
+    ("lag/wait%/psi% burst", 20, lambda r: r.strain_burst.cell()),
 ]
 
 
@@ -135,7 +156,9 @@ def format_tables(results: list[ReplicaResult]) -> str:
         *_table("ingest (steady window; net us/op: without idle CPU; lag in ms)", CELL + INGEST, results),
         *_table("after the burst (conv s: until equal to the publisher; counts over the cell)", CELL + CONVERGENCE,
                 results),
-        *_table("serving through each replica (ms; burst = 2x the rate)", CELL + SERVING, results),
+        *_table("serving through each replica (ms; burst = 2x the rate; lag: the replica's event-loop lag p99, "
+                "ms; wait%: share of the window its threads waited for a core; psi%: share in which any task "
+                "on the machine did)", CELL + SERVING, results),
     ]).rstrip()
 
 
@@ -196,7 +219,10 @@ def _num_or_inf(value: float) -> float:
 
 def _burst_verdicts(results: list[ReplicaResult]) -> list[Verdict]:
     def where(r: ReplicaResult) -> str:
-        return f"worst: R={r.replicas} rate {r.rate:.0f} replica {r.replica}"
+        strain = r.strain_burst
+        return (f"worst: R={r.replicas} rate {r.rate:.0f} replica {r.replica} (in the burst its loop lag p99 "
+                f"{_num(strain.loop_lag_p99_ms, 0)} ms, it waited for a core {_num(100 * strain.run_wait, 0)}% of "
+                f"the time, machine CPU pressure {_num(100 * strain.pressure, 0)}%)")
 
     def p99_ratio(r: ReplicaResult) -> float:
         value = ratio(r.chat_burst.p99_ms, r.chat_idle.p99_ms)

@@ -4,7 +4,7 @@ Each batch is one engine step: a chain of ``CHAIN_BLOCKS`` new blocks of ``BLOCK
 BlockStored, no parent, u64 hashes, token ids) and, once the engine holds its cap, one BlockRemoved per
 evicted hash, oldest first, as vLLM sends them. Each engine remembers its live blocks together with the
 own keys a router derives from their token ids, so the publisher can state the digest an exact replica
-reports for that engine (``gateway.admin.index_digest``).
+reports for that engine (``index.digest.block_set_digest``).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import random
 from collections import deque
 from dataclasses import dataclass
 
-from gateway.admin import index_digest
 from index.block_hash import chain, engine_hash_to_int, root_seed
+from index.digest import block_set_digest
 from sim.event_encoding import Encoding, encode_batch
 from sim.kv_cache import BlockRemoved, BlockStored, KVEvent
 
@@ -109,4 +109,4 @@ class SyntheticEngine:
 
     def digest(self) -> str:
         """What ``GET /admin/index`` of a replica holding exactly this engine's live blocks says."""
-        return index_digest({engine_hash_to_int(h): k for h, k in zip(self._hashes, self._own_keys, strict=True)})
+        return block_set_digest([engine_hash_to_int(h) for h in self._hashes], list(self._own_keys))

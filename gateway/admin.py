@@ -9,12 +9,12 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import trio
-import xxhash
 
 from gateway import http_app
 from gateway.config import ConfigError, EngineConfig, _build
 from gateway.openai_errors import ApiError
 from gateway.request_body import load_json_object
+from index.digest import block_set_digest
 
 if TYPE_CHECKING:
     from gateway.router import Router
@@ -22,14 +22,6 @@ if TYPE_CHECKING:
 ADMIN_STATE_KEYS = ("draining", "maintenance", "island", "zone")
 BOOLEAN_STATE_KEYS = ("draining", "maintenance")
 ADMIN_BODY_BYTES = 1024 * 1024
-
-
-def index_digest(pairs: dict[int, int]) -> str:
-    """An order-independent digest of one engine's block set, so replicas can compare content cheaply."""
-    total = 0
-    for engine_hash, own_key in pairs.items():
-        total = (total + xxhash.xxh3_64_intdigest(engine_hash.to_bytes(8, "big") + own_key.to_bytes(8, "big")))
-    return f"{total & 0xFFFFFFFFFFFFFFFF:016x}:{len(pairs)}"
 
 
 def engine_row(router: Router, engine_id: str) -> dict[str, Any]:
@@ -52,10 +44,10 @@ def index_report(router: Router) -> dict[str, Any]:
     for engine in router.engines.all():
         info = cache.info(engine.id)
         fresh = info.freshness if info else None
-        pairs = cache.store.pairs(engine.id)
+        engine_hashes, own_keys = cache.store.export(engine.id)
         engines[engine.id] = {
-            "blocks": len(pairs),
-            "digest": index_digest(pairs),
+            "blocks": len(engine_hashes),
+            "digest": block_set_digest(engine_hashes, own_keys),
             "has_events": bool(info and info.has_events),
             "confidence": round(fresh.confidence(now), 4) if fresh else 0.0,
             "last_seq": fresh.last_seq if fresh else None,

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -50,6 +51,9 @@ class RouterMetrics:
                                      "continued them", ["outcome"], registry=r)
         self.continuation_latency = Histogram("kvmesh_continuation_latency_seconds", "From a stream's break to the "
                                               "next token the client got", buckets=LATENCY_BUCKETS, registry=r)
+        self.loop_lag = Histogram("kvmesh_event_loop_lag_seconds", "How late the router's event loop woke a "
+                                  "task that asked to run (what every request and health poll waited then)",
+                                  buckets=LOOP_LAG_BUCKETS, registry=r)
         self._refresh: Callable[[RouterMetrics], None] = lambda metrics: None
 
     def on_scrape(self, refresh: Callable[[RouterMetrics], None]) -> None:

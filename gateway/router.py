@@ -22,6 +22,7 @@ from gateway.engine_watch import watch_engine
 from gateway.engines import EngineRegistry, EngineState
 from gateway.event_ingest import EventIngest
 from gateway.gatekeeper import Gatekeeper
+from gateway.loop_lag import watch_loop_lag
 from gateway.mesh_link import build_mesh_node, follow_mesh, registry_state, sweep_dispatches
 from gateway.mesh_state import MeshState
 from gateway.metrics import RouterMetrics
@@ -71,6 +72,7 @@ class Router:
         """Mesh, tokenizers, event ingestion and engine watchers; owned by the process nursery."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            nursery.start_soon(watch_loop_lag, self.metrics.loop_lag.observe)
             await nursery.start(self.ingest.run)
             if self.mesh is not None and self.mesh_state is not None:
                 await nursery.start(self.mesh.run)

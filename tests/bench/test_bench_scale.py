@@ -8,14 +8,24 @@ import math
 import pytest
 
 from bench.cli import main
-from bench.replica_stats import CLOCK_TICKS, PAGE_SIZE, cpu_seconds, engine_gauges, rss_bytes, staleness
+from bench.replica_stats import (
+    CLOCK_TICKS,
+    PAGE_SIZE,
+    bucket_quantile,
+    cpu_pressure_seconds,
+    cpu_seconds,
+    engine_gauges,
+    rss_bytes,
+    run_wait_seconds,
+    staleness,
+)
 from bench.scale import add_arguments, options
 from bench.scale_fleet import EngineEndpoints, replica_config
-from bench.scale_report import Latency, ReplicaResult, format_ratios, format_tables, verdicts
+from bench.scale_report import Latency, ReplicaResult, Strain, format_ratios, format_tables, verdicts
 from bench.synthetic_engines import CHAIN_BLOCKS, Pacer, SyntheticEngine
 from events.decode import BlockRemoved, BlockStored, decode_live
-from gateway.admin import index_digest
 from gateway.config import load_config
+from index.digest import block_set_digest
 from index.ingest import EngineIngest
 from index.prefix_index import PrefixIndex
 
@@ -38,7 +48,7 @@ def test_publisher_digest_equals_what_an_exact_replica_reports(encoding):
         assert all(len(e.block_hashes) == 1 for e in evicted) and len(evicted) == batch.removed
     assert removed[:3] == [0, 0, 0] and removed[3] == 28 and removed[4:] == [32] * 6
     assert engine.live == store.block_count("e3") == 100
-    assert engine.digest() == index_digest(store.pairs("e3"))
+    assert engine.digest() == block_set_digest(*store.export("e3"))
 
 
 def test_engines_publish_distinct_chains():
@@ -90,6 +100,12 @@ kvmesh_event_ingest_deferred_seconds_total{engine="e1"} 0.5
 kvmesh_event_block_ops_total{engine="e0",op="stored"} 384.0
 kvmesh_event_block_ops_total{engine="e0",op="removed"} 64.0
 kvmesh_event_block_ops_total{engine="e0",op="orphaned"} 1.0
+# HELP kvmesh_event_loop_lag_seconds How late the router's event loop woke a task
+# TYPE kvmesh_event_loop_lag_seconds histogram
+kvmesh_event_loop_lag_seconds_bucket{le="0.001"} 90.0
+kvmesh_event_loop_lag_seconds_bucket{le="0.01"} 99.0
+kvmesh_event_loop_lag_seconds_bucket{le="+Inf"} 100.0
+kvmesh_event_loop_lag_seconds_count 100.0
 # HELP kvmesh_requests_total Requests answered
 # TYPE kvmesh_requests_total counter
 kvmesh_requests_total{endpoint="chat",status="200"} 5.0
@@ -100,6 +116,22 @@ def test_engine_gauges_follow_only_the_per_engine_samples():
     gauges = engine_gauges(METRICS)
     assert gauges.batches == {"e0": 12, "e1": 3} and gauges.blocks == {"e0": 384} and gauges.unhealthy == 1
     assert (gauges.replays, gauges.dropped, gauges.deferred_s, gauges.block_ops) == (3, 4, 0.75, 448)
+    assert gauges.loop_lag == {0.001: 90.0, 0.01: 99.0, math.inf: 100.0}
+
+
+def test_loop_lag_quantile_counts_only_what_was_observed_between_two_scrapes():
+    before = {0.001: 90.0, 0.01: 99.0, math.inf: 100.0}
+    after = {0.001: 150.0, 0.01: 199.0, math.inf: 200.0}  # 60 within 1 ms, 40 more within 10 ms
+    assert bucket_quantile(before, after, 0.99) == 0.01
+    assert bucket_quantile(before, after, 0.50) == 0.001
+    assert bucket_quantile(before, {0.001: 90.0, 0.01: 99.0, math.inf: 110.0}, 0.99) == math.inf
+    assert math.isnan(bucket_quantile(before, before, 0.99))
+
+
+def test_run_queue_wait_and_cpu_pressure_from_proc_text():
+    assert run_wait_seconds(["1000 2500000000 7\n", "5 500000000 1\n", ""]) == pytest.approx(3.0)
+    psi = "some avg10=1.00 avg60=2.00 avg300=3.00 total=4500000\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+    assert cpu_pressure_seconds(psi) == pytest.approx(4.5)
 
 
 def test_staleness_is_the_age_of_the_oldest_unapplied_batch():
@@ -128,7 +160,7 @@ def _result(replicas, replica, cpu, rss_end=2_000_000, converge=1.0, unhealthy=0
     return ReplicaResult(
         replicas, 10_000.0, replica, 9_990.0, 19_000.0, 9_990.0, cpu, 0.02, 1_000_000, rss_end, 10_000, 9_000_000,
         0.5, 3.0, 20.0, True, converge, unhealthy, 1, 0, 0.5, Latency(10.0, 30.0, 300), Latency(12.0, burst_p99, 280),
-        Latency(1.0, 2.0, 200), Latency(1.5, ready_p99, 190),
+        Latency(1.0, 2.0, 200), Latency(1.5, ready_p99, 190), Strain(2.5, 0.05, 0.1), Strain(10.0, 0.25, 0.6),
     )  # fmt: skip
 
 
@@ -144,7 +176,10 @@ def test_verdicts_pass_when_flat_in_replicas_and_serving_holds():
 def test_verdicts_fail_on_cost_growth_memory_slow_serving_and_no_convergence():
     results = [_result(1, 0, 10.0), _result(3, 0, 16.0, rss_end=5_000_000, converge=math.inf, unhealthy=2,
                                             burst_p99=90.0, ready_p99=150.0)]
-    failed = {v.target.split(" (")[0].split(",")[0] for v in verdicts(results) if not v.passed}
+    judged = verdicts(results)
+    assert any("its loop lag p99 10 ms, it waited for a core 25% of the time, machine CPU pressure 60%" in v.line()
+               for v in judged if v.target.startswith("/ready"))
+    failed = {v.target.split(" (")[0].split(",")[0] for v in judged if not v.passed}
     assert failed == {"CPU per block op", "RSS per live block at R=3", "chat p99 during the 2x burst / idle p99",
                       "/ready p99 during the 2x burst", "engines marked unhealthy by a replica",
                       "convergence on the publisher's live set after the burst"}
@@ -156,6 +191,7 @@ def test_tables_show_every_replica():
     assert len(rows) == 6 and "100.0" in rows[0] and " inf " in rows[3] and "12.0/40.0" in rows[4]
     assert "    9.0   yes " in rows[2]
     assert " 19000      9990     10.00      8.00 " in rows[0]  # idle 2% of a core at ~10k ops/s is 2 us of each op
+    assert rows[4].split()[-2:] == ["2/5/10", "10/25/60"]
 
 
 @pytest.mark.integration
