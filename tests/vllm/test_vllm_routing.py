@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -316,3 +317,25 @@ def test_a_stream_whose_engine_is_killed_mid_answer_completes_on_the_other(
     print(f"\nmid-stream kill: {chunks} content chunks, finish_reason={finish}, usage={usage}")
     assert finish == "length"
     assert usage is not None and usage.completion_tokens == 300
+
+
+KEEP_ALIVE_S = 5.0
+"""How long vLLM's server (uvicorn) keeps an idle connection open (docs/vllm.md)."""
+
+
+def test_bursts_after_idle_gaps_longer_than_the_keep_alive_all_succeed(
+    kv_router: RouterClient, engines: list[VllmEngine]
+) -> None:
+    """Bursts of concurrent chats, each after a pause in which the engines closed every pooled connection:
+    every request is answered 200, and both engines stay routable (a connection the engine closed while
+    idle is the pool's problem, not the engine's)."""
+    statuses: list[int] = []
+    with ThreadPoolExecutor(max_workers=12) as pool:
+        for burst in range(3):
+            if burst:
+                time.sleep(KEEP_ALIVE_S + 1.5)
+            answers = pool.map(lambda i, b=burst: kv_router.chat(user(f"Burst {b}, question {i}: say hi."),
+                                                                 max_tokens=2), range(12))
+            statuses += [routed.status for routed in answers]
+    assert statuses == [200] * 36
+    assert all(engine["healthy"] for engine in kv_router.engines()), kv_router.engines()

@@ -118,6 +118,11 @@ class RouterClient:
         rows = self.debug_route(messages)["candidates"]
         return {row["engine"]: row["overlap_exact_tokens"] for row in rows}
 
+    def engines(self) -> list[dict[str, Any]]:
+        status, _, body = self._request("GET", "/admin/engines", None, None)
+        assert status == 200, f"/admin/engines answered {status}: {body}"
+        return body["engines"]
+
     def index(self, admin_key: str | None = None) -> dict[str, dict[str, Any]]:
         status, _, body = self._request("GET", "/admin/index", None, admin_key)
         assert status == 200, f"/admin/index answered {status}: {body}"
