@@ -118,6 +118,8 @@ class RouterConfig:
     connect_timeout_s: float = 2.0
     first_byte_timeout_s: float = 120.0
     idle_timeout_s: float = 120.0
+    shutdown_grace_s: float = 30.0
+    """On SIGTERM: how long requests in flight may run on; streams still running then end with an SSE error."""
     metrics_interval_s: float = 1.0
     log_level: str = "info"
     engines: list[EngineConfig] = field(default_factory=list)
@@ -137,7 +139,8 @@ class RouterConfig:
         for key in ("max_body_bytes", "max_attempts", "tokenizer_workers"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key}: must be at least 1")
-        for key in ("connect_timeout_s", "first_byte_timeout_s", "idle_timeout_s", "metrics_interval_s"):
+        for key in ("connect_timeout_s", "first_byte_timeout_s", "idle_timeout_s", "shutdown_grace_s",
+                    "metrics_interval_s"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}: must be positive")
         if self.log_level not in ("debug", "info", "warning", "error"):

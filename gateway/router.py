@@ -26,7 +26,7 @@ from gateway.loop_lag import watch_loop_lag
 from gateway.mesh_link import build_mesh_node, follow_mesh, registry_state, sweep_dispatches
 from gateway.mesh_state import MeshState
 from gateway.metrics import RouterMetrics
-from gateway.openai_errors import ApiError, error_type
+from gateway.openai_errors import ApiError, error_type, sse_error_event
 from gateway.proxy import Attempt, Exchange, Timeouts, UpstreamFailure, forward, report_continued
 from gateway.request_body import Kind, check_body_headers, parse_request
 from gateway.route_planner import RoutePlanner
@@ -62,6 +62,8 @@ class Router:
         self.timeouts = Timeouts(config.connect_timeout_s, config.first_byte_timeout_s, config.idle_timeout_s)
         self.active_requests = 0
         self.shutting_down = False
+        self._cuttable: set[trio.CancelScope] = set()
+        """The proxying of every request in flight, so that a shutdown can end what outlived its grace."""
         self._nursery: trio.Nursery | None = None
         self._watches: dict[str, trio.CancelScope] = {}
         self._exported_engines: set[str] = set()
@@ -161,6 +163,13 @@ class Router:
         if self.mesh is None:
             raise ApiError(409, "this router runs without a mesh", code="no_mesh")
         self.mesh.isolate(isolated)
+
+    def cut_requests(self) -> int:
+        """The shutdown grace is over: end every request still proxying (a stream gets an SSE error event,
+        anything else a 503); returns how many were cut."""
+        for scope in self._cuttable:
+            scope.cancel()
+        return len(self._cuttable)
 
     async def leave(self) -> None:
         if self.mesh is not None:
@@ -284,14 +293,20 @@ class Router:
                 return [(b"x-kvmesh-route", value.encode()), (b"x-request-id", request_id.encode())]
 
             continuation = ContinuationSpec.of(parsed.body, kind, parsed.stream, plan.counted_tokens)
+            cut = trio.CancelScope()
+            self._cuttable.add(cut)
             try:
-                result = await _forward_until_disconnect(
-                    receive, send,
-                    lambda send_: forward(plan.engines, Exchange("POST", scope["path"], plan.body(),
-                                                                 upstream_headers, send_, self.timeouts,
-                                                                 route_header, parsed.stream, continuation),
-                                          self.config.max_attempts),
-                )
+                with cut:
+                    result = await _forward_until_disconnect(
+                        receive, send,
+                        lambda send_: forward(plan.engines, Exchange("POST", scope["path"], plan.body(),
+                                                                     upstream_headers, send_, self.timeouts,
+                                                                     route_header, parsed.stream, continuation),
+                                              self.config.max_attempts),
+                    )
+                if cut.cancelled_caught:
+                    raise ApiError(503, "the router shut down before the answer was complete; retry the request",
+                                   code="shutting_down")
             except UpstreamFailure as error:
                 record.attempts = _attempt_records(error.attempts)
                 for attempt in error.attempts:
@@ -299,6 +314,8 @@ class Router:
                 raise _without_engine_details(error, record) from None
             except ApiError as error:
                 raise _without_engine_details(error, record) from None
+            finally:
+                self._cuttable.discard(cut)
             if result is None:
                 record.code = "client_disconnected"
                 return 499
@@ -385,21 +402,26 @@ class _Response:
         self._send = send
         self.started = False
         self.finished = False
+        self.event_stream = False
 
     async def send(self, message: dict[str, Any]) -> None:
         if message["type"] == "http.response.start":
             self.started = True
+            self.event_stream = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                                    for k, v in message.get("headers", ()))
         elif message["type"] == "http.response.body" and not message.get("more_body", False):
             self.finished = True
         await self._send(message)
 
     async def fail(self, error: ApiError) -> None:
-        """Answer ``error``; after the head went out, only end the body. A client already gone is ignored."""
+        """Answer ``error``; after the head went out, end the body (an event stream with an SSE error event,
+        which OpenAI clients raise). A client already gone is ignored."""
         try:
             if not self.started:
                 await http_app.send_error(self.send, error)
             elif not self.finished:
-                await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+                tail = sse_error_event(error.message, error.status) if self.event_stream else b""
+                await self.send({"type": "http.response.body", "body": tail, "more_body": False})
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
             pass
 

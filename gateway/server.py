@@ -26,7 +26,8 @@ from gateway.security.posture import log_posture
 from gateway.tracing import setup_tracing
 
 log = logging.getLogger("kvmesh.server")
-GRACE_S = 10.0
+CUT_FLUSH_S = 2.0
+"""After the grace: how long cut requests get to send their SSE error event or 503 before the process ends."""
 READY_PREFIX = "KVMESH_ROUTER_READY "
 
 
@@ -36,7 +37,7 @@ def hypercorn_config(config: RouterConfig) -> HypercornConfig:
     hc.accesslog = None
     hc.errorlog = logging.getLogger("hypercorn.error")
     hc.keep_alive_timeout = 75
-    hc.graceful_timeout = GRACE_S
+    hc.graceful_timeout = config.shutdown_grace_s + CUT_FLUSH_S
     hc.h11_max_incomplete_size = 64 * 1024
     return hc
 
@@ -73,9 +74,15 @@ async def serve_router(config: RouterConfig, task_status: trio.TaskStatus = trio
         task_status.started(router)
         await stop.wait()
         router.shutting_down = True
-        with trio.move_on_after(GRACE_S + 1):
+        with trio.move_on_after(config.shutdown_grace_s):
             while router.active_requests:
                 await trio.sleep(0.05)
+        if router.active_requests:
+            log.warning("shutdown grace over: cutting requests still in flight",
+                        extra={"requests": router.cut_requests(), "grace_s": config.shutdown_grace_s})
+            with trio.move_on_after(CUT_FLUSH_S):
+                while router.active_requests:
+                    await trio.sleep(0.05)
         await router.leave()
         nursery.cancel_scope.cancel()
 

@@ -132,6 +132,39 @@ def test_sigterm_lets_the_stream_finish_and_refuses_new_connections(fleet, confi
             set_fault(url, clear=True)
 
 
+def test_a_stream_outliving_the_shutdown_grace_ends_with_an_sse_error(fleet, tmp_path):
+    """shutdown_grace_s bounds how long SIGTERM waits; a stream still running then gets an error event in
+    OpenAI's shape (not a bare cut) and the router exits."""
+    for url in fleet.urls:
+        set_fault(url, slow=100)
+    config = tmp_path / "router.toml"
+    config.write_text('policy = "round_robin"\nshutdown_grace_s = 1.0\n')
+    router = RouterProcess(fleet.urls, config=str(config), metrics_interval=0.2).start()
+    try:
+        http = Http(router.url)
+        conn = socket.create_connection((http.host, http.port), timeout=30)
+        body = json.dumps(chat("outlive the grace", max_tokens=5000, stream=True)).encode()
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        received = conn.recv(65536)
+        assert received.startswith(b"HTTP/1.1 200")
+        sigterm_at = time.monotonic()
+        os.kill(router.pid, signal.SIGTERM)
+        while chunk := conn.recv(65536):
+            received += chunk
+        conn.close()
+        assert b"data: [DONE]" not in received
+        last = received.rstrip().rsplit(b"data: ", 1)[-1]
+        error = json.loads(last.split(b"\r\n")[0])["error"]
+        assert error["code"] == 503 and "shut down" in error["message"], error
+        assert router.proc is not None and router.proc.wait(15) == 0
+        assert time.monotonic() - sigterm_at < 10
+    finally:
+        router.stop()
+        for url in fleet.urls:
+            set_fault(url, clear=True)
+
+
 def test_engine_death_mid_stream_that_cannot_be_continued_is_an_error_event_the_openai_client_raises(router, fleet):
     """Last in this module: the engine that serves the stream dies for good. With logprobs the stream
     cannot be continued elsewhere (test_gateway_midstream_openai has those that can)."""
