@@ -42,6 +42,12 @@ class Gatekeeper:
     def require_admin(self, headers: Mapping[str, str]) -> None:
         self.auth.require_admin(headers.get("authorization"))
 
+    def sees_cache_state(self, tenant: Tenant, headers: Mapping[str, str]) -> bool:
+        """Whether routing details (overlaps, estimates, reasons) may go back to this caller. They say what
+        the engines hold: an isolated tenant's prompts are salted, so its overlaps only ever count its own
+        blocks, but a shared tenant's would tell it, block by block, what other tenants sent."""
+        return tenant.cache == "isolated" or self.auth.is_admin(headers.get("authorization"))
+
     def isolate(self, tenant: Tenant, parsed: ParsedRequest) -> ParsedRequest:
         """Apply the tenant's cache policy: an isolated tenant's salt goes into the body and the index key."""
         body, raw, salt = apply_cache_policy(tenant, parsed.body, parsed.raw)

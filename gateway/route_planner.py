@@ -64,8 +64,9 @@ class Plan:
     def body(self) -> bytes:
         return self.body_override if self.body_override is not None else self.parsed.raw
 
-    def header(self, engine_id: str, attempts: int) -> str:
-        value = route_header(self.decision)
+    def header(self, engine_id: str, attempts: int, detailed: bool = True) -> str:
+        """The ``x-kvmesh-route`` value; cache details only when ``detailed`` (the caller is an admin)."""
+        value = route_header(self.decision, detailed)
         if self.decision.chosen != engine_id:
             value += f"; served_by={engine_id}; attempts={attempts}"
         return value

@@ -224,6 +224,10 @@ class Router:
             headers = dict(_headers(scope))
             tenant = self.gate.tenant(headers)
             record.tenant = tenant.name
+            if not self.gate.sees_cache_state(tenant, headers):
+                raise ApiError(403, "/debug/route shows what the engines hold for every shared tenant's prompts; "
+                               "it needs an admin key or the key of a tenant whose cache is isolated",
+                               code="admin_key_required")
             parsed = self.gate.isolate(tenant, await self._read_request(None, scope, receive, headers))
             # Scoring tokenizes like a request: it is admitted and charged like one.
             priority = self.gate.priority(tenant, headers)
@@ -287,9 +291,10 @@ class Router:
             self.gate.admit(tenant, priority, parsed, plan.prompt_tokens, plan.engines)
             self.planner.dispatched(plan)
             upstream_headers = [*forwarded_headers(headers), ("x-request-id", request_id)]
+            detailed = self.gate.sees_cache_state(tenant, headers)
 
             def route_header(engine: EngineState, attempts: list[Attempt]) -> list[tuple[bytes, bytes]]:
-                value = plan.header(engine.id, len(attempts))
+                value = plan.header(engine.id, len(attempts), detailed)
                 return [(b"x-kvmesh-route", value.encode()), (b"x-request-id", request_id.encode())]
 
             continuation = ContinuationSpec.of(parsed.body, kind, parsed.stream, plan.counted_tokens)

@@ -24,8 +24,14 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1000.0, 1)
 
 
-def route_header(decision: Decision) -> str:
-    """e.g. ``engine=e1; overlap=1984/2048; est_ttft_ms=42.1; reason=cache-hit-97%; policy=kv_aware``."""
+def route_header(decision: Decision, detailed: bool = True) -> str:
+    """e.g. ``engine=e1; overlap=1984/2048; est_ttft_ms=42.1; reason=cache-hit-97%; policy=kv_aware``.
+
+    Without ``detailed`` only the engine and the policy: overlap, estimates and reasons say what the
+    engines hold, and a tenant must not learn block by block whether another tenant's prompt is cached."""
+    if not detailed:
+        return f"engine={_token(decision.table[0].engine) if decision.table else 'none'}; " \
+               f"policy={_token(decision.policy)}"
     if not decision.table:
         return f"engine=none; reason={_token(decision.reason)}; policy={_token(decision.policy)}"
     best = decision.table[0]

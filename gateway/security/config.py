@@ -49,7 +49,9 @@ class TenantConfig:
     name: str
     keys: list[str] = field(default_factory=list, repr=False)
     priority: str = "normal"
-    cache: str = "shared"
+    cache: str = "isolated"
+    """isolated: the tenant's prompts are salted, so only its own requests reuse their KV blocks (timing
+    cannot tell another tenant what it sent); shared: reuse across every shared tenant."""
     requests_per_second: float | None = None
     prompt_tokens_per_minute: float | None = None
     allow_priority_header: bool = False

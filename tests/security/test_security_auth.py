@@ -35,7 +35,9 @@ def test_valid_keys_resolve_to_their_tenant_with_resolved_settings():
     assert (acme.name, acme.priority, acme.cache, acme.requests_per_second) == ("acme", "high", "isolated", 5)
     assert acme.cache_salt == tenants()[0].effective_cache_salt()
     globex = auth.resolve(f"Bearer {GLOBEX_KEY}")
-    assert (globex.name, globex.cache_salt, globex.allow_priority_header) == ("globex", None, True)
+    assert (globex.name, globex.allow_priority_header) == ("globex", True)
+    # No cache policy given: isolated, so no other tenant can probe what globex's prompts left cached.
+    assert globex.cache == "isolated" and globex.cache_salt not in (None, acme.cache_salt)
 
 
 @given(keys)

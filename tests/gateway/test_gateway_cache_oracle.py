@@ -1,0 +1,47 @@
+"""Routing details say what the engines hold: only callers who cannot learn other tenants' prompts from
+them see overlaps, estimates and reasons (admins, and isolated tenants, whose prompts are salted so their
+overlaps count only their own blocks). A shared tenant sees which engine served it, nothing more."""
+
+from __future__ import annotations
+
+import json
+
+from router_inprocess import MODEL, assert_openai_error, call, make_router
+
+from gateway.security.config import AuthConfig, TenantConfig
+from gateway.security.keys import hash_key
+
+ADMIN, SHARED, ISOLATED = "kvm-admin", "kvm-shared", "kvm-isolated"
+BODY = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "what is cached?"}]}).encode()
+
+
+def router(monkeypatch):
+    tenants = [TenantConfig("public", [hash_key(SHARED)], cache="shared"),
+               TenantConfig("acme", [hash_key(ISOLATED)])]
+    return make_router(monkeypatch, auth=AuthConfig(enabled=True, admin_keys=[hash_key(ADMIN)]), tenants=tenants)
+
+
+def as_(key: str) -> dict[str, str]:
+    return {"content-type": "application/json", "authorization": f"Bearer {key}"}
+
+
+async def test_a_shared_tenant_sees_its_engine_but_no_overlap(monkeypatch):
+    app = router(monkeypatch)
+    answer = await call(app, "POST", "/v1/chat/completions", BODY, as_(SHARED))
+    assert answer.status == 200
+    header = answer.headers["x-kvmesh-route"]
+    assert header.startswith("engine=") and "policy=" in header
+    assert not any(word in header for word in ("overlap", "est_ttft", "reason")), header
+    assert_openai_error(await call(app, "POST", "/debug/route", BODY, as_(SHARED)), 403)
+
+
+async def test_an_isolated_tenant_sees_routing_details_of_its_own_blocks(monkeypatch):
+    app = router(monkeypatch)
+    answer = await call(app, "POST", "/v1/chat/completions", BODY, as_(ISOLATED))
+    assert "overlap=" in answer.headers["x-kvmesh-route"]
+    explained = await call(app, "POST", "/debug/route", BODY, as_(ISOLATED))
+    assert explained.status == 200 and explained.json()["candidates"]
+
+
+def test_tenants_are_isolated_unless_configured_shared():
+    assert TenantConfig("newcomer").cache == "isolated"
