@@ -152,6 +152,7 @@ class RouterConfig:
                 raise ConfigError(f"engines[{i}].url: {engine.url} is listed twice")
             seen.add(engine.url)
         validate_security(self.auth, self.tenants)
+        self.auth.check_exposure(self.host)
         self.admission.validate("admission")
         self.tracing.validate()
         self.limits.validate("limits")

@@ -10,6 +10,7 @@ Two tenants given the same explicit ``cache_salt`` deliberately share their cach
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import re
 from dataclasses import dataclass, field
 
@@ -35,13 +36,35 @@ def _check_keys(keys: list[str], where: str) -> None:
                               "allowed in config, store the output of `kvmesh keys hash` instead")
 
 
+def is_loopback_host(host: str) -> bool:
+    """Whether a bind address only this machine can reach."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 @dataclass
 class AuthConfig:
     enabled: bool = False
     admin_keys: list[str] = field(default_factory=list, repr=False)
+    allow_open_network: bool = False
+    """With auth off, the router binds only loopback unless this says the network in front of it is trusted:
+    whoever reaches it is admin (adds engines fleet-wide, drains them, partitions the mesh)."""
 
     def validate(self, where: str) -> None:
         _check_keys(self.admin_keys, f"{where}.admin_keys")
+
+    def check_exposure(self, host: str) -> None:
+        """Refuse to serve everyone as admin on an address others can reach, unless told to."""
+        if self.enabled or self.allow_open_network or is_loopback_host(host):
+            return
+        raise ConfigError(f"host: {host} with auth off would make anyone who reaches it an admin (adding engines "
+                          "fleet-wide, draining them, partitioning the mesh); set [auth] enabled = true with "
+                          "admin_keys (kvmesh keys generate), bind 127.0.0.1, or, if the network in front of "
+                          "this router is trusted, set [auth] allow_open_network = true")
 
 
 @dataclass

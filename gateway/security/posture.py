@@ -6,22 +6,13 @@ learn from the first log lines, not from an incident, who can add engines or rea
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 
 from gateway.config import RouterConfig
+from gateway.security.config import is_loopback_host
 
 log = logging.getLogger("kvmesh.security")
 ENABLE_AUTH = "set [auth] enabled = true with admin_keys (and [[tenants]] keys for clients)"
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def open_surfaces(config: RouterConfig) -> list[dict[str, str]]:
@@ -49,8 +40,8 @@ def open_surfaces(config: RouterConfig) -> list[dict[str, str]]:
 
 def log_posture(config: RouterConfig) -> None:
     """A warning per open surface, unless auth is on and the router only listens on loopback."""
-    if config.auth.enabled and _loopback(config.host):
+    if config.auth.enabled and is_loopback_host(config.host):
         return
-    reach = "this host only" if _loopback(config.host) else f"anyone who reaches {config.host}:{config.port}"
+    reach = "this host only" if is_loopback_host(config.host) else f"anyone who reaches {config.host}:{config.port}"
     for surface in open_surfaces(config):
         log.warning("open surface", extra={**surface, "reachable_by": reach})

@@ -15,7 +15,9 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster import haproxy
+from gateway.config import load_config
 from gateway.metrics import RouterMetrics
+from gateway.security.auth import Authenticator
 from mesh.auth import load_secret
 
 COMPOSE = Path(__file__).resolve().parents[2] / "compose"
@@ -99,20 +101,29 @@ def test_prometheus_scrapes_routers_by_dns_and_both_engines() -> None:
     assert jobs["engines"]["static_configs"][0]["targets"] == ["engine-1:8000", "engine-2:8000"]
 
 
-def test_the_mesh_secret_is_generated_at_first_start_never_taken_from_the_repository(tmp_path, monkeypatch) -> None:
-    """Every replica reads one secret from the mesh-secret volume, written once by the mesh-secret service
-    before any router starts; the generator's script, run here, writes a secret load_secret accepts and
-    keeps an existing one."""
+def test_secrets_are_generated_at_first_start_never_taken_from_the_repository(tmp_path, monkeypatch) -> None:
+    """Every replica reads the mesh secret and a router config with auth on from the secrets volume, written
+    once by the secrets service before any router starts. The generator's script, run here, writes a secret
+    load_secret accepts, API keys whose hashes the config holds (a config the router loads, bound to
+    0.0.0.0), and keeps all of it on a second run."""
     services = _compose_config("sim")["services"]
-    router, generator = services["router"], services["mesh-secret"]
+    router, generator = services["router"], services["secrets"]
     assert "--mesh-secret-file=/run/kvmesh/mesh.secret" in router["command"]
-    assert router["depends_on"]["mesh-secret"]["condition"] == "service_completed_successfully"
-    assert "mesh-secret:/run/kvmesh:ro" in router["volumes"] and "secrets" not in router
-    assert not list(COMPOSE.glob("mesh.secret*"))
-    script = generator["command"][0].replace("/run/kvmesh/mesh.secret", str(tmp_path / "mesh.secret"))
+    assert "--config=/run/kvmesh/router.toml" in router["command"]
+    assert router["depends_on"]["secrets"]["condition"] == "service_completed_successfully"
+    assert "secrets:/run/kvmesh:ro" in router["volumes"]
+    assert not list(COMPOSE.glob("mesh.secret*")) and not list(COMPOSE.glob("*.key"))
+    script = generator["command"][0].replace('"/run/kvmesh"', repr(str(tmp_path)))
     monkeypatch.setattr("os.chown", lambda *args: None)
     exec(script, {})
     first = load_secret(tmp_path / "mesh.secret")
     assert len(first) == 64 and int(first, 16) >= 0
+    config = load_config(tmp_path / "router.toml", cli={"host": "0.0.0.0"}, environ={})
+    assert config.auth.enabled
+    auth = Authenticator(config.auth, config.tenants)
+    admin, client = ((tmp_path / name).read_text().strip() for name in ("admin.key", "client.key"))
+    assert auth.is_admin(f"Bearer {admin}") and not auth.is_admin(f"Bearer {client}")
+    assert auth.resolve(f"Bearer {client}") is not None
     exec(script, {})
     assert load_secret(tmp_path / "mesh.secret") == first
+    assert (tmp_path / "client.key").read_text().strip() == client

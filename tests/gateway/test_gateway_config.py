@@ -60,3 +60,23 @@ def test_env_engine_list():
 def test_missing_file_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml")
+
+
+ADMIN_HASH = "sha256:" + "ab" * 32
+
+
+@pytest.mark.parametrize(("text", "refused"), [
+    ('host = "0.0.0.0"\n', True),
+    ('host = "10.1.2.3"\n', True),
+    ('host = "127.0.0.1"\n', False),
+    ('host = "::1"\n', False),
+    ('host = "0.0.0.0"\n[auth]\nallow_open_network = true\n', False),
+    (f'host = "0.0.0.0"\n[auth]\nenabled = true\nadmin_keys = ["{ADMIN_HASH}"]\n', False),
+])
+def test_auth_off_binds_only_loopback_unless_the_network_is_declared_trusted(tmp_path, text, refused):
+    """With auth off everyone is admin: on an address others reach, that must be asked for by name."""
+    if refused:
+        with pytest.raises(ConfigError, match="allow_open_network"):
+            load_config(write(tmp_path, text), environ={})
+    else:
+        load_config(write(tmp_path, text), environ={})
