@@ -1,6 +1,7 @@
 """The router's tokenizer: exact vLLM token ids without stalling the event loop.
 
-Per request: render (on the loop, ~15 us), split the text at added tokens, look every segment up in a
+Per request: render (on the loop, ~15 us; a request of hundreds of messages or megabytes of text in a
+thread, see ``RENDER_INLINE_MAX_MESSAGES``), split the text at added tokens, look every segment up in a
 token-bounded LRU cache, and encode only the misses: inline when they are short (cheaper than any hop),
 in a thread up to ``thread_max_chars`` (HF tokenizers encode in Rust with the GIL released, so the loop
 keeps running; the hop costs ~0.1 ms where a worker process round trip cost 1-8 ms on a busy 2-core
@@ -21,7 +22,7 @@ import trio
 
 from tokenization.cache import TokenCache
 from tokenization.registry import LoadedTokenizer, TokenizerRegistry, encode_plain
-from tokenization.render import Kind, TextPrompt, TokenPrompt, finish, prompts, truncated
+from tokenization.render import Kind, Prompt, TextPrompt, TokenPrompt, finish, prompts, truncated
 from tokenization.worker import WorkerError, WorkerPool
 
 DEFAULT_CACHE_TOKENS = 4_000_000
@@ -30,6 +31,12 @@ DEFAULT_INLINE_MAX_CHARS = 1_024
 DEFAULT_THREAD_MAX_CHARS = 96 * 1024
 """Up to ~20k tokens a thread encodes; beyond, converting the ids to Python lists holds the GIL for long."""
 DEFAULT_VERIFY_EVERY = 64
+RENDER_INLINE_MAX_MESSAGES = 256
+"""Chat templates run Python per message, ~5 us each here (256: 1.4 ms; 20k: 0.1 s). A larger request renders
+in a thread: it still holds the GIL, but hands it to the event loop every switch interval (5 ms), so the
+loop's stall is bounded by that instead of by the whole render."""
+RENDER_INLINE_MAX_CHARS = 1 << 20
+"""Text beyond this (1 MiB renders in ~1 ms, 8 MiB in ~10 ms) also renders in a thread."""
 
 
 @dataclass
@@ -57,6 +64,7 @@ class ServiceStats:
     segment_mismatches: int = 0
     deferred: int = 0
     """Prompts routed on their cached head while the fresh rest was still being encoded."""
+    thread_renders: int = 0
 
 
 class TokenizerService:
@@ -108,7 +116,13 @@ class TokenizerService:
     async def all_token_ids(self, model: object, body: dict[str, Any], kind: Kind) -> list[list[int]]:
         """The ids of every prompt in the request."""
         tok = self.tokenizers[self.registry.spec_for(model)]
-        return await self._ids_of(tok, prompts(tok.hf, body, kind))
+        return await self._ids_of(tok, await self._render(tok, body, kind))
+
+    async def _render(self, tok: LoadedTokenizer, body: dict[str, Any], kind: Kind) -> list[Prompt]:
+        if not _large(body):
+            return prompts(tok.hf, body, kind)
+        self.stats.thread_renders += 1
+        return await trio.to_thread.run_sync(prompts, tok.hf, body, kind)
 
     async def _ids_of(self, tok: LoadedTokenizer, rendered: Sequence[TextPrompt | TokenPrompt]) -> list[list[int]]:
         out = []
@@ -129,7 +143,7 @@ class TokenizerService:
 
         Only a lone text prompt without truncation is split this way (truncation may cut the head)."""
         tok = self.tokenizers[self.registry.spec_for(model)]
-        found = prompts(tok.hf, body, kind)
+        found = await self._render(tok, body, kind)
         if len(found) != 1 or not isinstance(found[0], TextPrompt) or found[0].truncate is not None:
             return (await self._ids_of(tok, found))[0]
         prompt = found[0]
@@ -212,3 +226,18 @@ class TokenizerService:
         if len(text) <= self.inline_max_chars:
             return tok.hf.encode(text, add_special_tokens=True)
         return await trio.to_thread.run_sync(lambda: tok.hf.encode(text, add_special_tokens=True))
+
+
+def _large(body: dict[str, Any]) -> bool:
+    """Whether rendering ``body`` could hold the loop for more than a millisecond or two."""
+    if not isinstance(body, dict):
+        return False
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        if len(messages) > RENDER_INLINE_MAX_MESSAGES:
+            return True
+        texts = [m.get("content") for m in messages if isinstance(m, dict)]
+    else:
+        prompt = body.get("prompt")
+        texts = prompt if isinstance(prompt, list) else [prompt]
+    return sum(len(t) for t in texts if isinstance(t, str)) > RENDER_INLINE_MAX_CHARS
