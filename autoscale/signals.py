@@ -59,9 +59,9 @@ class SignalReader:
 
     def unique_blocks(self) -> dict[str, int]:
         """Per engine, its blocks no other engine holds (vectorised: this runs on the event loop)."""
-        store = self.router.planner.cache.store
+        cache = self.router.planner.cache
         ids = [engine.id for engine in self.router.engines.all()]
-        keys = [np.unique(store.export(engine_id)[1]) for engine_id in ids]
+        keys = [np.unique(cache.export(engine_id)[1]) for engine_id in ids]
         if not keys:
             return {}
         values, counts = np.unique(np.concatenate(keys), return_counts=True)
@@ -83,7 +83,7 @@ class SignalReader:
             if e.routable and e.load.reuse.measured:
                 ratios.append(e.load.reuse.ratio)
             if e.config.island:
-                islands[e.config.island] += router.planner.cache.store.block_count(e.id)
+                islands[e.config.island] += router.planner.cache.block_count(e.id)
         hot = islands.most_common(1)[0][0] if islands else None
         return FleetSignals(engines, pending=pending, hit_ratio=sum(ratios) / len(ratios) if ratios else None,
                             ttft_p99_s=self.ttft_p99(), traffic_island=router.config.island, hot_island=hot)

@@ -22,16 +22,20 @@ log = logging.getLogger("kvmesh.events")
 
 class EngineFeed:
     def __init__(self, engine: str, model: str, view: CacheView,
-                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD, resume_seq: int | None = None) -> None:
+                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD, resume_seq: int | None = None,
+                 holder: str | None = None) -> None:
         """`resume_seq`: the last seq of this stream already in the index (loaded from a peer's
-        snapshot); catching up then replays from the next one instead of re-reading from 0."""
+        snapshot); catching up then replays from the next one instead of re-reading from 0.
+        `holder`: where this stream's blocks live in the store (one data-parallel rank's key; the engine
+        id by default), so that a reset of this stream clears only them."""
         info = view.info(engine)
         if info is None:
             raise ValueError(f"engine {engine!r} is not registered in the cache view")
         self.engine = engine
         self.view = view
         self.freshness = info.freshness
-        self.ingest = EngineIngest(engine, model, view.store)
+        self.holder = holder or engine
+        self.ingest = EngineIngest(self.holder, model, view.store)
         self.tracker: SequenceTracker[EventBatch] = SequenceTracker()
         self.tracker.last_seq = resume_seq
         self.ingest.last_seq = resume_seq
@@ -135,12 +139,13 @@ class EngineFeed:
             self._bound(now)
 
     def _bound(self, now: float) -> None:
-        """An engine claiming more blocks than its own cache holds (a lying engine, or BlockRemoved events
-        lost in a gap) would grow the index without end: past the limit its blocks are dropped, counted,
-        and its knowledge marked partly lost; the index refills from the events that follow."""
+        """A stream claiming more blocks than its cache holds (a lying engine, or BlockRemoved events lost in
+        a gap) would grow the index without end: past the limit (each data-parallel rank has the capacity
+        the engine reports) its blocks are dropped, counted, and its knowledge marked partly lost; the
+        index refills from the events that follow."""
         info = self.view.info(self.engine)
         limit = info.block_limit() if info is not None else None
-        if limit is None or self.view.store.block_count(self.engine) <= limit:
+        if limit is None or self.view.store.block_count(self.holder) <= limit:
             return
         dropped = self.ingest.reset()
         BLOCK_OPS.labels(engine=self.engine, op="overflow").inc(dropped)

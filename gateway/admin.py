@@ -44,7 +44,7 @@ def index_report(router: Router) -> dict[str, Any]:
     for engine in router.engines.all():
         info = cache.info(engine.id)
         fresh = info.freshness if info else None
-        engine_hashes, own_keys = cache.store.export(engine.id)
+        engine_hashes, own_keys = cache.export(engine.id)
         engines[engine.id] = {
             "blocks": len(engine_hashes),
             "digest": block_set_digest(engine_hashes, own_keys),

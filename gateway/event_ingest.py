@@ -26,7 +26,7 @@ from events.feed import EngineFeed
 from events.ingest_budget import IngestBudget
 from events.subscriber import run_subscriber
 from gateway import index_transfer
-from index.view import CacheView
+from index.view import CacheView, holder_keys
 from mesh.node import MeshNode
 
 log = logging.getLogger("kvmesh.ingest")
@@ -104,15 +104,20 @@ class EventIngest:
 
     async def _ingest(self, engine: str, stream: _Stream) -> None:
         with stream.scope:
-            resume = await self._warm(engine, len(stream.sources))
-            stream.feeds = [EngineFeed(engine, stream.model, self.cache, resume_seq=seq) for seq in resume]
+            holders = holder_keys(engine, [source.rank for source in stream.sources])
+            self.cache.set_holders(engine, holders)
+            resume = await self._warm(engine, holders)
+            stream.feeds = [EngineFeed(engine, stream.model, self.cache, resume_seq=seq, holder=holder)
+                            for seq, holder in zip(resume, holders, strict=True)]
             log.info("ingesting events", extra={"engine": engine, "resume_seq": list(resume)})
             async with trio.open_nursery() as nursery:
                 for feed, source in zip(stream.feeds, stream.sources, strict=True):
                     nursery.start_soon(_supervised, feed, source, self.budget)
 
-    async def _warm(self, engine: str, sources: int) -> tuple[int | None, ...]:
-        """Load the freshest peer's index of ``engine``; the seqs to resume each source from."""
+    async def _warm(self, engine: str, holders: tuple[str, ...]) -> tuple[int | None, ...]:
+        """Load the freshest peer's index of ``engine`` (each source's blocks into its holder); the seqs to
+        resume each source from."""
+        sources = len(holders)
         cold = (None,) * sources
         if self.mesh is None:
             return cold
@@ -131,11 +136,12 @@ class EventIngest:
         if best is None:
             self.stats["cold_starts"] += 1
             return cold
-        hashes, own_keys = best.hashes.tolist(), best.own_keys.tolist()
-        for start in range(0, len(hashes), LOAD_SLICE):
-            end = start + LOAD_SLICE
-            self.cache.store.store(engine, list(zip(hashes[start:end], own_keys[start:end], strict=True)))
-            await trio.sleep(0)
+        for holder, hash_array, own_array in zip(holders, best.hashes, best.own_keys, strict=True):
+            hashes, own_keys = hash_array.tolist(), own_array.tolist()
+            for start in range(0, len(hashes), LOAD_SLICE):
+                end = start + LOAD_SLICE
+                self.cache.store.store(holder, list(zip(hashes[start:end], own_keys[start:end], strict=True)))
+                await trio.sleep(0)
         self.stats["warm_starts"] += 1
         log.info("index warmed from a peer", extra={"engine": engine, "blocks": best.blocks,
                                                     "resume_seq": list(best.seqs)})
@@ -149,5 +155,5 @@ class EventIngest:
         seqs = [feed.applied_seq() for feed in stream.feeds]
         if all(seq is None for seq in seqs):
             return None
-        hashes, own_keys = self.cache.store.export(engine)
-        return index_transfer.encode(seqs, hashes, own_keys)
+        exported = [self.cache.store.export(feed.holder) for feed in stream.feeds]
+        return index_transfer.encode(seqs, [e[0] for e in exported], [e[1] for e in exported])

@@ -7,10 +7,12 @@ resumes each source from its seq, so the engine's replay buffer fills the gap be
 snapshot and the live stream, exactly as after a reconnect. Without an answer it starts cold and
 backfills from the replay buffer.
 
-Blob: msgpack ``[FORMAT, seqs, hashes, own_keys]``: ``seqs`` one int or nil per event source, the two
-arrays little-endian u64 of equal length. The mesh sends it in 1 MiB chunks (mesh/sync_protocol.py).
-Everything from a peer is checked: a blob that does not decode, has unequal arrays or hashes out of
-the index's range is refused (counted by the caller), never half-loaded.
+Blob: msgpack ``[FORMAT, seqs, hashes, own_keys]``, one entry per event source in each list (a
+data-parallel engine has one source per rank, each with its own blocks: index/view.py ``holder_keys``):
+``seqs`` an int or nil, ``hashes`` and ``own_keys`` little-endian u64 arrays of equal length. The mesh
+sends it in 1 MiB chunks (mesh/sync_protocol.py). Everything from a peer is checked: a blob that does not
+decode, has unequal arrays or hashes out of the index's range is refused (counted by the caller), never
+half-loaded.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 
 from index.alias_table import storable
 
-FORMAT = 1
+FORMAT = 2
 NAMESPACE = "index"
 MAX_SEQ = 2**63
 
@@ -32,20 +34,33 @@ class EngineSnapshot:
     """What a peer knows of one engine: its blocks and where each event source stood."""
 
     seqs: tuple[int | None, ...]
-    hashes: np.ndarray
-    own_keys: np.ndarray
+    hashes: tuple[np.ndarray, ...]
+    own_keys: tuple[np.ndarray, ...]
+    """Per event source, like ``seqs``."""
 
     @property
     def blocks(self) -> int:
-        return len(self.hashes)
+        return sum(map(len, self.hashes))
 
     def progress(self) -> int:
         """How far the snapshot got (to pick the freshest answer): the sum of its known seqs."""
         return sum(s for s in self.seqs if s is not None)
 
 
-def encode(seqs: list[int | None], hashes: np.ndarray, own_keys: np.ndarray) -> bytes:
-    return msgpack.packb([FORMAT, seqs, hashes.astype("<u8").tobytes(), own_keys.astype("<u8").tobytes()])
+def encode(seqs: list[int | None], hashes: list[np.ndarray], own_keys: list[np.ndarray]) -> bytes:
+    return msgpack.packb([FORMAT, seqs, [h.astype("<u8").tobytes() for h in hashes],
+                          [k.astype("<u8").tobytes() for k in own_keys]])
+
+
+def _arrays(hashes: object, own_keys: object) -> tuple[np.ndarray, np.ndarray]:
+    if not (isinstance(hashes, bytes) and isinstance(own_keys, bytes)) or len(hashes) != len(own_keys) \
+            or len(hashes) % 8:
+        raise ValueError("index snapshot arrays of unequal or partial length")
+    hash_array = np.frombuffer(hashes, dtype="<u8").astype(np.uint64)
+    own_array = np.frombuffer(own_keys, dtype="<u8").astype(np.uint64)
+    if len(hash_array) and not storable(int(hash_array.max()), 0):
+        raise ValueError("index snapshot hash out of range")
+    return hash_array, own_array
 
 
 def decode(blob: bytes, sources: int) -> EngineSnapshot:
@@ -54,18 +69,12 @@ def decode(blob: bytes, sources: int) -> EngineSnapshot:
         version, seqs, hashes, own_keys = msgpack.unpackb(blob, max_bin_len=len(blob), max_array_len=4096)
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise ValueError(f"undecodable index snapshot: {exc!r}") from None
-    if version != FORMAT or not isinstance(seqs, list) or len(seqs) != sources:
+    if version != FORMAT or not all(isinstance(x, list) and len(x) == sources for x in (seqs, hashes, own_keys)):
         raise ValueError("index snapshot of another format or source count")
     if not all(s is None or (isinstance(s, int) and 0 <= s < MAX_SEQ) for s in seqs):
         raise ValueError("index snapshot seq out of range")
-    if not (isinstance(hashes, bytes) and isinstance(own_keys, bytes)) or len(hashes) != len(own_keys) \
-            or len(hashes) % 8:
-        raise ValueError("index snapshot arrays of unequal or partial length")
-    hash_array = np.frombuffer(hashes, dtype="<u8").astype(np.uint64)
-    own_array = np.frombuffer(own_keys, dtype="<u8").astype(np.uint64)
-    if len(hash_array) and not storable(int(hash_array.max()), 0):
-        raise ValueError("index snapshot hash out of range")
-    return EngineSnapshot(tuple(seqs), hash_array, own_array)
+    arrays = [_arrays(h, k) for h, k in zip(hashes, own_keys, strict=True)]
+    return EngineSnapshot(tuple(seqs), tuple(a[0] for a in arrays), tuple(a[1] for a in arrays))
 
 
 def best(answers: list[EngineSnapshot]) -> EngineSnapshot | None:

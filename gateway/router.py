@@ -143,7 +143,7 @@ class Router:
             metrics.in_flight.labels(engine.id).set(engine.in_flight)
             metrics.engine_healthy.labels(engine.id).set(1 if engine.routable else 0)
             metrics.breaker_state.labels(engine.id).set(engine.health.breaker.state_code(now))
-            metrics.index_blocks.labels(engine.id).set(self.planner.cache.store.block_count(engine.id))
+            metrics.index_blocks.labels(engine.id).set(self.planner.cache.block_count(engine.id))
             info = self.planner.cache.info(engine.id)
             metrics.confidence.labels(engine.id).set(info.freshness.confidence(clock) if info else 0.0)
         if self.mesh is not None and self.mesh.replication is not None:

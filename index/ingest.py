@@ -74,10 +74,13 @@ def split_extra_keys(extra: Any, lora_name: str | None, first_block: bool) -> Sp
 
 
 class EngineIngest:
-    """Applies one engine's batches in order; the caller guarantees order (events/sequence.py)."""
+    """Applies one event stream's batches in order; the caller guarantees order (events/sequence.py).
 
-    def __init__(self, engine: str, model: str, store: BlockStore) -> None:
-        self.engine = engine
+    ``holder`` is the store key of the stream's blocks: the engine id, or one data-parallel rank's key
+    (index/view.py ``holder_keys``)."""
+
+    def __init__(self, holder: str, model: str, store: BlockStore) -> None:
+        self.holder = holder
         self.model = model
         self.store = store
         self.last_seq: int | None = None
@@ -90,11 +93,11 @@ class EngineIngest:
                 self._stored(event, stats)
             elif isinstance(event, BlockRemoved):
                 if event.medium in INDEXED_MEDIA and event.group_idx in INDEXED_GROUPS:
-                    stats.removed += self.store.remove(self.engine, event.block_hashes)
+                    stats.removed += self.store.remove(self.holder, event.block_hashes)
                 else:
                     stats.skipped += 1
             elif isinstance(event, AllBlocksCleared):
-                stats.cleared += self.store.clear(self.engine)
+                stats.cleared += self.store.clear(self.holder)
         self.last_seq = batch.seq
         return stats
 
@@ -110,7 +113,7 @@ class EngineIngest:
             parent: int | None = root_seed(self.model, head.lora_name, head.cache_salt)
             plain = plain and head.other is None
         else:
-            parent = self.store.own_key(self.engine, event.parent_block_hash)
+            parent = self.store.own_key(self.holder, event.parent_block_hash)
             if parent is None:
                 stats.orphaned += 1
                 return
@@ -126,8 +129,8 @@ class EngineIngest:
         pairs = list(zip(event.block_hashes, keys, strict=True))
         stats.stored_keys.extend(keys)
         self.block_size = size
-        stats.stored += self.store.store(self.engine, pairs)
+        stats.stored += self.store.store(self.holder, pairs)
 
     def reset(self) -> int:
-        """The engine restarted: its cache is empty; returns the number of blocks dropped."""
-        return self.store.clear(self.engine)
+        """The stream's publisher restarted: its cache is empty; returns the number of blocks dropped."""
+        return self.store.clear(self.holder)

@@ -3,6 +3,11 @@
 It combines the exact index (fed by KV events), approximate and speculative entries (what the
 router dispatched) and per-engine freshness. The caller hashes the prompt once per distinct block
 size among the candidates (`index.block_hash.chain`) and passes the chains keyed by block size.
+
+A data-parallel engine is one URL whose ranks each have their own KV cache and event stream. Each rank's
+blocks live in the store under a holder key of their own (``holder_keys``): the engine id for its first
+rank, ``<engine>#dp<rank>`` for the others, so that one rank's restart clears that rank alone. The engine
+holds a block when any rank does; everything here answers per engine, over its holders.
 """
 
 from __future__ import annotations
@@ -10,12 +15,20 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from index.approximate import ApproximateIndex
 from index.freshness import EngineFreshness, FreshnessPolicy
 from index.ingest import IngestStats
 from index.store import BlockStore
 
 OVERFLOW_MARGIN = 1.25
+
+
+def holder_keys(engine: str, ranks: Sequence[int]) -> tuple[str, ...]:
+    """The store keys of an engine's event sources, in order: the engine id for the first, one per further
+    data-parallel rank (with a single source, the engine id alone: no cost without data parallelism)."""
+    return tuple(engine if i == 0 else f"{engine}#dp{rank}" for i, rank in enumerate(ranks))
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +64,7 @@ class CacheView:
         self.approximate_ttl_s = approximate_ttl_s
         self._policy = policy
         self._engines: dict[str, EngineCacheInfo] = {}
+        self._holders: dict[str, tuple[str, ...]] = {}
 
     def register(self, engine: str, *, block_size: int, has_events: bool,
                  capacity_blocks: int | None = None) -> EngineCacheInfo:
@@ -68,7 +82,28 @@ class CacheView:
     def unregister(self, engine: str) -> None:
         self._engines.pop(engine, None)
         self.approximate.clear(engine)
-        self.store.clear(engine)
+        for holder in self._holders.pop(engine, (engine,)):
+            self.store.clear(holder)
+
+    def set_holders(self, engine: str, holders: Sequence[str]) -> None:
+        """The engine's event sources are (again) these; blocks of holders it no longer has are dropped."""
+        for gone in set(self.holders(engine)) - set(holders):
+            self.store.clear(gone)
+        self._holders[engine] = tuple(holders)
+
+    def holders(self, engine: str) -> tuple[str, ...]:
+        return self._holders.get(engine, (engine,))
+
+    def block_count(self, engine: str) -> int:
+        """Blocks the engine's events say it holds, every rank counted."""
+        return sum(self.store.block_count(holder) for holder in self.holders(engine))
+
+    def export(self, engine: str) -> tuple[np.ndarray, np.ndarray]:
+        """(engine hashes, own keys) of every rank of the engine, as u64 arrays."""
+        parts = [self.store.export(holder) for holder in self.holders(engine)]
+        if len(parts) == 1:
+            return parts[0]
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
     def info(self, engine: str) -> EngineCacheInfo | None:
         return self._engines.get(engine)
@@ -86,10 +121,10 @@ class CacheView:
         result: dict[str, CacheOverlap] = {}
         for size, group in by_size.items():
             chain = chains_by_block_size.get(size, ())
-            exact = self.store.overlap(chain, group) if chain else {}
+            exact = self.store.overlap(chain, [h for e in group for h in self.holders(e)]) if chain else {}
             for engine in group:
                 info = self._engines[engine]
-                held = exact.get(engine, 0)
+                held = max((exact.get(h, 0) for h in self.holders(engine)), default=0)
                 approx = self.approximate.leading(engine, chain, now, start=held)
                 result[engine] = CacheOverlap(held, approx, info.freshness.confidence(now), size)
         return result
@@ -101,7 +136,7 @@ class CacheView:
         recorded = self.approximate.size(engine)
         if info is None:
             return None, recorded
-        return (self.store.block_count(engine) if info.has_events else recorded), recorded
+        return (self.block_count(engine) if info.has_events else recorded), recorded
 
     def record_dispatch(self, engine: str, chains_by_block_size: Mapping[int, Sequence[int]],
                         now: float) -> tuple[Sequence[int], float]:

@@ -41,8 +41,8 @@ class FakeRouter:
         self.metrics = RouterMetrics()
         self.engines = EngineRegistry()
         self.blocks: dict[str, dict[int, int]] = {}
-        store = SimpleNamespace(export=self._export, block_count=lambda engine: 0)
-        self.planner = SimpleNamespace(cache=SimpleNamespace(store=store), peer_in_flight=dict)
+        cache = SimpleNamespace(export=self._export, block_count=lambda engine: 0)
+        self.planner = SimpleNamespace(cache=cache, peer_in_flight=dict)
         self.removed: list[str] = []
 
     def _export(self, engine: str) -> tuple[np.ndarray, np.ndarray]:

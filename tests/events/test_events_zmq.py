@@ -15,7 +15,7 @@ from events.feed import EngineFeed
 from events.subscriber import SubscriberConfig, run_subscriber
 from index.block_hash import chain, root_seed
 from index.prefix_index import PrefixIndex
-from index.view import CacheView
+from index.view import CacheView, holder_keys
 
 pytestmark = pytest.mark.integration
 
@@ -28,7 +28,9 @@ _names = itertools.count()
 class FakeEngine:
     """Publishes one new block per batch on a PUB and answers replays from its buffer on a ROUTER."""
 
-    def __init__(self, context: zmq.Context) -> None:
+    def __init__(self, context: zmq.Context, rank: int = 0) -> None:
+        self.rank = rank
+        """A data-parallel rank: its own blocks, seqs and sockets, and its number in every batch."""
         self.pub = context.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.bind("tcp://127.0.0.1:0")
@@ -45,17 +47,18 @@ class FakeEngine:
     @property
     def source(self) -> EventSource:
         endpoint = self.pub.getsockopt(zmq.LAST_ENDPOINT).decode()
-        return EventSource(endpoint, self.router.getsockopt(zmq.LAST_ENDPOINT).decode(), TOPIC.decode())
+        return EventSource(endpoint, self.router.getsockopt(zmq.LAST_ENDPOINT).decode(), TOPIC.decode(), self.rank)
 
     def restart(self) -> None:
         self.buffer, self.tokens, self.hashes, self.seq = [], [], [], 0
         self.epoch += 1
 
     def next_block(self, live: bool = True) -> None:
-        block = [self.epoch * 10_000 + self.seq * 100 + i for i in range(BLOCK)]
+        block = [self.rank * 1_000_000 + self.epoch * 10_000 + self.seq * 100 + i for i in range(BLOCK)]
         self.tokens += block
-        engine_hash = 1_000_000 * (self.epoch + 1) + self.seq
-        body = payload([stored_map([engine_hash], self.hashes[-1] if self.hashes else None, block, BLOCK)])
+        engine_hash = 10**8 * self.rank + 1_000_000 * (self.epoch + 1) + self.seq
+        body = payload([stored_map([engine_hash], self.hashes[-1] if self.hashes else None, block, BLOCK)],
+                       rank=self.rank)
         self.hashes.append(engine_hash)
         self.buffer.append((self.seq, body))
         if live:
@@ -166,3 +169,40 @@ async def test_malformed_and_oversized_frames_are_counted_and_dropped():
         assert store.overlap(full) == {name: len(full)}
 
     await run_case(body, max_payload_bytes=4096, config=SubscriberConfig(max_message_bytes=65536))
+
+
+async def test_a_data_parallel_rank_that_restarts_costs_the_other_rank_nothing():
+    """Two ranks of one engine publish on their own sockets with their own seqs; rank 1 restarts."""
+    context = zmq.Context()
+    ranks = [FakeEngine(context, rank) for rank in (0, 1)]
+    name = f"zmq-dp-engine-{next(_names)}"
+    view = CacheView(PrefixIndex())
+    view.register(name, block_size=BLOCK, has_events=True)
+    holders = holder_keys(name, [0, 1])
+    view.set_holders(name, holders)
+    feeds = [EngineFeed(name, MODEL, view, holder=holder) for holder in holders]
+
+    def overlap(expected: list[int]) -> int:
+        return view.overlaps({BLOCK: expected}, [name], 0.0)[name].exact_blocks
+
+    try:
+        async with trio.open_nursery() as nursery:
+            for engine, feed in zip(ranks, feeds, strict=True):
+                nursery.start_soon(engine.serve_replays)
+                nursery.start_soon(lambda e=engine, f=feed: run_subscriber(f, e.source, context=context))
+            for _ in range(2):
+                for engine, feed in zip(ranks, feeds, strict=True):
+                    await catch_up(feed, engine)
+            rank0, rank1 = (engine.expected_chain() for engine in ranks)
+            assert overlap(rank0) == len(rank0) and overlap(rank1) == len(rank1)
+            ranks[1].restart()
+            await catch_up(feeds[1], ranks[1])
+            assert overlap(rank1) == 0
+            assert overlap(rank0) == len(rank0)
+            assert overlap(ranks[1].expected_chain()) == ranks[1].seq
+            assert view.store.block_count(holders[0]) == ranks[0].seq
+            nursery.cancel_scope.cancel()
+    finally:
+        for engine in ranks:
+            engine.close()
+        context.term()
