@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from events.curve import check_z85_key
+
 log = logging.getLogger("kvmesh.events")
 
 _WILDCARDS = {"*", "0.0.0.0", "::", "[::]", ""}
@@ -83,9 +85,13 @@ class EventSource:
     replay_endpoint: str | None
     topic: str
     rank: int = 0
+    curve_server_key: str | None = None
+    """The publisher's CURVE public key (Z85): the router connects as a CURVE client (events/curve.py)."""
 
     def __post_init__(self) -> None:
         check_topic(self.topic)
+        if self.curve_server_key is not None:
+            check_z85_key(self.curve_server_key, "curve_server_key")
         for endpoint in (self.endpoint, self.replay_endpoint):
             if endpoint is not None and not (isinstance(endpoint, str) and endpoint.isascii()):
                 raise ValueError(f"event endpoint {endpoint!r} must be an ASCII string")

@@ -15,6 +15,7 @@ import trio
 import zmq
 
 from events.counters import INGEST_DEFERRED, SUBSCRIBER_RESTARTS
+from events.curve import CurveClient
 from events.discovery import EventSource
 from events.feed import EngineFeed
 from events.ingest_budget import IngestBudget
@@ -32,12 +33,19 @@ class SubscriberConfig:
     replay_timeout_s: float = 5.0
     backoff_initial_s: float = 0.2
     backoff_max_s: float = 10.0
+    curve_client: CurveClient | None = None
+    """The router's CURVE key pair, for sources that name a server key (events/curve.py)."""
 
 
-def _configure(sock: zmq.Socket, config: SubscriberConfig) -> None:
+def _configure(sock: zmq.Socket, config: SubscriberConfig, source: EventSource) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, config.rcvhwm)
     sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
+    if source.curve_server_key is not None:
+        if config.curve_client is None:
+            raise ValueError("the engine's events need CURVE (curve_server_key) but the router has no "
+                             "events_curve_secret_file")
+        config.curve_client.secure(sock, source.curve_server_key)
 
 
 async def _readable(sock: zmq.Socket) -> None:
@@ -76,7 +84,7 @@ async def _session(feed: EngineFeed, source: EventSource, context: zmq.Context, 
     sub = context.socket(zmq.SUB)
     monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     try:
-        _configure(sub, config)
+        _configure(sub, config, source)
         sub.setsockopt(zmq.SUBSCRIBE, source.topic.encode("utf-8"))
         sub.connect(source.endpoint)
         async with trio.open_nursery() as nursery:
@@ -151,7 +159,7 @@ async def _replay_session(feed: EngineFeed, source: EventSource, start: int, gen
     dealer = context.socket(zmq.DEALER)
     done = False
     try:
-        _configure(dealer, config)
+        _configure(dealer, config, source)
         dealer.connect(source.replay_endpoint)
         dealer.send_multipart([b"", start.to_bytes(8, "big")])
         with trio.move_on_after(config.replay_timeout_s):

@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from autoscale.config import AutoscaleConfig
+from events.curve import CurveClient, check_z85_key
 from events.discovery import check_topic
 from gateway.admission.config import AdmissionConfig
 from gateway.body_limits import LimitsConfig
@@ -64,12 +65,19 @@ class EngineConfig:
     topic: str = "kv"
     island: str | None = None
     block_size: int | None = None
+    curve_server_key: str | None = None
+    """The event publisher's CURVE public key (Z85): its events are read over CURVE (events/curve.py)."""
 
     def validate(self, where: str) -> None:
         try:
             validate_engine_url(self.url)
         except ValueError as exc:
             raise ConfigError(f"{where}.url: {exc}") from None
+        if self.curve_server_key is not None:
+            try:
+                check_z85_key(self.curve_server_key, f"{where}.curve_server_key")
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         try:
             check_topic(self.topic)
         except ValueError as exc:
@@ -121,6 +129,8 @@ class RouterConfig:
     shutdown_grace_s: float = 30.0
     """On SIGTERM: how long requests in flight may run on; streams still running then end with an SSE error."""
     metrics_interval_s: float = 1.0
+    events_curve_secret_file: str | None = None
+    """The router's CURVE secret key (Z85), for engines whose events need CURVE (curve_server_key)."""
     log_level: str = "info"
     engines: list[EngineConfig] = field(default_factory=list)
     mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -151,6 +161,14 @@ class RouterConfig:
             if engine.url in seen:
                 raise ConfigError(f"engines[{i}].url: {engine.url} is listed twice")
             seen.add(engine.url)
+        if self.events_curve_secret_file is not None:
+            try:
+                CurveClient.load(self.events_curve_secret_file)
+            except ValueError as exc:
+                raise ConfigError(f"events_curve_secret_file: {exc}") from None
+        elif any(engine.curve_server_key for engine in self.engines):
+            raise ConfigError("events_curve_secret_file: engines with a curve_server_key need the router's "
+                              "CURVE secret key (kvmesh keys curve makes a pair)")
         validate_security(self.auth, self.tenants)
         self.auth.check_exposure(self.host)
         self.admission.validate("admission")

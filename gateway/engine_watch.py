@@ -14,6 +14,7 @@ process never notice.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -52,11 +53,14 @@ class Discovery:
         """Raises ValueError if the configured or announced endpoints are unusable."""
         config = self.engine.config
         if config.events:
-            return [EventSource(config.events, config.replay, config.topic)]
+            return [EventSource(config.events, config.replay, config.topic, curve_server_key=config.curve_server_key)]
         status, body = await self.engine.pool.get("/kv_event_sources")
         if status != 200:
             return []
-        return parse_kv_event_sources(body, self.engine.url)
+        sources = parse_kv_event_sources(body, self.engine.url)
+        if config.curve_server_key is None:
+            return sources
+        return [dataclasses.replace(source, curve_server_key=config.curve_server_key) for source in sources]
 
 
 async def _health_loop(engine: EngineState, planner, faults: EngineFaults, interval_s: float) -> None:

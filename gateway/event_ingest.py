@@ -24,7 +24,7 @@ from events.counters import SUBSCRIBER_RESTARTS
 from events.discovery import EventSource
 from events.feed import EngineFeed
 from events.ingest_budget import IngestBudget
-from events.subscriber import run_subscriber
+from events.subscriber import SubscriberConfig, run_subscriber
 from gateway import index_transfer
 from index.view import CacheView, holder_keys
 from mesh.node import MeshNode
@@ -45,14 +45,15 @@ class _Stream:
     feeds: list[EngineFeed] = field(default_factory=list)
 
 
-async def _supervised(feed: EngineFeed, source: EventSource, budget: IngestBudget | None = None) -> None:
+async def _supervised(feed: EngineFeed, source: EventSource, budget: IngestBudget | None = None,
+                      config: SubscriberConfig | None = None) -> None:
     """Run the subscriber; an error no one expected (a publisher's frames reaching a bug) is counted, logged
     once per episode, marks the engine's knowledge partly lost and restarts it after a backoff: one
     engine's stream never ends the router."""
     failures = 0
     while True:
         try:
-            await run_subscriber(feed, source, budget=budget)
+            await run_subscriber(feed, source, budget=budget, config=config)
             return
         except Exception as exc:  # the publisher is untrusted: nothing it sends may end the process
             SUBSCRIBER_RESTARTS.labels(engine=feed.engine, reason=f"error_{type(exc).__name__}"[:64]).inc()
@@ -69,8 +70,9 @@ class EventIngest:
     await) hand the stream to :meth:`run`, whose nursery owns every subscriber task."""
 
     def __init__(self, cache: CacheView, mesh: MeshNode | None = None, warm_timeout_s: float = WARM_TIMEOUT_S,
-                 budget: IngestBudget | None = None) -> None:
+                 budget: IngestBudget | None = None, subscriber: SubscriberConfig | None = None) -> None:
         self.cache = cache
+        self.subscriber = subscriber or SubscriberConfig()
         self.mesh = mesh
         self.budget = budget or IngestBudget()
         """The share of the event loop every engine's ingest together may take (events/ingest_budget.py)."""
@@ -112,7 +114,7 @@ class EventIngest:
             log.info("ingesting events", extra={"engine": engine, "resume_seq": list(resume)})
             async with trio.open_nursery() as nursery:
                 for feed, source in zip(stream.feeds, stream.sources, strict=True):
-                    nursery.start_soon(_supervised, feed, source, self.budget)
+                    nursery.start_soon(_supervised, feed, source, self.budget, self.subscriber)
 
     async def _warm(self, engine: str, holders: tuple[str, ...]) -> tuple[int | None, ...]:
         """Load the freshest peer's index of ``engine`` (each source's blocks into its holder); the seqs to

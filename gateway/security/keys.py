@@ -12,6 +12,8 @@ import hashlib
 import secrets
 import sys
 
+import zmq
+
 KEY_PREFIX = "kvm-"
 
 
@@ -41,13 +43,20 @@ def _read_key() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``kvmesh keys hash [KEY]`` prints a key's config form; ``kvmesh keys generate`` makes a new key."""
+    """``kvmesh keys hash [KEY]`` prints a key's config form; ``kvmesh keys generate`` makes a new key;
+    ``kvmesh keys curve`` a CURVE key pair (the secret goes in a file, the public key to the other side)."""
     parser = argparse.ArgumentParser(prog="kvmesh keys", description="API key helpers")
     sub = parser.add_subparsers(dest="command", required=True)
     hashing = sub.add_parser("hash", help="print sha256:<hex> for a key (read from stdin if not given)")
     hashing.add_argument("key", nargs="?", help="the key; prefer stdin, arguments land in shell history")
     sub.add_parser("generate", help="print a new random key and its hash")
+    sub.add_parser("curve", help="print a new ZeroMQ CURVE key pair (Z85) for KV-event channels")
     args = parser.parse_args(argv)
+    if args.command == "curve":
+        public, secret = zmq.curve_keypair()
+        print(f"public: {public.decode()}")
+        print(f"secret: {secret.decode()}")
+        return 0
     if args.command == "generate":
         key = generate_key()
         print(f"key:  {key}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -10,6 +11,7 @@ import zmq
 from events_frames import payload, stored_map
 from prometheus_client import REGISTRY
 
+from events.curve import CurveClient
 from events.discovery import EventSource
 from events.feed import EngineFeed
 from events.subscriber import SubscriberConfig, run_subscriber
@@ -28,15 +30,17 @@ _names = itertools.count()
 class FakeEngine:
     """Publishes one new block per batch on a PUB and answers replays from its buffer on a ROUTER."""
 
-    def __init__(self, context: zmq.Context, rank: int = 0) -> None:
+    def __init__(self, context: zmq.Context, rank: int = 0, curve_secret: bytes | None = None) -> None:
         self.rank = rank
         """A data-parallel rank: its own blocks, seqs and sockets, and its number in every batch."""
         self.pub = context.socket(zmq.PUB)
-        self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.bind("tcp://127.0.0.1:0")
         self.router = context.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.LINGER, 0)
-        self.router.bind("tcp://127.0.0.1:0")
+        for sock in (self.pub, self.router):
+            sock.setsockopt(zmq.LINGER, 0)
+            if curve_secret is not None:  # a CURVE server: only clients that know its public key get in
+                sock.curve_server = True
+                sock.curve_secretkey = curve_secret
+            sock.bind("tcp://127.0.0.1:0")
         self.buffer: list[tuple[int, bytes]] = []
         self.tokens: list[int] = []
         self.seq = 0
@@ -206,3 +210,44 @@ async def test_a_data_parallel_rank_that_restarts_costs_the_other_rank_nothing()
         for engine in ranks:
             engine.close()
         context.term()
+
+
+async def curve_case(right_key: bool) -> tuple[int, int]:
+    """A CURVE publisher and a subscriber that names its public key (or another one): (blocks indexed,
+    blocks published)."""
+    server_public, server_secret = zmq.curve_keypair()
+    given = server_public if right_key else zmq.curve_keypair()[0]
+    client = CurveClient(*zmq.curve_keypair())
+    context = zmq.Context()
+    engine = FakeEngine(context, curve_secret=server_secret)
+    name = f"zmq-curve-engine-{next(_names)}"
+    view = CacheView(PrefixIndex())
+    view.register(name, block_size=BLOCK, has_events=True)
+    feed = EngineFeed(name, MODEL, view)
+    source = dataclasses.replace(engine.source, curve_server_key=given.decode())
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine.serve_replays)
+            nursery.start_soon(lambda: run_subscriber(feed, source, context=context,
+                                                      config=SubscriberConfig(curve_client=client)))
+            if right_key:
+                await catch_up(feed, engine)
+            else:
+                for _ in range(40):
+                    engine.next_block()
+                    await trio.sleep(0.025)
+            nursery.cancel_scope.cancel()
+        return view.block_count(name), engine.seq
+    finally:
+        engine.close()
+        context.term()
+
+
+async def test_a_curve_publisher_is_read_with_its_public_key():
+    indexed, published = await curve_case(right_key=True)
+    assert indexed == published
+
+
+async def test_a_curve_publisher_named_with_another_key_gives_the_router_nothing():
+    indexed, published = await curve_case(right_key=False)
+    assert published == 40 and indexed == 0

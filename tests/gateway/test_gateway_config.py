@@ -80,3 +80,22 @@ def test_auth_off_binds_only_loopback_unless_the_network_is_declared_trusted(tmp
             load_config(write(tmp_path, text), environ={})
     else:
         load_config(write(tmp_path, text), environ={})
+
+
+def test_curve_keys_are_checked_at_start(tmp_path):
+    import zmq
+
+    public, secret = (k.decode() for k in zmq.curve_keypair())
+    engine = f'[[engines]]\nurl = "http://10.0.0.1:8000"\ncurve_server_key = "{public}"\n'
+    with pytest.raises(ConfigError, match="^events_curve_secret_file"):
+        load_config(write(tmp_path, engine), environ={})
+    with pytest.raises(ConfigError, match=r"^engines\[0\].curve_server_key"):
+        load_config(write(tmp_path, engine.replace(public, "not a key")), environ={})
+    key_file = tmp_path / "router.curve"
+    key_file.write_text("~" * 40)
+    with pytest.raises(ConfigError, match="^events_curve_secret_file") as refused:
+        load_config(write(tmp_path, f'events_curve_secret_file = "{key_file}"\n' + engine), environ={})
+    assert "~" * 40 not in str(refused.value)
+    key_file.write_text(secret + "\n")
+    config = load_config(write(tmp_path, f'events_curve_secret_file = "{key_file}"\n' + engine), environ={})
+    assert config.engines[0].curve_server_key == public
