@@ -23,6 +23,7 @@ from gateway.admission.config import AdmissionConfig
 from gateway.body_limits import LimitsConfig
 from gateway.config_errors import ConfigError
 from gateway.security.config import AuthConfig, TenantConfig, validate_security
+from tokenization.worker import default_workers
 
 __all__ = ["AdmissionConfig", "AuthConfig", "AutoscaleConfig", "ConfigError", "EngineConfig", "LimitsConfig",
            "MeshConfig", "RouterConfig", "TenantConfig", "TracingConfig", "load_config", "validate_engine_url"]
@@ -119,7 +120,8 @@ class RouterConfig:
     policy: str = "kv_aware"
     tokenizer: str | None = None
     tokenizers: dict[str, str] = field(default_factory=dict)
-    tokenizer_workers: int = 1
+    tokenizer_workers: int = field(default_factory=default_workers)
+    """Processes that encode very long prompts (half the machine's cores, 1-4, unless set)."""
     island: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
     max_attempts: int = 3

@@ -31,6 +31,7 @@ from index.view import CacheView
 from tokenization.messages import TEXT_PART_KEYS, RenderError
 from tokenization.registry import DEFAULT_TOKENIZER_DIR, TokenizerRegistry
 from tokenization.service import DeferredIds, TokenizerService
+from tokenization.worker import TokenizerBusy
 
 # Policies that look at prompt blocks; the others route without tokenizing at all.
 CACHE_POLICIES = frozenset({"kv_aware", "approximate"})
@@ -189,6 +190,8 @@ class RoutePlanner:
             return await self.tokenizers.token_ids_or_head(parsed.model, parsed.body, parsed.kind, DEFER_CHARS)
         except RenderError as exc:
             raise ApiError(400, exc.message, param=exc.param) from None
+        except TokenizerBusy as exc:
+            raise ApiError(429 if exc.own_load else 503, str(exc), code="tokenizer_busy", retry_after=1) from None
 
     async def _complete(self, deferred: DeferredIds) -> None:
         """Encode a deferred prompt's rest, so the conversation's next turn finds it cached. A render error

@@ -32,6 +32,7 @@ from gateway.openai_errors import ApiError, error_type, sse_error_event
 from gateway.proxy import Attempt, Exchange, Timeouts, UpstreamFailure, forward, report_continued
 from gateway.request_body import Kind, check_body_headers, parse_request
 from gateway.route_planner import RoutePlanner
+from tokenization.worker import REQUESTER
 
 log = logging.getLogger("kvmesh.router")
 
@@ -228,6 +229,7 @@ class Router:
             headers = dict(_headers(scope))
             tenant = self.gate.tenant(headers)
             record.tenant = tenant.name
+            REQUESTER.set(tenant.name)
             if not self.gate.sees_cache_state(tenant, headers):
                 raise ApiError(403, "/debug/route shows what the engines hold for every shared tenant's prompts; "
                                "it needs an admin key or the key of a tenant whose cache is isolated",
@@ -283,6 +285,7 @@ class Router:
         with tracing.step("parse"):
             tenant = self.gate.tenant(headers)
             record.tenant = tenant.name
+            REQUESTER.set(tenant.name)  # long prompts queue for the tokenizer workers per tenant
             parsed = self.gate.isolate(tenant, await self._read_request(kind, scope, receive, headers))
             priority = self.gate.priority(tenant, headers)
         tracing.name_request(span, kind, parsed.model, parsed.max_tokens, tenant.name)

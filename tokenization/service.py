@@ -86,14 +86,14 @@ class TokenizerService:
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, registry: TokenizerRegistry, *, workers: int = 1, queue_size: int = 64,
+    async def open(cls, registry: TokenizerRegistry, *, workers: int = 1,
                    cache_tokens: int = DEFAULT_CACHE_TOKENS, inline_max_chars: int = DEFAULT_INLINE_MAX_CHARS,
                    thread_max_chars: int = DEFAULT_THREAD_MAX_CHARS,
                    verify_every: int = DEFAULT_VERIFY_EVERY) -> AsyncIterator[TokenizerService]:
         """Load and check every tokenizer, start the workers, and stop them all on exit."""
         specs = registry.specs()
         tokenizers = {spec: await trio.to_thread.run_sync(LoadedTokenizer.load, spec) for spec in specs}
-        pool = WorkerPool(specs, size=workers, queue_size=queue_size)
+        pool = WorkerPool(specs, size=workers)
         async with trio.open_nursery() as nursery:
             await nursery.start(pool.run)
             yield cls(registry, tokenizers, pool, cache_tokens=cache_tokens,

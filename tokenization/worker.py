@@ -5,13 +5,17 @@ nothing of the parent's trio loop or threads is inherited, and unlike multiproce
 re-imports the parent's main module). It talks to the router over an inherited socketpair with
 length-prefixed pickle frames: request ``(spec, texts)``, answer ``("ok", [int32 ids bytes, ...])`` or
 ``("error", message)``. The trio side only ever awaits the socket, so the event loop keeps running
-while a worker encodes 32k tokens. One request is in flight per worker; a bounded channel in front of
-the pool gives backpressure. A worker that dies is replaced and the job it held fails with
-``WorkerError`` (the caller may retry or tokenize another way).
+while a worker encodes 32k tokens. One request is in flight per worker. Jobs wait in a fair queue
+(tokenization/fair_queue.py): each requester (the tenant a request came from, ``REQUESTER``) has its own
+bounded FIFO and requesters take turns, a job that waited past its deadline is answered
+``TokenizerBusy`` instead of run, and a job whose caller went away is dropped unrun. A worker that dies
+is replaced and the job it held fails with ``WorkerError`` (the caller may retry or tokenize another way).
 """
 
 from __future__ import annotations
 
+import math
+import os
 import pickle
 import signal
 import socket
@@ -19,10 +23,13 @@ import struct
 import sys
 from array import array
 from collections.abc import Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
+
+from tokenization.fair_queue import FairQueue
 
 HEADER = struct.Struct("!I")
 READY = b"ready"
@@ -31,8 +38,30 @@ STOP_TIMEOUT_S = 2.0
 RESTART_DELAY_S = 0.5
 
 
+REQUESTER: ContextVar[str] = ContextVar("tokenizer_requester", default="")
+"""Who the current task encodes for (the router sets the tenant per request): the fair queue's key."""
+PER_REQUESTER_JOBS = 8
+"""Jobs one requester may have waiting; beyond, its next long prompt is refused at once."""
+JOB_DEADLINE_S = 30.0
+"""A job not started by then is refused rather than run for a caller that has likely given up."""
+
+
+def default_workers() -> int:
+    """Worker processes for this machine: half its cores (the router's loop and engines need the rest), 1-4."""
+    return max(1, min(4, len(os.sched_getaffinity(0)) // 2))
+
+
 class WorkerError(RuntimeError):
     """A job could not be done by a worker (it died, or its tokenizer failed)."""
+
+
+class TokenizerBusy(Exception):
+    """A job refused without running: its requester has too many waiting, or it waited too long."""
+
+    def __init__(self, message: str, own_load: bool) -> None:
+        super().__init__(message)
+        self.own_load = own_load
+        """True when the requester's own queue is full (its load, a 429), False when the pool is slow."""
 
 
 def _pack_ids(ids: Sequence[int]) -> bytes:
@@ -99,9 +128,13 @@ class Job:
 
     spec: str
     texts: list[str]
+    deadline: float = math.inf
     done: trio.Event = field(default_factory=trio.Event)
     result: list[list[int]] | None = None
     error: str | None = None
+    expired: bool = False
+    abandoned: bool = False
+    """The caller stopped waiting (its client went away): the job is dropped if it has not started."""
 
 
 async def _recv_exact_async(stream: trio.SocketStream, size: int) -> bytes:
@@ -120,26 +153,60 @@ async def _recv_frame_async(stream: trio.SocketStream) -> bytes:
 
 
 class WorkerPool:
-    """``size`` spawned tokenizer processes fed from one bounded queue; run it with ``nursery.start``."""
+    """``size`` spawned tokenizer processes fed from a fair queue; run it with ``nursery.start``."""
 
-    def __init__(self, specs: Sequence[str], size: int = 1, queue_size: int = 64) -> None:
+    def __init__(self, specs: Sequence[str], size: int = 1, per_requester: int = PER_REQUESTER_JOBS,
+                 deadline_s: float = JOB_DEADLINE_S) -> None:
         if size < 1:
             raise ValueError("a pool needs at least one worker")
         self.specs = list(specs)
         self.size = size
+        self.deadline_s = deadline_s
         self.restarts = 0
+        self.dropped: dict[str, int] = {"abandoned": 0, "expired": 0, "refused": 0}
         self.pids: set[int] = set()
         """Process ids of the running workers (for monitoring and fault-injection tests)."""
-        self._send, self._receive = trio.open_memory_channel[Job](queue_size)
+        self._queue: FairQueue[Job] = FairQueue(per_requester)
+        self._wake_send, self._wake = trio.open_memory_channel[None](math.inf)
+        """One token per queued job: a free worker takes a token, then the job whose turn it is."""
 
     async def encode(self, spec: str, texts: list[str]) -> list[list[int]]:
-        """Ids of each text (no special tokens added), computed in a worker process."""
-        job = Job(spec, texts)
-        await self._send.send(job)
-        await job.done.wait()
+        """Ids of each text (no special tokens added), computed in a worker process for ``REQUESTER``.
+
+        Raises TokenizerBusy when the requester has too many jobs waiting or this one waited too long."""
+        job = Job(spec, texts, deadline=trio.current_time() + self.deadline_s)
+        requester = REQUESTER.get()
+        if not self._queue.push(requester, job):
+            self.dropped["refused"] += 1
+            raise TokenizerBusy(f"{self._queue.per_requester} long prompts of this requester are already waiting "
+                                "for the tokenizer", own_load=True)
+        self._wake_send.send_nowait(None)
+        try:
+            await job.done.wait()
+        except BaseException:
+            job.abandoned = True
+            raise
+        if job.expired:
+            raise TokenizerBusy(f"the tokenizer did not start this prompt within {self.deadline_s:g}s",
+                                own_load=False)
         if job.result is None:
             raise WorkerError(job.error or "worker failed")
         return job.result
+
+    def _next_job(self) -> Job | None:
+        """The next job to run: abandoned ones are dropped, late ones answered as expired."""
+        job = self._queue.pop()
+        if job is None:
+            return None
+        if job.abandoned:
+            self.dropped["abandoned"] += 1
+            return None
+        if trio.current_time() > job.deadline:
+            self.dropped["expired"] += 1
+            job.expired = True
+            job.done.set()
+            return None
+        return job
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Start every worker, report started once all are ready, and keep them alive until cancelled."""
@@ -179,7 +246,10 @@ class WorkerPool:
             await trio.sleep(RESTART_DELAY_S)
 
     async def _serve(self, stream: trio.SocketStream) -> None:
-        async for job in self._receive:
+        async for _ in self._wake:
+            job = self._next_job()
+            if job is None:
+                continue
             try:
                 await stream.send_all(_frame(pickle.dumps((job.spec, job.texts))))
                 status, payload = pickle.loads(await _recv_frame_async(stream))

@@ -17,6 +17,7 @@ from gateway.route_planner import MAX_KEY_CHARS, bounded_key, request_prefix_key
 from gateway.security.config import AuthConfig, TenantConfig
 from gateway.security.keys import hash_key
 from tokenization.service import DeferredIds
+from tokenization.worker import TokenizerBusy
 
 
 async def test_a_trickling_body_gets_a_408(monkeypatch, autojump_clock):
@@ -116,3 +117,16 @@ async def test_a_deferred_prompt_is_routed_on_its_head_and_completed_in_the_back
     assert (plan.prompt_tokens, plan.counted_tokens, plan.estimated) == (5000, 0, True)
     assert all(len(blocks) == 40 // size for size, blocks in plan.chains.items())
     assert plan.decision.prompt_tokens == 5000
+
+
+async def test_a_tokenizer_queue_full_of_the_tenants_own_prompts_is_a_429_and_a_late_one_a_503(monkeypatch):
+    router = make_router(monkeypatch, policy="kv_aware")
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "long"}]}).encode()
+    for own_load, status in ((True, 429), (False, 503)):
+        async def busy(*args, own_load=own_load, **kwargs):
+            raise TokenizerBusy("the tokenizer is busy", own_load)
+
+        monkeypatch.setattr(router.planner.tokenizers, "token_ids", busy)
+        answer = await call(router, "POST", "/v1/chat/completions", body)
+        assert assert_openai_error(answer, status)["code"] == "tokenizer_busy"
+        assert answer.headers["retry-after"] == "1"
