@@ -97,18 +97,25 @@ def test_stall_before_first_byte_fails_over(client, fleet):
     assert any(f"engine={engine_id(stalled)}" in h and "attempts=2" in h for h in heads), heads
 
 
+def start_stream(router: RouterProcess, content: str, max_tokens: int) -> tuple[socket.socket, bytes]:
+    """A streamed chat on a raw connection, read up to its first bytes (a 200 head)."""
+    http = Http(router.url)
+    conn = socket.create_connection((http.host, http.port), timeout=30)
+    body = json.dumps(chat(content, max_tokens=max_tokens, stream=True)).encode()
+    conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    received = conn.recv(65536)
+    assert received.startswith(b"HTTP/1.1 200")
+    return conn, received
+
+
 def test_sigterm_lets_the_stream_finish_and_refuses_new_connections(fleet, config):
     for url in fleet.urls:
         set_fault(url, slow=100)
     router = RouterProcess(fleet.urls, config=config, metrics_interval=0.2).start()
     try:
         http = Http(router.url)
-        conn = socket.create_connection((http.host, http.port), timeout=30)
-        body = json.dumps(chat("drain me", max_tokens=60, stream=True)).encode()
-        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                     b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-        received = conn.recv(65536)
-        assert received.startswith(b"HTTP/1.1 200")
+        conn, received = start_stream(router, "drain me", 60)
         os.kill(router.pid, signal.SIGTERM)
 
         def refused() -> bool:
@@ -141,13 +148,7 @@ def test_a_stream_outliving_the_shutdown_grace_ends_with_an_sse_error(fleet, tmp
     config.write_text('policy = "round_robin"\nshutdown_grace_s = 1.0\n')
     router = RouterProcess(fleet.urls, config=str(config), metrics_interval=0.2).start()
     try:
-        http = Http(router.url)
-        conn = socket.create_connection((http.host, http.port), timeout=30)
-        body = json.dumps(chat("outlive the grace", max_tokens=5000, stream=True)).encode()
-        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                     b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-        received = conn.recv(65536)
-        assert received.startswith(b"HTTP/1.1 200")
+        conn, received = start_stream(router, "outlive the grace", 5000)
         sigterm_at = time.monotonic()
         os.kill(router.pid, signal.SIGTERM)
         while chunk := conn.recv(65536):
