@@ -18,6 +18,7 @@ from events.ingest_budget import IngestBudget
 from events.subscriber import SubscriberConfig
 from gateway import http_app, tracing
 from gateway.admin import ADMIN_STATE_KEYS, handle_admin
+from gateway.admission.token_bucket import TokenBucket
 from gateway.config import EngineConfig, RouterConfig
 from gateway.continuation import ContinuationSpec
 from gateway.engine_watch import watch_engine
@@ -39,6 +40,9 @@ log = logging.getLogger("kvmesh.router")
 INFERENCE_PATHS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 ROUTE_LABELS = frozenset({*INFERENCE_PATHS, "/v1/models", "/debug/route"})
 HEAD_PATHS = frozenset({"/health", "/ready", "/metrics"})
+DEBUG_ROUTE_PER_S = 10.0
+"""/debug/route tokenizes and scores every candidate; per replica it answers this many a second (bursts of
+twice that), whoever asks: with auth off nothing else would bound it."""
 FORWARDED_HEADERS = ("content-type", "accept", "traceparent", "connection")
 """Client headers passed on to the engine (the proxy drops hop-by-hop ones, including those ``connection``
 names); ``x-request-id`` is sent once, as the router's request id."""
@@ -68,6 +72,7 @@ class Router:
         self.active_requests = 0
         self.shutting_down = False
         self._cuttable: set[trio.CancelScope] = set()
+        self._debug_route_bucket = TokenBucket.full(DEBUG_ROUTE_PER_S, 2 * DEBUG_ROUTE_PER_S, time.monotonic())
         """The proxying of every request in flight, so that a shutdown can end what outlived its grace."""
         self._nursery: trio.Nursery | None = None
         self._watches: dict[str, trio.CancelScope] = {}
@@ -234,6 +239,12 @@ class Router:
                 raise ApiError(403, "/debug/route shows what the engines hold for every shared tenant's prompts; "
                                "it needs an admin key or the key of a tenant whose cache is isolated",
                                code="admin_key_required")
+            now = time.monotonic()
+            wait = self._debug_route_bucket.wait_time(1, now) or 0.0
+            if wait > 0:
+                raise ApiError(429, f"/debug/route answers {DEBUG_ROUTE_PER_S:g} requests a second on this replica",
+                               code="rate_limited", retry_after=wait)
+            self._debug_route_bucket.take(1, now)
             parsed = self.gate.isolate(tenant, await self._read_request(None, scope, receive, headers))
             # Scoring tokenizes like a request: it is admitted and charged like one.
             priority = self.gate.priority(tenant, headers)

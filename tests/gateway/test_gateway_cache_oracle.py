@@ -45,3 +45,11 @@ async def test_an_isolated_tenant_sees_routing_details_of_its_own_blocks(monkeyp
 
 def test_tenants_are_isolated_unless_configured_shared():
     assert TenantConfig("newcomer").cache == "isolated"
+
+
+async def test_debug_route_is_rate_limited_even_with_auth_off(monkeypatch):
+    app = make_router(monkeypatch)
+    statuses = [(await call(app, "POST", "/debug/route", BODY)).status for _ in range(100)]
+    assert statuses[:20] == [200] * 20 and 429 in statuses
+    refused = await call(app, "POST", "/debug/route", BODY)
+    assert assert_openai_error(refused, 429)["code"] == "rate_limited" and "retry-after" in refused.headers

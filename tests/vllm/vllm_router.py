@@ -109,7 +109,13 @@ class RouterClient:
         return Routed(status, route_fields(headers["x-kvmesh-route"]), body)
 
     def debug_route(self, messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        status, _, body = self._request("POST", "/debug/route", chat_body(messages, **extra), None)
+        """The router's scoring of ``messages``; waits out the endpoint's rate limit as a client should."""
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            status, headers, body = self._request("POST", "/debug/route", chat_body(messages, **extra), None)
+            if status != 429 or time.monotonic() > deadline:
+                break
+            time.sleep(float(headers.get("retry-after", "1")))
         assert status == 200, f"/debug/route answered {status}: {body}"
         return body
 
