@@ -39,14 +39,20 @@ class Gatekeeper:
         """The caller's tenant (401 in OpenAI's format when auth is on and the key is missing or wrong)."""
         return self.auth.authenticate(headers.get("authorization"))
 
+    def admin_tenant(self, headers: Mapping[str, str]) -> Tenant:
+        """The tenant an admin's request is charged to; 401/403 for a caller who is not an admin."""
+        return self.auth.admin_as_tenant(headers.get("authorization"))
+
     def require_admin(self, headers: Mapping[str, str]) -> None:
         self.auth.require_admin(headers.get("authorization"))
 
-    def sees_cache_state(self, tenant: Tenant, headers: Mapping[str, str]) -> bool:
-        """Whether routing details (overlaps, estimates, reasons) may go back to this caller. They say what
-        the engines hold: an isolated tenant's prompts are salted, so its overlaps only ever count its own
-        blocks, but a shared tenant's would tell it, block by block, what other tenants sent."""
-        return tenant.cache == "isolated" or self.auth.is_admin(headers.get("authorization"))
+    def sees_cache_state(self, headers: Mapping[str, str]) -> bool:
+        """Whether routing details (overlaps, estimates, reasons) may go back to this caller: only an admin
+        (everyone when auth is off, which binds loopback unless the operator trusts the network). They are
+        derived from what the engines hold: a shared tenant's overlaps would tell it, block by block, what
+        other tenants sent; even an isolated tenant's estimates and reasons count other tenants' KV
+        pressure and queues, and two tenants given one explicit cache_salt share their blocks."""
+        return self.auth.is_admin(headers.get("authorization"))
 
     def isolate(self, tenant: Tenant, parsed: ParsedRequest) -> ParsedRequest:
         """Apply the tenant's cache policy: an isolated tenant's salt goes into the body and the index key."""

@@ -41,6 +41,8 @@ class Tenant:
 
 ANONYMOUS = Tenant(ANONYMOUS_NAME, allow_priority_header=True)
 """Everyone when auth is off: shared cache, no limits, and clients may pick their priority."""
+ADMIN = Tenant("admin")
+"""An admin key that is no tenant's key, on the one non-admin path it may use (``/debug/route``)."""
 
 
 def bearer_token(header: str | None) -> str | None:
@@ -98,6 +100,11 @@ class Authenticator:
             return False
         digest = _digest(token)
         return any([hmac.compare_digest(digest, admin) for admin in self._admin])
+
+    def admin_as_tenant(self, authorization: str | None) -> Tenant:
+        """The tenant of an admin caller (401/403 for anyone else): its own when the key is also a tenant's."""
+        self.require_admin(authorization)
+        return self.resolve(authorization) or ADMIN
 
     def require_admin(self, authorization: str | None) -> None:
         """401 without a valid key, 403 for a tenant key that is not an admin key."""

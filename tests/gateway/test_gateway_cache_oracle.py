@@ -1,6 +1,5 @@
-"""Routing details say what the engines hold: only callers who cannot learn other tenants' prompts from
-them see overlaps, estimates and reasons (admins, and isolated tenants, whose prompts are salted so their
-overlaps count only their own blocks). A shared tenant sees which engine served it, nothing more."""
+"""Routing details say what the engines hold: only admins see overlaps, estimates and reasons. A tenant,
+shared or isolated, sees which engine served it, nothing more."""
 
 from __future__ import annotations
 
@@ -11,14 +10,15 @@ from router_inprocess import MODEL, assert_openai_error, call, make_router
 from gateway.security.config import AuthConfig, TenantConfig
 from gateway.security.keys import hash_key
 
-ADMIN, SHARED, ISOLATED = "kvm-admin", "kvm-shared", "kvm-isolated"
+ADMIN, OPS, SHARED, ISOLATED = "kvm-admin", "kvm-ops", "kvm-shared", "kvm-isolated"
 BODY = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "what is cached?"}]}).encode()
 
 
 def router(monkeypatch):
     tenants = [TenantConfig("public", [hash_key(SHARED)], cache="shared"),
-               TenantConfig("acme", [hash_key(ISOLATED)])]
-    return make_router(monkeypatch, auth=AuthConfig(enabled=True, admin_keys=[hash_key(ADMIN)]), tenants=tenants)
+               TenantConfig("acme", [hash_key(ISOLATED)]), TenantConfig("ops", [hash_key(OPS)])]
+    admins = [hash_key(ADMIN), hash_key(OPS)]
+    return make_router(monkeypatch, auth=AuthConfig(enabled=True, admin_keys=admins), tenants=tenants)
 
 
 def as_(key: str) -> dict[str, str]:
@@ -35,12 +35,23 @@ async def test_a_shared_tenant_sees_its_engine_but_no_overlap(monkeypatch):
     assert_openai_error(await call(app, "POST", "/debug/route", BODY, as_(SHARED)), 403)
 
 
-async def test_an_isolated_tenant_sees_routing_details_of_its_own_blocks(monkeypatch):
+async def test_an_isolated_tenant_sees_no_routing_details_either(monkeypatch):
+    """Its estimates and reasons still count other tenants' KV pressure and queues."""
     app = router(monkeypatch)
     answer = await call(app, "POST", "/v1/chat/completions", BODY, as_(ISOLATED))
-    assert "overlap=" in answer.headers["x-kvmesh-route"]
-    explained = await call(app, "POST", "/debug/route", BODY, as_(ISOLATED))
+    header = answer.headers["x-kvmesh-route"]
+    assert answer.status == 200 and header.startswith("engine=")
+    assert not any(word in header for word in ("overlap", "est_ttft", "reason")), header
+    assert_openai_error(await call(app, "POST", "/debug/route", BODY, as_(ISOLATED)), 403)
+
+
+async def test_an_admin_sees_routing_details(monkeypatch):
+    """On /debug/route without being a tenant; in its route header when its key is also a tenant's."""
+    app = router(monkeypatch)
+    explained = await call(app, "POST", "/debug/route", BODY, as_(ADMIN))
     assert explained.status == 200 and explained.json()["candidates"]
+    answer = await call(app, "POST", "/v1/chat/completions", BODY, as_(OPS))
+    assert "overlap=" in answer.headers["x-kvmesh-route"]
 
 
 def test_tenants_are_isolated_unless_configured_shared():

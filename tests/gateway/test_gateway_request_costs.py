@@ -74,7 +74,7 @@ def test_the_completion_prefix_key_reads_only_the_first_items(prompt):
 async def test_debug_route_is_admitted_and_charged_like_a_request(monkeypatch):
     key = "kvm-debugger"
     tenant = TenantConfig("debugger", keys=[hash_key(key)], requests_per_second=1.0)
-    router = make_router(monkeypatch, auth=AuthConfig(enabled=True), tenants=[tenant])
+    router = make_router(monkeypatch, auth=AuthConfig(enabled=True, admin_keys=[hash_key(key)]), tenants=[tenant])
     headers = {"content-type": "application/json", "authorization": f"Bearer {key}"}
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
     assert (await call(router, "POST", "/debug/route", body, headers)).status == 200
