@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import trio
 
+from gateway.admission.client_buckets import ClientBuckets
 from gateway.admission.decision import Reject
 from gateway.admission.priority import PRIORITY_HEADER, admit, resolve_priority
 from gateway.admission.ratelimit import RateLimiter
@@ -31,6 +32,8 @@ class Gatekeeper:
     def __init__(self, config: RouterConfig, metrics: RouterMetrics, replica_id: str) -> None:
         self.auth = Authenticator(config.auth, config.tenants)
         self.limiter = RateLimiter(replica_id, config.admission)
+        self.debug_route_buckets = ClientBuckets(config.admission.debug_route_per_second,
+                                                 config.admission.debug_route_burst)
         self.admission = config.admission
         self.metrics = metrics
         self.has_limits = any(t.requests_per_second or t.prompt_tokens_per_minute for t in config.tenants)
@@ -42,6 +45,13 @@ class Gatekeeper:
     def admin_tenant(self, headers: Mapping[str, str]) -> Tenant:
         """The tenant an admin's request is charged to; 401/403 for a caller who is not an admin."""
         return self.auth.admin_as_tenant(headers.get("authorization"))
+
+    def admit_debug_route(self, tenant: Tenant, client_host: str) -> None:
+        """429 when this client (tenant at address) calls /debug/route faster than its small bucket allows."""
+        verdict = self.debug_route_buckets.admit(f"{tenant.name}@{client_host}", time.monotonic(), "/debug/route")
+        if isinstance(verdict, Reject):
+            self.metrics.admission_rejections.labels("debug_route_rate_limited", "normal").inc()
+            raise verdict.error()
 
     def require_admin(self, headers: Mapping[str, str]) -> None:
         self.auth.require_admin(headers.get("authorization"))

@@ -18,7 +18,6 @@ from events.ingest_budget import IngestBudget
 from events.subscriber import SubscriberConfig
 from gateway import http_app, tracing
 from gateway.admin import ADMIN_STATE_KEYS, handle_admin
-from gateway.admission.token_bucket import TokenBucket
 from gateway.config import EngineConfig, RouterConfig
 from gateway.continuation import ContinuationSpec
 from gateway.engine_watch import watch_engine
@@ -40,9 +39,6 @@ log = logging.getLogger("kvmesh.router")
 INFERENCE_PATHS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 ROUTE_LABELS = frozenset({*INFERENCE_PATHS, "/v1/models", "/debug/route"})
 HEAD_PATHS = frozenset({"/health", "/ready", "/metrics"})
-DEBUG_ROUTE_PER_S = 10.0
-"""/debug/route tokenizes and scores every candidate; per replica it answers this many a second (bursts of
-twice that), whoever asks: with auth off nothing else would bound it."""
 FORWARDED_HEADERS = ("content-type", "accept", "traceparent", "connection")
 """Client headers passed on to the engine (the proxy drops hop-by-hop ones, including those ``connection``
 names); ``x-request-id`` is sent once, as the router's request id."""
@@ -72,7 +68,6 @@ class Router:
         self.active_requests = 0
         self.shutting_down = False
         self._cuttable: set[trio.CancelScope] = set()
-        self._debug_route_bucket = TokenBucket.full(DEBUG_ROUTE_PER_S, 2 * DEBUG_ROUTE_PER_S, time.monotonic())
         """The proxying of every request in flight, so that a shutdown can end what outlived its grace."""
         self._nursery: trio.Nursery | None = None
         self._watches: dict[str, trio.CancelScope] = {}
@@ -236,12 +231,7 @@ class Router:
             tenant = self.gate.admin_tenant(headers)
             record.tenant = tenant.name
             REQUESTER.set(tenant.name)
-            now = time.monotonic()
-            wait = self._debug_route_bucket.wait_time(1, now) or 0.0
-            if wait > 0:
-                raise ApiError(429, f"/debug/route answers {DEBUG_ROUTE_PER_S:g} requests a second on this replica",
-                               code="rate_limited", retry_after=wait)
-            self._debug_route_bucket.take(1, now)
+            self.gate.admit_debug_route(tenant, _client_host(scope))
             parsed = self.gate.isolate(tenant, await self._read_request(None, scope, receive, headers))
             # Scoring tokenizes like a request: it is admitted and charged like one.
             priority = self.gate.priority(tenant, headers)
@@ -514,6 +504,12 @@ async def _forward_until_disconnect(receive: http_app.Receive, send: http_app.Se
 
 def _headers(scope: dict) -> list[tuple[str, str]]:
     return [(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in scope.get("headers", [])]
+
+
+def _client_host(scope: dict) -> str:
+    """The peer's address as the server saw it (a proxy in front makes all its clients one)."""
+    client = scope.get("client")
+    return str(client[0]) if client else "-"
 
 
 def _require(method: str, expected: str) -> None:

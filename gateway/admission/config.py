@@ -19,6 +19,9 @@ class AdmissionConfig:
     token_burst_s: float = 60.0
     peer_stale_after_s: float = 3.0
     peer_forget_after_s: float = 30.0
+    debug_route_per_second: float = 2.0
+    debug_route_burst: int = 10
+    """Per client (tenant and address): /debug/route tokenizes and scores every engine for each call."""
 
     def validate(self, where: str) -> None:
         if self.queue_threshold < 1:
@@ -27,8 +30,10 @@ class AdmissionConfig:
             if not 1 <= getattr(self, key) <= 600:
                 raise ConfigError(f"{where}.{key}: must be between 1 and 600")
         for key in ("queue_retry_after_s", "request_window_s", "request_burst_s", "token_window_s",
-                    "token_burst_s", "peer_stale_after_s", "peer_forget_after_s"):
+                    "token_burst_s", "peer_stale_after_s", "peer_forget_after_s", "debug_route_per_second"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"{where}.{key}: must be positive")
+        if self.debug_route_burst < 1:
+            raise ConfigError(f"{where}.debug_route_burst: must be at least 1")
         if self.peer_forget_after_s < self.peer_stale_after_s:
             raise ConfigError(f"{where}.peer_forget_after_s: must not be shorter than peer_stale_after_s")

@@ -43,5 +43,9 @@ def log_posture(config: RouterConfig) -> None:
     if config.auth.enabled and is_loopback_host(config.host):
         return
     reach = "this host only" if is_loopback_host(config.host) else f"anyone who reaches {config.host}:{config.port}"
+    if not config.auth.enabled and not is_loopback_host(config.host):
+        log.warning("AUTH IS OFF ON AN OPEN ADDRESS: [auth] allow_open_network = true makes everyone who "
+                    "reaches this router an admin (add or delete engines fleet-wide, partition the mesh, "
+                    "read every tenant's cache state)", extra={"reachable_by": reach, "close": ENABLE_AUTH})
     for surface in open_surfaces(config):
         log.warning("open surface", extra={**surface, "reachable_by": reach})

@@ -71,3 +71,11 @@ def test_auth_on_leaves_only_the_metrics_port_to_mention(caplog):
     secured = AuthConfig(enabled=True, admin_keys=["sha256:" + "0" * 64])
     assert set(posture(caplog, RouterConfig(host="0.0.0.0", auth=secured))) == {"/metrics"}
     assert posture(caplog, RouterConfig(host="127.0.0.1", auth=secured)) == {}
+
+
+def test_opting_into_an_open_network_is_said_once_and_loudly(caplog):
+    posture(caplog, RouterConfig(host="0.0.0.0", auth=AuthConfig(allow_open_network=True)))
+    loud = [r for r in caplog.records if "allow_open_network" in r.getMessage()]
+    assert len(loud) == 1 and loud[0].levelno == logging.WARNING
+    posture(caplog, RouterConfig(host="127.0.0.1"))
+    assert not [r for r in caplog.records if "allow_open_network" in r.getMessage()]

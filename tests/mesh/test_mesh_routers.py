@@ -137,7 +137,7 @@ def test_killed_replicas_cost_the_survivor_no_events(mesh, fleet):
         row = next(c for c in table["candidates"] if c["engine"] == engine_id)
         return row["overlap_exact_tokens"] >= 256
 
-    assert wait_until(survivor_knows, 8.0)
+    assert wait_until(survivor_knows, 8.0, step=0.5)  # /debug/route allows 2 calls/s
     assert urls
 
 
@@ -168,7 +168,7 @@ def test_engines_without_events_share_their_approximate_entries(secret_file):
                 row = next(c for c in table["candidates"] if c["engine"] == engine)
                 return row["overlap_exact_tokens"] == 0 and row["overlap_approx_tokens"] >= 300
 
-            assert wait_until(second_knows, 5.0)
+            assert wait_until(second_knows, 5.0, step=0.5)
             _, headers = call(second.url, "/v1/chat/completions", chat(document + "three"))
             assert headers["x-kvmesh-route"].startswith(f"engine={engine};")
         finally:
@@ -200,9 +200,9 @@ def test_a_replica_counts_requests_another_replica_has_in_flight(fleet, secret_f
         for thread in threads:
             thread.start()
         try:
-            assert wait_until(lambda: depth() == 4, 3.0), depth()
+            assert wait_until(lambda: depth() == 4, 3.0, step=0.5), depth()
         finally:
             for thread in threads:
                 thread.join(30)
         assert results == [1, 1, 1, 1]
-        assert wait_until(lambda: depth() == 0, 3.0), depth()
+        assert wait_until(lambda: depth() == 0, 3.0, step=0.5), depth()

@@ -46,8 +46,9 @@ MIB = 1024 * 1024
 @contextmanager
 def router_for(engines: list[VllmEngine], model: Path, **flags: Any) -> Iterator[RouterProcess]:
     """A router over ``engines`` that loads the very tokenizer folder the engines were started with."""
+    polling = {"KVMESH_ADMISSION__DEBUG_ROUTE_PER_SECOND": "1000", "KVMESH_ADMISSION__DEBUG_ROUTE_BURST": "1000"}
     with RouterProcess([e.url for e in engines], tokenizer=model / "tokenizer", metrics_interval=0.2,
-                       start_timeout=120.0, **flags) as proc:
+                       start_timeout=120.0, env={**os.environ, **polling}, **flags) as proc:
         yield proc
 
 
@@ -267,15 +268,11 @@ def test_isolated_tenants_never_share_cached_blocks(
         messages = user(unique_text(80))
 
         first, first_hits = meter.send(tenant_a, messages)
-        assert (first.predicted_overlap, first_hits) == (0, 0)
-        wait_until(lambda: tenant_a.overlaps(messages)[target] > 0)
+        assert first_hits == 0 and "overlap" not in first.route, "routing details are for admins only"
         second, second_hits = meter.send(tenant_a, messages)
-        assert second.predicted_overlap == second.prompt_tokens // BLOCK * BLOCK
-        assert second_hits == expected_hits(second) > 0
+        assert second_hits > 0, "tenant-a did not reuse its own cached blocks"
 
-        assert tenant_b.overlaps(messages)[target] == 0
         other, other_hits = meter.send(tenant_b, messages)
-        assert other.predicted_overlap == 0
         assert other_hits == 0, "tenant-b reused tenant-a's cached blocks"
 
 
