@@ -28,7 +28,12 @@ def key_problem(raw: str) -> str | None:
 
 
 def hash_key(raw: str) -> str:
-    return "sha256:" + hashlib.sha256(raw.encode()).hexdigest()
+    """The config form of a key; ValueError for a key that could never authenticate (see ``key_problem``),
+    so no caller (the CLI, a benchmark writing a config) can store a hash no request will ever match."""
+    problem = key_problem(raw)
+    if problem is not None:
+        raise ValueError(problem)
+    return "sha256:" + hashlib.sha256(raw.encode("ascii")).hexdigest()
 
 
 def generate_key() -> str:

@@ -3,13 +3,22 @@
 import hashlib
 import io
 
+import pytest
+
 from gateway.security.config import is_hashed_key
 from gateway.security.keys import generate_key, hash_key, main
 
 
-def test_hash_key_is_sha256_of_the_utf8_key():
-    assert hash_key("kvm-é") == "sha256:" + hashlib.sha256("kvm-é".encode()).hexdigest()
+def test_hash_key_is_sha256_of_the_ascii_key():
+    assert hash_key("kvm-abc") == "sha256:" + hashlib.sha256(b"kvm-abc").hexdigest()
     assert is_hashed_key(hash_key("x"))
+
+
+@pytest.mark.parametrize("key", ["kvm-é", "kvm-\u2603", "kvm-a b", "kvm-\x7f", ""])
+def test_hash_key_refuses_keys_no_request_header_could_carry(key):
+    """Headers are decoded as latin-1: the UTF-8 hash of a non-ASCII key would never match a request."""
+    with pytest.raises(ValueError, match="visible ASCII|empty"):
+        hash_key(key)
 
 
 def test_hash_from_argument(capsys):
