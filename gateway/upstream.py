@@ -72,6 +72,14 @@ class _Connection:
         data = b"".join(self.conn.send(e) or b"" for e in events if not (isinstance(e, h11.Data) and not e.data))
         await self.stream.send_all(data)
 
+    def buffered_data(self, data: bytes) -> tuple[bytes, h11.Event | type[h11.NEED_DATA]]:
+        """``data`` joined with the body chunks the last read already brought (no I/O), and the event after
+        them: an engine ahead of the router then costs one write to the client, not one per chunk."""
+        parts = [data]
+        while isinstance(event := self.conn.next_event(), h11.Data):
+            parts.append(bytes(event.data))
+        return (data if len(parts) == 1 else b"".join(parts)), event
+
     async def next_event(self) -> h11.Event:
         while True:
             event = self.conn.next_event()
@@ -158,11 +166,12 @@ class UpstreamResponse:
             except (trio.BrokenResourceError, trio.ClosedResourceError, h11.RemoteProtocolError, OSError) as e:
                 raise UpstreamError(f"engine broke the response: {e}") from None
             if isinstance(event, h11.Data):
-                yield bytes(event.data)
-            elif isinstance(event, h11.EndOfMessage):
+                chunk, event = self._connection.buffered_data(bytes(event.data))
+                yield chunk
+            if isinstance(event, h11.EndOfMessage):
                 self._done = True
                 return
-            elif isinstance(event, h11.ConnectionClosed):
+            if isinstance(event, h11.ConnectionClosed):
                 raise UpstreamError("engine closed the connection mid-response")
 
     async def read(self, idle_timeout: float, max_bytes: int | None = None) -> bytes:

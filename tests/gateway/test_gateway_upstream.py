@@ -155,3 +155,26 @@ async def test_headers_http_cannot_carry_are_dropped_not_raised(nursery):
     assert seen[0]["x-request-id"] == "caf\u00e9" and "x-request-id" not in seen[1]
     assert seen[1]["traceparent"] == "00-ab" and server.connections == 1
     await pool.aclose()
+
+
+async def test_body_chunks_one_read_brought_together_go_on_as_one(nursery):
+    """An engine ahead of the router: SSE chunks already in hand are relayed in one write, not one each."""
+    events = [f"data: {{\"n\": {i}}}\n\n".encode() for i in range(5)]
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
+
+    async def burst(stream: trio.SocketStream) -> None:
+        await stream.receive_some(65536)
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                              b"transfer-encoding: chunked\r\n\r\n" + chunked)
+        await trio.sleep_forever()
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    nursery.start_soon(trio.serve_listeners, burst, listeners)
+    pool = EnginePool(f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}")
+    with trio.fail_after(10):
+        response = await pool.request("POST", "/v1/completions", b"{}", [])
+        await trio.sleep(0.2)  # the whole answer is in the socket before the first read of the body
+        chunks = [chunk async for chunk in response.iter_body(5.0)]
+    assert b"".join(chunks) == b"".join(events) and len(chunks) < len(events)
+    await response.aclose()
+    await pool.aclose()
