@@ -7,6 +7,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -308,7 +309,7 @@ class Router:
             try:
                 with cut:
                     result = await _forward_until_disconnect(
-                        receive, send,
+                        receive, send, lambda: self.planner.encode_rest(plan),
                         lambda send_: forward(plan.engines, Exchange("POST", scope["path"], plan.body(),
                                                                      upstream_headers, send_, self.timeouts,
                                                                      route_header, parsed.stream, continuation),
@@ -326,6 +327,7 @@ class Router:
                 raise _without_engine_details(error, record) from None
             finally:
                 self._cuttable.discard(cut)
+                self.planner.encode_rest(plan)
             if result is None:
                 record.code = "client_disconnected"
                 return 499
@@ -470,9 +472,11 @@ def forwarded_headers(headers: dict[str, str]) -> list[tuple[str, str]]:
     return [(k, v) for k, v in headers.items() if k in FORWARDED_HEADERS and _HEADER_VALUE.fullmatch(v)]
 
 
-async def _forward_until_disconnect(receive: http_app.Receive, send: http_app.Send, proxying):
+async def _forward_until_disconnect(receive: http_app.Receive, send: http_app.Send, answering: Callable[[], None],
+                                    proxying):
     """Run the proxy; if the client goes away before the response is complete, cancel it so the engine
-    stops work too. (ASGI also reports a disconnect after a complete response: that one is ignored.)"""
+    stops work too. (ASGI also reports a disconnect after a complete response: that one is ignored.)
+    ``answering`` is called when the response head goes out."""
     outcome: dict[str, Any] = {}
     finished = False
 
@@ -480,6 +484,8 @@ async def _forward_until_disconnect(receive: http_app.Receive, send: http_app.Se
         nonlocal finished
         if message["type"] == "http.response.body" and not message.get("more_body", False):
             finished = True
+        elif message["type"] == "http.response.start":
+            answering()
         await send(message)
 
     async def watch(cancel_scope: trio.CancelScope) -> None:

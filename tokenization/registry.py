@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tokenization.bounds import fewest_tokens, splits_at_whitespace
@@ -43,12 +44,32 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
 
 
 def encode_plain(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> list[list[int]]:
-    """Ids of each text without added special tokens: how every segment is tokenized."""
+    """Ids of each text without added special tokens: how every segment is tokenized.
+
+    A fast tokenizer's Rust backend is called directly, without character offsets: the same ids as the
+    HF call (tested), at 0.22 ms instead of 0.33 ms for a 300-token turn, which sits on the way to the
+    first token of every request with a fresh part."""
     if not texts:
         return []
-    out = tokenizer(list(texts), add_special_tokens=False, return_attention_mask=False,
-                    return_token_type_ids=False)["input_ids"]
-    return [list(ids) for ids in out]
+    backend = plain_backend(tokenizer)
+    if backend is None:
+        out = tokenizer(list(texts), add_special_tokens=False, return_attention_mask=False,
+                        return_token_type_ids=False)["input_ids"]
+        return [list(ids) for ids in out]
+    return [encoding.ids for encoding in backend.encode_batch_fast(list(texts), add_special_tokens=False)]
+
+
+@lru_cache(maxsize=16)
+def plain_backend(tokenizer: PreTrainedTokenizerBase) -> Tokenizer | None:
+    """A private copy of a fast tokenizer's Rust backend with truncation and padding off (the HF call
+    turns them off per call; a tokenizer.json may switch them on), or None for a slow tokenizer."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if not isinstance(backend, Tokenizer) or not hasattr(backend, "encode_batch_fast"):
+        return None
+    own = Tokenizer.from_str(backend.to_str())
+    own.no_truncation()
+    own.no_padding()
+    return own
 
 
 def _rendered_probes(tokenizer: PreTrainedTokenizerBase) -> list[str]:

@@ -7,9 +7,10 @@ import json
 import time
 
 import trio
+import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
-from router_inprocess import MODEL, assert_openai_error, call, make_router
+from router_inprocess import MODEL, InlineTokenizers, StubUpstream, assert_openai_error, call, make_router
 
 from gateway.body_limits import LimitsConfig
 from gateway.request_body import parse_request
@@ -91,7 +92,9 @@ async def test_the_ttft_model_is_refit_after_an_answer_not_in_the_next_decision(
     assert learner._models and not learner._stale
 
 
-async def test_a_deferred_prompt_is_routed_on_its_head_and_completed_in_the_background(monkeypatch):
+async def test_a_deferred_prompt_is_routed_on_its_head_and_its_rest_encoded_once_it_is_asked_for(monkeypatch):
+    """The rest is encoded only once the answer has begun: started with the request, its CPU competed with
+    the engine's prefill."""
     router = make_router(monkeypatch, policy="kv_aware")
     planner = router.planner
     completed = trio.Event()
@@ -113,10 +116,46 @@ async def test_a_deferred_prompt_is_routed_on_its_head_and_completed_in_the_back
     async with trio.open_nursery() as nursery:
         planner._background = nursery
         plan = await planner.plan(parsed, {})
+        await trio.testing.wait_all_tasks_blocked()
+        assert not completed.is_set()
+        planner.encode_rest(plan)
+        planner.encode_rest(plan)
         await completed.wait()
+        assert plan.unencoded is None
     assert (plan.prompt_tokens, plan.counted_tokens, plan.estimated) == (5000, 0, True)
     assert all(len(blocks) == 40 // size for size, blocks in plan.chains.items())
     assert plan.decision.prompt_tokens == 5000
+
+
+async def test_the_router_encodes_a_deferred_rest_once_the_answer_head_goes_out(monkeypatch):
+    encoded_when: list[str] = []
+
+    class HeadFirst(InlineTokenizers):
+        async def token_ids_or_head(self, model, body, kind, defer_chars):
+            async def complete():
+                encoded_when.append("encoded")
+                return list(range(5000))
+            return DeferredIds(list(range(40)), 5000, complete)
+
+    class Watching(StubUpstream):
+        async def __call__(self, engines, exchange, max_attempts):
+            encoded_when.append("head")
+            return await super().__call__(engines, exchange, max_attempts)
+
+    router = make_router(monkeypatch, upstream=Watching(), policy="kv_aware")
+    router.planner.tokenizers = HeadFirst()
+    encode_rest = router.planner.encode_rest
+
+    def asked(plan):
+        encoded_when.append("asked")
+        encode_rest(plan)
+
+    monkeypatch.setattr(router.planner, "encode_rest", asked)
+    body = json.dumps({"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "x"}]}).encode()
+    async with trio.open_nursery() as nursery:
+        router.planner._background = nursery
+        assert (await call(router, "POST", "/v1/chat/completions", body)).status == 200
+    assert encoded_when[:2] == ["head", "asked"] and encoded_when.count("encoded") == 1
 
 
 async def test_a_tokenizer_queue_full_of_the_tenants_own_prompts_is_a_429_and_a_late_one_a_503(monkeypatch):

@@ -49,6 +49,22 @@ def test_segments_concatenate_to_whole_text_ids(parts: list[str]) -> None:
     assert [t for ids in encoded for t in ids] == whole
 
 
+@settings(max_examples=200, deadline=None)
+@given(parts=pieces)
+def test_plain_ids_from_the_rust_backend_equal_the_hf_call(parts: list[str]) -> None:
+    texts = ["".join(parts), *parts]
+    expected = DEFAULT.hf(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    assert encode_plain(DEFAULT.hf, texts) == [list(ids) for ids in expected]
+
+
+def test_plain_ids_ignore_truncation_the_tokenizer_file_switches_on(tmp_path: Path) -> None:
+    tok = Tokenizer.from_file(str(DEFAULT_TOKENIZER_DIR / "tokenizer.json"))
+    tok.enable_truncation(max_length=4)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    text = "a sentence long enough to pass four tokens by a wide margin"
+    assert len(encode_plain(fast, [text])[0]) == len(DEFAULT.hf.encode(text, add_special_tokens=False)) > 4
+
+
 def test_lstrip_special_token_disables_segments(tmp_path: Path) -> None:
     loaded = LoadedTokenizer.load(build_lstrip_tokenizer(tmp_path / "lstrip"))
     assert not loaded.plan.segmentable

@@ -52,7 +52,8 @@ def random_body(rnd: random.Random) -> tuple[dict, str]:
 
 async def test_ids_equal_direct_tokenization_across_paths() -> None:
     rnd = random.Random(11)
-    async with TokenizerService.open(TokenizerRegistry(default=SPEC), verify_every=3, thread_max_chars=3_500) as svc:
+    async with TokenizerService.open(TokenizerRegistry(default=SPEC), verify_every=3, inline_max_chars=1_024,
+                                     thread_max_chars=3_500) as svc:
         for _ in range(60):
             body, kind = random_body(rnd)
             assert await svc.all_token_ids("any-model", body, kind) == all_prompt_token_ids_sync(HF, body, kind)
