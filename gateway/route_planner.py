@@ -27,7 +27,7 @@ from gateway.routing.cost import Knowledge
 from gateway.routing.homes import HOME_BLOCKS
 from index.block_hash import chain, root_seed
 from index.prefix_index import PrefixIndex
-from index.view import CacheView
+from index.view import CacheOverlap, CacheView
 from tokenization.messages import TEXT_PART_KEYS, RenderError
 from tokenization.registry import DEFAULT_TOKENIZER_DIR, TokenizerRegistry
 from tokenization.service import DeferredIds, TokenizerService
@@ -41,8 +41,26 @@ MAX_KEY_CHARS = 256
 STREAM_FRAMING_EVENTS = 2
 DEFER_CHARS = 16_384
 """A fresh part of the prompt at least this long (~4k tokens) is encoded after the request went out: from
-there its encode costs more than the 3 ms a router may add to the first token. Shorter ones are encoded
-first, so the decision sees exact token counts."""
+there its encode costs more than the 3 ms a router may add to the first token."""
+DEFER_IF_DECIDED_CHARS = 1_024
+"""A shorter fresh part, down to this, is encoded after the request went out only when the cached head
+already decides the engine (``head_decides``): encoding a 300-token turn took 0.8-0.9 ms between requests
+(cold caches) on the way to the first token, 0.25 ms when warm. Shorter ones are encoded first."""
+
+
+def head_decides(chains: Mapping[int, Sequence[int]], overlaps: Mapping[str, CacheOverlap],
+                 chosen: Sequence[str]) -> bool:
+    """Whether encoding a prompt's fresh rest could not change the engine chosen on its cached head.
+
+    Only an engine holding the whole head can hold blocks past it (a prefix walk stops at its first
+    miss). So the head decides when it has full blocks and no engine holds all of them, or when exactly
+    one does and was chosen: more cached tokens only make it cheaper. With two holders the rest may be
+    cached on either (a conversation another replica served, a repeated prompt), so it is encoded first."""
+    if not chains or not all(chains.values()):
+        return False
+    holders = [engine for engine, found in overlaps.items()
+               if max(found.exact_blocks, found.approx_blocks) >= len(chains.get(found.block_size, ()))]
+    return not holders or holders == list(chosen)
 
 
 @dataclass
@@ -189,7 +207,8 @@ class RoutePlanner:
         try:
             if self._background is None:
                 return await self.tokenizers.token_ids(parsed.model, parsed.body, parsed.kind)
-            return await self.tokenizers.token_ids_or_head(parsed.model, parsed.body, parsed.kind, DEFER_CHARS)
+            return await self.tokenizers.token_ids_or_head(parsed.model, parsed.body, parsed.kind,
+                                                           DEFER_IF_DECIDED_CHARS)
         except RenderError as exc:
             raise ApiError(400, exc.message, param=exc.param) from None
         except TokenizerBusy as exc:
@@ -199,7 +218,7 @@ class RoutePlanner:
         """Encode a deferred prompt's rest, so the conversation's next turn finds it cached. A render error
         cannot happen here (the head was rendered from the same body); anything else is the engine's call."""
         with contextlib.suppress(RenderError):
-            await deferred.complete()
+            await deferred.complete(True)
 
     def _context_length(self, candidates: list[EngineState]) -> int | None:
         """The largest context any candidate takes; None when one of them has no known length."""
@@ -255,7 +274,16 @@ class RoutePlanner:
                 chains = self._chains(parsed, token_ids, ids)
                 span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
         with tracing.step("route") as span:
-            decision = self._decide(parsed, headers, candidates, prompt_tokens, chains, now)
+            overlaps = self.cache.overlaps(chains, ids, now) if chains else {}
+            decision = self._decide(parsed, headers, candidates, prompt_tokens, chains, overlaps)
+            if deferred is not None and deferred.rest_chars < DEFER_CHARS and not head_decides(
+                    chains, overlaps, decision.ranked[:1]):
+                with tracing.step("tokenize"):
+                    token_ids = await deferred.complete(False)
+                deferred, prompt_tokens = None, len(token_ids)
+                chains = self._chains(parsed, token_ids, ids)
+                overlaps = self.cache.overlaps(chains, ids, now)
+                decision = self._decide(parsed, headers, candidates, prompt_tokens, chains, overlaps)
             span.set_attribute("kvmesh.route.policy", decision.policy)
             span.set_attribute("kvmesh.route.reason", decision.reason)
             if decision.table:
@@ -279,8 +307,7 @@ class RoutePlanner:
             self._background.start_soon(self._complete, deferred)
 
     def _decide(self, parsed: ParsedRequest, headers: Mapping[str, str], candidates: list[EngineState],
-                prompt_tokens: int, chains: dict[int, list[int]], now: float) -> Decision:
-        overlaps = self.cache.overlaps(chains, [e.id for e in candidates], now) if chains else {}
+                prompt_tokens: int, chains: dict[int, list[int]], overlaps: Mapping[str, CacheOverlap]) -> Decision:
         peers = self.peer_in_flight()
         views = []
         for engine in candidates:

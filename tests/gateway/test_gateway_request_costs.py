@@ -6,6 +6,7 @@ import dataclasses
 import json
 import time
 
+import pytest
 import trio
 import trio.testing
 from hypothesis import given
@@ -14,9 +15,10 @@ from router_inprocess import MODEL, InlineTokenizers, StubUpstream, assert_opena
 
 from gateway.body_limits import LimitsConfig
 from gateway.request_body import parse_request
-from gateway.route_planner import MAX_KEY_CHARS, bounded_key, request_prefix_key
+from gateway.route_planner import MAX_KEY_CHARS, bounded_key, head_decides, request_prefix_key
 from gateway.security.config import AuthConfig, TenantConfig
 from gateway.security.keys import hash_key
+from index.view import CacheOverlap
 from tokenization.service import DeferredIds
 from tokenization.worker import TokenizerBusy
 
@@ -104,7 +106,7 @@ async def test_a_deferred_prompt_is_routed_on_its_head_and_its_rest_encoded_once
             return 0
 
         async def token_ids_or_head(self, model, body, kind, defer_chars):
-            async def complete():
+            async def complete(off_loop):
                 completed.set()
                 return list(range(5000))
             return DeferredIds(list(range(40)), 5000, complete)
@@ -127,12 +129,59 @@ async def test_a_deferred_prompt_is_routed_on_its_head_and_its_rest_encoded_once
     assert plan.decision.prompt_tokens == 5000
 
 
+def _overlap(blocks: int) -> CacheOverlap:
+    return CacheOverlap(blocks, blocks, 1.0, 16)
+
+
+@pytest.mark.parametrize(("held", "chosen", "decides"), [
+    ({"a": 1, "b": 2}, ["a"], True),             # nobody holds the whole head: nothing past it is cached
+    ({"a": 3, "b": 1}, ["a"], True),             # the one holder was chosen anyway
+    ({"a": 3, "b": 1}, ["b"], False),            # more cached tokens could pull the request to the holder
+    ({"a": 3, "b": 3}, ["a"], False),            # the rest may be cached on either holder
+])
+def test_the_cached_head_decides_only_when_the_fresh_rest_cannot_change_the_engine(held, chosen, decides):
+    chains = {16: [11, 12, 13]}
+    assert head_decides(chains, {e: _overlap(n) for e, n in held.items()}, chosen) is decides
+    assert not head_decides({16: []}, {e: _overlap(0) for e in held}, chosen)
+
+
+async def test_a_short_fresh_rest_is_encoded_before_routing_when_two_engines_hold_the_head(monkeypatch):
+    router = make_router(monkeypatch, policy="kv_aware")
+    planner = router.planner
+    completions = []
+
+    class HeadFirst:
+        def fewest_tokens(self, model, texts, above):
+            return 0
+
+        async def token_ids_or_head(self, model, body, kind, defer_chars):
+            async def complete(off_loop):
+                completions.append(True)
+                return list(range(400))
+            return DeferredIds(list(range(64)), 380, complete, rest_chars=1500)
+
+    planner.tokenizers = HeadFirst()
+    parsed = parse_request(json.dumps({"model": MODEL, "stream": True,
+                                       "messages": [{"role": "user", "content": "x"}]}).encode(), "chat",
+                           LimitsConfig())
+    async with trio.open_nursery() as nursery:
+        planner._background = nursery
+        alone = await planner.plan(parsed, {})
+        assert alone.estimated and not completions
+        for engine in router.engines.all():
+            planner.cache.record_dispatch(engine.id, alone.chains, trio.current_time())
+        shared = await planner.plan(parsed, {})
+    assert completions == [True]
+    assert (shared.estimated, shared.prompt_tokens, shared.unencoded) == (False, 400, None)
+    assert all(len(blocks) == 400 // size for size, blocks in shared.chains.items())
+
+
 async def test_the_router_encodes_a_deferred_rest_once_the_answer_head_goes_out(monkeypatch):
     encoded_when: list[str] = []
 
     class HeadFirst(InlineTokenizers):
         async def token_ids_or_head(self, model, body, kind, defer_chars):
-            async def complete():
+            async def complete(off_loop):
                 encoded_when.append("encoded")
                 return list(range(5000))
             return DeferredIds(list(range(40)), 5000, complete)
