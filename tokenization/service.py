@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import trio
@@ -161,7 +162,7 @@ class TokenizerService:
         if affixes is None or first_miss == 0 or rest_chars < defer_chars:
             return (await self._ids_of(tok, found))[0]
         self.stats.deferred += 1
-        head = [*affixes[0], *(t for ids in cached[:first_miss] for t in ids or ())]
+        head = list(chain(affixes[0], *cached[:first_miss]))  # type: ignore[arg-type]  # no None before first_miss
         head_chars = sum(map(len, pieces[:first_miss]))
         rest = len(prompt.text) - head_chars
         estimated = len(head) + len(affixes[1]) + round(rest * (len(head) or 1) / max(head_chars, 1))
