@@ -220,13 +220,13 @@ class TokenizerService:
             return encode_plain(tok.hf, texts)
         if chars <= self.thread_max_chars:
             self.stats.thread_encodes += 1
-            return await trio.to_thread.run_sync(encode_plain, tok.hf, texts)
+            return await trio.to_thread.run_sync(encode_plain, tok.hf, texts, True)
         self.stats.worker_encodes += 1
         try:
             return await self.pool.encode(tok.spec, list(texts))
         except WorkerError:
             self.stats.worker_failures += 1
-            return await trio.to_thread.run_sync(encode_plain, tok.hf, texts)
+            return await trio.to_thread.run_sync(encode_plain, tok.hf, texts, True)
 
     async def _encode_with_specials(self, tok: LoadedTokenizer, text: str) -> list[int]:
         """For tokenizers whose added special tokens are not a fixed prefix and suffix (rare): no cache."""

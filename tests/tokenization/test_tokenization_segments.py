@@ -55,6 +55,7 @@ def test_plain_ids_from_the_rust_backend_equal_the_hf_call(parts: list[str]) -> 
     texts = ["".join(parts), *parts]
     expected = DEFAULT.hf(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
     assert encode_plain(DEFAULT.hf, texts) == [list(ids) for ids in expected]
+    assert encode_plain(DEFAULT.hf, texts, in_thread=True) == [list(ids) for ids in expected]
 
 
 def test_plain_ids_ignore_truncation_the_tokenizer_file_switches_on(tmp_path: Path) -> None:
