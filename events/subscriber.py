@@ -8,7 +8,7 @@ taken by the sans-IO EngineFeed; this module only moves frames and reconnects wi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import trio
@@ -54,12 +54,19 @@ async def _readable(sock: zmq.Socket) -> None:
         await trio.lowlevel.wait_readable(sock.getsockopt(zmq.FD))
 
 
+async def go_ahead() -> None:
+    """Nothing to let pass before ingesting."""
+
+
 async def run_subscriber(feed: EngineFeed, source: EventSource, *, context: zmq.Context | None = None,
                          config: SubscriberConfig | None = None,
                          clock: Callable[[], float] = trio.current_time,
-                         budget: IngestBudget | None = None) -> None:
+                         budget: IngestBudget | None = None,
+                         before_ingest: Callable[[], Awaitable[None]] = go_ahead) -> None:
     """Run until cancelled, rebuilding the session with exponential backoff after errors/disconnects.
-    ``budget``: shared by every subscriber of a process (the loop they share is one); its own if None."""
+    ``budget``: shared by every subscriber of a process (the loop they share is one); its own if None.
+    ``before_ingest``: awaited before each pass over the live messages queued (a router lets the engine's
+    pending first bytes go first, see gateway/first_bytes.py)."""
     config = config or SubscriberConfig()
     budget = budget or IngestBudget()
     context = context or zmq.Context.instance()
@@ -67,7 +74,7 @@ async def run_subscriber(feed: EngineFeed, source: EventSource, *, context: zmq.
     while True:
         started = trio.current_time()
         try:
-            await _session(feed, source, context, config, clock, budget)
+            await _session(feed, source, context, config, clock, budget, before_ingest)
         except* zmq.ZMQError:
             SUBSCRIBER_RESTARTS.labels(engine=feed.engine, reason="socket_error").inc()
         except* PublisherDisconnected:
@@ -80,7 +87,8 @@ async def run_subscriber(feed: EngineFeed, source: EventSource, *, context: zmq.
 
 
 async def _session(feed: EngineFeed, source: EventSource, context: zmq.Context, config: SubscriberConfig,
-                   clock: Callable[[], float], budget: IngestBudget) -> None:
+                   clock: Callable[[], float], budget: IngestBudget,
+                   before_ingest: Callable[[], Awaitable[None]]) -> None:
     sub = context.socket(zmq.SUB)
     monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     try:
@@ -104,6 +112,7 @@ async def _session(feed: EngineFeed, source: EventSource, context: zmq.Context, 
             replay(feed.catch_up(clock()))
             while True:
                 await _readable(sub)
+                await before_ingest()
                 await _drain(sub, budget, lambda frames: replay(feed.on_live(frames, clock())), feed, clock)
     finally:
         sub.disable_monitor()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -24,7 +25,7 @@ from events.counters import SUBSCRIBER_RESTARTS
 from events.discovery import EventSource
 from events.feed import EngineFeed
 from events.ingest_budget import IngestBudget
-from events.subscriber import SubscriberConfig, run_subscriber
+from events.subscriber import SubscriberConfig, go_ahead, run_subscriber
 from gateway import index_transfer
 from index.view import CacheView, holder_keys
 from mesh.node import MeshNode
@@ -41,19 +42,21 @@ LOAD_SLICE = 20_000
 class _Stream:
     model: str
     sources: list[EventSource]
+    before_ingest: Callable[[], Awaitable[None]] = go_ahead
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     feeds: list[EngineFeed] = field(default_factory=list)
 
 
 async def _supervised(feed: EngineFeed, source: EventSource, budget: IngestBudget | None = None,
-                      config: SubscriberConfig | None = None) -> None:
+                      config: SubscriberConfig | None = None,
+                      before_ingest: Callable[[], Awaitable[None]] = go_ahead) -> None:
     """Run the subscriber; an error no one expected (a publisher's frames reaching a bug) is counted, logged
     once per episode, marks the engine's knowledge partly lost and restarts it after a backoff: one
     engine's stream never ends the router."""
     failures = 0
     while True:
         try:
-            await run_subscriber(feed, source, budget=budget, config=config)
+            await run_subscriber(feed, source, budget=budget, config=config, before_ingest=before_ingest)
             return
         except Exception as exc:  # the publisher is untrusted: nothing it sends may end the process
             SUBSCRIBER_RESTARTS.labels(engine=feed.engine, reason=f"error_{type(exc).__name__}"[:64]).inc()
@@ -90,10 +93,12 @@ class EventIngest:
             async for engine, stream in self._started:
                 nursery.start_soon(self._ingest, engine, stream)
 
-    def add(self, engine: str, model: str, sources: list[EventSource]) -> None:
-        """The engine's event endpoints are known: warm up from a peer, then subscribe."""
+    def add(self, engine: str, model: str, sources: list[EventSource],
+            before_ingest: Callable[[], Awaitable[None]] = go_ahead) -> None:
+        """The engine's event endpoints are known: warm up from a peer, then subscribe (awaiting
+        ``before_ingest`` before each pass over its queued events)."""
         self.remove(engine)
-        stream = self._streams[engine] = _Stream(model, sources)
+        stream = self._streams[engine] = _Stream(model, sources, before_ingest)
         self._send.send_nowait((engine, stream))
 
     def remove(self, engine: str) -> None:
@@ -114,7 +119,8 @@ class EventIngest:
             log.info("ingesting events", extra={"engine": engine, "resume_seq": list(resume)})
             async with trio.open_nursery() as nursery:
                 for feed, source in zip(stream.feeds, stream.sources, strict=True):
-                    nursery.start_soon(_supervised, feed, source, self.budget, self.subscriber)
+                    nursery.start_soon(_supervised, feed, source, self.budget, self.subscriber,
+                                       stream.before_ingest)
 
     async def _warm(self, engine: str, holders: tuple[str, ...]) -> tuple[int | None, ...]:
         """Load the freshest peer's index of ``engine`` (each source's blocks into its holder); the seqs to

@@ -114,6 +114,8 @@ class ProxyResult:
     tail: bytes = b""
     """The last bytes of the answer, where the engine's usage (cached prompt tokens) is."""
     continuations: list[Continued] = field(default_factory=list)
+    first_token_out: Callable[[], None] = field(default=lambda: None, repr=False)
+    """Called once the first token has gone to the client (see ``gateway.first_bytes``)."""
 
     def cached_tokens(self) -> int | None:
         """``usage.prompt_tokens_details.cached_tokens`` as the engine reported it, if it did."""
@@ -150,6 +152,17 @@ def _response_headers(upstream: UpstreamResponse, extra: list[tuple[bytes, bytes
 def _note_chunk(result: ProxyResult, chunk: bytes) -> None:
     result.events += chunk.count(b"data: ")
     result.tail = (result.tail + chunk)[-_TAIL_BYTES:]
+
+
+FIRST_TOKEN_EVENTS = 2
+"""SSE events up to and with a stream's first token: a chat stream opens with an event that carries only
+the role (a completion's second event is its second token: its ingest waits one token longer)."""
+
+
+def _relayed(result: ProxyResult) -> None:
+    """After a body chunk went to the client: once the first token has, the engine's events may be ingested."""
+    if result.events >= FIRST_TOKEN_EVENTS:
+        result.first_token_out()
 
 
 async def _whole_answer(first: bytes, rest: Any) -> bytes:
@@ -291,7 +304,19 @@ async def _error_answer(engine: EngineState, upstream: UpstreamResponse, timeout
 async def _try_engine(engine: EngineState, exchange: Exchange, result: ProxyResult,
                       start: float, candidates: list[EngineState]) -> bool | ErrorAnswer:
     """One attempt: True when the client got a response, the engine's answer when it was a retryable
-    error status, False when the engine failed (already charged)."""
+    error status, False when the engine failed (already charged). While a stream waits for its first
+    token, the engine's event ingest lets it go first (``gateway.first_bytes``)."""
+    if not exchange.is_stream:
+        return await _attempt(engine, exchange, result, start, candidates)
+    result.first_token_out = engine.first_bytes.wait_for_one()
+    try:
+        return await _attempt(engine, exchange, result, start, candidates)
+    finally:
+        result.first_token_out()
+
+
+async def _attempt(engine: EngineState, exchange: Exchange, result: ProxyResult,
+                   start: float, candidates: list[EngineState]) -> bool | ErrorAnswer:
     try:
         headers = tracing.inject(exchange.headers)
         upstream = await engine.pool.request(exchange.method, exchange.target, exchange.body, headers,
@@ -346,10 +371,12 @@ async def _try_engine(engine: EngineState, exchange: Exchange, result: ProxyResu
         if first is not None:
             _note_chunk(result, first)
             await exchange.send({"type": "http.response.body", "body": first, "more_body": True})
+            _relayed(result)
         try:
             async for chunk in rest:
                 _note_chunk(result, chunk)
                 await exchange.send({"type": "http.response.body", "body": chunk, "more_body": True})
+                _relayed(result)
         except UpstreamError as exc:
             engine.health.breaker.record_failure(time.monotonic(), "broken stream")
             result.broken_after_first_byte = True
@@ -455,6 +482,7 @@ class _Relay:
                 record.latency_s = time.perf_counter() - broke_at
                 self._waiting = None
             await self.exchange.send({"type": "http.response.body", "body": out, "more_body": True})
+            _relayed(self.result)
         return self.splicer.engine_error is not None
 
     def _broken(self, engine: EngineState, why: str) -> None:

@@ -14,7 +14,7 @@ from prometheus_client import REGISTRY
 from events.curve import CurveClient
 from events.discovery import EventSource
 from events.feed import EngineFeed
-from events.subscriber import SubscriberConfig, run_subscriber
+from events.subscriber import SubscriberConfig, go_ahead, run_subscriber
 from index.block_hash import chain, root_seed
 from index.prefix_index import PrefixIndex
 from index.view import CacheView, holder_keys
@@ -106,7 +106,8 @@ def dropped(engine: str, reason: str) -> float:
     return REGISTRY.get_sample_value("kvmesh_events_dropped_total", {"engine": engine, "reason": reason}) or 0.0
 
 
-async def run_case(body, *, max_payload_bytes: int = 1 << 20, config: SubscriberConfig | None = None):
+async def run_case(body, *, max_payload_bytes: int = 1 << 20, config: SubscriberConfig | None = None,
+                   before_ingest=go_ahead):
     context = zmq.Context()
     engine = FakeEngine(context)
     name = f"zmq-engine-{next(_names)}"
@@ -117,7 +118,8 @@ async def run_case(body, *, max_payload_bytes: int = 1 << 20, config: Subscriber
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(engine.serve_replays)
-            nursery.start_soon(lambda: run_subscriber(feed, engine.source, context=context, config=config))
+            nursery.start_soon(lambda: run_subscriber(feed, engine.source, context=context, config=config,
+                                                      before_ingest=before_ingest))
             await body(engine, feed, store, name)
             nursery.cancel_scope.cancel()
     finally:
@@ -138,6 +140,31 @@ async def test_events_flow_and_gap_is_filled_by_replay():
         assert feed.freshness.lost_batches == 0
 
     await run_case(body)
+
+
+async def test_live_events_wait_for_what_the_router_lets_pass_first():
+    """The router lets an engine's pending first bytes go before ingesting its events."""
+    gate = trio.Event()
+    gated = False
+
+    async def before_ingest():
+        if gated:
+            await gate.wait()
+
+    async def body(engine, feed, store, name):
+        nonlocal gated
+        await catch_up(feed, engine)
+        gated = True
+        engine.next_block()
+        await trio.sleep(0.3)
+        assert feed.ingest.last_seq == engine.seq - 2  # queued in ZMQ, not ingested
+        gated = False
+        gate.set()
+        await catch_up(feed, engine)
+        full = engine.expected_chain()
+        assert store.overlap(full) == {name: len(full)}
+
+    await run_case(body, before_ingest=before_ingest)
 
 
 async def test_seq_reset_drops_the_engines_blocks():
