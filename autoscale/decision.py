@@ -142,11 +142,15 @@ class CapacityEstimate:
 
 
 def backlog(engine: EngineSignal, capacity: float) -> float:
-    """Requests waiting for a slot on one engine: its own queue, or what the routers have in flight there beyond
-    its capacity. The polled queue alone is up to a poll interval old and misses requests still on their way
-    (in the quick benchmark one engine had 3 requests in flight at a capacity of 2 while its polled queue
-    read 0, and two engines ran at 1.1-1.8 times their capacity for 9 s without a scale-up)."""
-    return max(float(engine.waiting), engine.demand - capacity)
+    """Requests waiting for a slot on one engine: its demand (polled or in flight from the routers, whichever
+    is fresher) beyond its measured capacity.
+
+    Not the polled queue alone: it is up to a poll interval old and misses requests still on their way (in
+    the quick benchmark one engine had 3 requests in flight at a capacity of 2 while its polled queue read
+    0, and two engines ran at 1.1-1.8 times their capacity for 9 s without a scale-up); and a request that
+    arrived between two engine steps reads as waiting while a slot is free (1 waiting, 0 running on an
+    engine of 2 slots scaled a quiet fleet up)."""
+    return max(0.0, engine.demand - capacity)
 
 
 class Autoscaler:

@@ -41,6 +41,11 @@ def test_requests_in_flight_beyond_capacity_are_a_queue_before_the_engine_report
     assert decision.action == "up" and "queue depth 3.00" in decision.reason
 
 
+def test_a_request_waiting_for_the_next_step_beside_a_free_slot_is_no_queue():
+    decision = scaler(queue_up=0.5, queue_drain=0.2).decide(FleetSignals(engines(1, waiting=1)), 0)
+    assert decision.action == "hold" and decision.triggers["avg_queue"] == 0
+
+
 def test_demand_over_target_utilisation_grows_the_fleet_before_a_queue_forms():
     auto = scaler(target_utilisation=0.7, max_engines=10)
     # 2 engines of capacity 4 running 3 each: demand 6 needs ceil(6 / 2.8) = 3 engines, no queue yet
