@@ -175,3 +175,19 @@ def test_hysteresis_bounds_and_determinism(steps, low, high):
         elif decision.action != "hold":
             last = decision.action
     assert all(b - a >= 60 for a, b in zip(changes, changes[1:], strict=False))
+
+
+busy_engine = st.builds(EngineSignal, id=st.uuids().map(str), waiting=st.integers(0, 6), running=st.integers(0, 4),
+                        in_flight=st.integers(0, 12))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(busy_engine, min_size=1, max_size=8, unique_by=lambda e: e.id), st.floats(0.3, 1.0))
+def test_without_other_triggers_the_fleet_grows_exactly_to_what_demand_needs_at_target(fleet, target):
+    policy = ScalePolicy(min_engines=0, max_engines=64, max_step_up=64, queue_up=1000, queue_drain=0.0,
+                         utilisation_floor=min(0.2, target / 2), target_utilisation=target)
+    decision = Autoscaler(policy, [OFFER]).decide(FleetSignals(fleet), 0)
+    needed = decision.triggers["needed"]
+    assert (decision.action == "up") == (needed > len(fleet))
+    if decision.action == "up":
+        assert len(fleet) + decision.count == needed
