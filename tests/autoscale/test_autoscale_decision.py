@@ -34,6 +34,36 @@ def test_capacity_is_measured_from_saturated_engines():
     assert auto.capacity.value > 7
 
 
+def test_requests_in_flight_beyond_capacity_are_a_queue_before_the_engine_reports_one():
+    # capacity 4, 7 in flight, the polled counts not caught up yet (running 4, waiting 0): 3 are queued
+    decision = scaler(queue_up=2.0, target_utilisation=0.99).decide(
+        FleetSignals([EngineSignal("e0", running=4, in_flight=7)]), 0)
+    assert decision.action == "up" and "queue depth 3.00" in decision.reason
+
+
+def test_a_request_waiting_for_the_next_step_beside_a_free_slot_is_no_queue():
+    decision = scaler(queue_up=0.5, queue_drain=0.2).decide(FleetSignals(engines(1, waiting=1)), 0)
+    assert decision.action == "hold" and decision.triggers["avg_queue"] == 0
+
+
+def test_demand_over_target_utilisation_grows_the_fleet_before_a_queue_forms():
+    auto = scaler(target_utilisation=0.7, max_engines=10)
+    # 2 engines of capacity 4 running 3 each: demand 6 needs ceil(6 / 2.8) = 3 engines, no queue yet
+    decision = auto.decide(FleetSignals(engines(2, running=3)), 0)
+    assert decision.action == "up" and decision.count == 1 and "needs 3 engines" in decision.reason
+    # the same demand with the third engine still provisioning: nothing more to add
+    assert auto.decide(FleetSignals(engines(2, running=3), pending=1), 20).action == "hold"
+    # at the target (demand 5 <= 2 * 4 * 0.7) the fleet stays
+    at_target = FleetSignals([EngineSignal("e0", running=2), EngineSignal("e1", running=3)])
+    assert scaler(target_utilisation=0.7).decide(at_target, 0).action == "hold"
+
+
+def test_an_engine_running_more_than_the_estimate_raises_it_at_once():
+    auto = scaler(max_engines=10)  # nominal capacity 4
+    decision = auto.decide(FleetSignals(engines(2, running=6)), 0)
+    assert auto.capacity.value == 6 and decision.triggers["avg_queue"] == 0
+
+
 def test_ttft_ceiling_scales_up_even_without_a_queue():
     decision = scaler(ttft_p99_ceiling_s=1.0).decide(FleetSignals(engines(2, running=1), ttft_p99_s=1.5), 0)
     assert decision.action == "up" and decision.count == 1 and "ttft" in decision.reason
@@ -82,7 +112,7 @@ def test_scale_down_waits_until_idle_for_down_stable_s():
     auto = scaler(min_engines=1, down_stable_s=5)
     assert auto.decide(FleetSignals(engines(3)), 0).action == "hold"
     assert auto.decide(FleetSignals(engines(3)), 4).action == "hold"
-    assert auto.decide(FleetSignals(engines(3, waiting=3, running=2)), 4.5).action != "down"  # busy again
+    assert auto.decide(FleetSignals(engines(3, running=2)), 4.5).action == "hold"  # busy again, within target
     assert auto.decide(FleetSignals(engines(3)), 6).action == "hold"
     assert auto.decide(FleetSignals(engines(3)), 11).action == "down"
 
@@ -145,3 +175,19 @@ def test_hysteresis_bounds_and_determinism(steps, low, high):
         elif decision.action != "hold":
             last = decision.action
     assert all(b - a >= 60 for a, b in zip(changes, changes[1:], strict=False))
+
+
+busy_engine = st.builds(EngineSignal, id=st.uuids().map(str), waiting=st.integers(0, 6), running=st.integers(0, 4),
+                        in_flight=st.integers(0, 12))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(busy_engine, min_size=1, max_size=8, unique_by=lambda e: e.id), st.floats(0.3, 1.0))
+def test_without_other_triggers_the_fleet_grows_exactly_to_what_demand_needs_at_target(fleet, target):
+    policy = ScalePolicy(min_engines=0, max_engines=64, max_step_up=64, queue_up=1000, queue_drain=0.0,
+                         utilisation_floor=min(0.2, target / 2), target_utilisation=target)
+    decision = Autoscaler(policy, [OFFER]).decide(FleetSignals(fleet), 0)
+    needed = decision.triggers["needed"]
+    assert (decision.action == "up") == (needed > len(fleet))
+    if decision.action == "up":
+        assert len(fleet) + decision.count == needed
