@@ -41,11 +41,15 @@ MAX_KEY_CHARS = 256
 STREAM_FRAMING_EVENTS = 2
 DEFER_CHARS = 16_384
 """A fresh part of the prompt at least this long (~4k tokens) is encoded after the request went out: from
-there its encode costs more than the 3 ms a router may add to the first token."""
+there its encode costs more than the 3 ms a router may add to the first token. It is encoded all the same
+(once the answer has begun), so that the conversation's next turn finds it cached: a turn that long is
+deferred whether or not its head decides."""
 DEFER_IF_DECIDED_CHARS = 1_024
-"""A shorter fresh part, down to this, is encoded after the request went out only when the cached head
-already decides the engine (``head_decides``): encoding a 300-token turn took 0.8-0.9 ms between requests
-(cold caches) on the way to the first token, 0.25 ms when warm. Shorter ones are encoded first."""
+"""A shorter fresh part, down to this, is not encoded when the cached head already decides the engine
+(``head_decides``): encoding a 300-token turn took 0.8-0.9 ms between requests (cold caches) on the way to
+the first token, 0.25 ms when warm. Nor is it encoded later: a conversation's next turn on this replica
+finds its head decided again (only the engine that answered holds it past the system prompt) or, when
+several engines hold that head, encodes it then. Shorter fresh parts are encoded first."""
 
 
 def head_decides(chains: Mapping[int, Sequence[int]], overlaps: Mapping[str, CacheOverlap],
@@ -295,8 +299,9 @@ class RoutePlanner:
             raise ApiError(503, f"no engine is available for model `{parsed.model}`", code="no_engine_available")
         self.metrics.decisions.labels(decision.policy, decision.reason.split(" ")[0]).inc()
         self.metrics.decision_latency.observe(time.perf_counter() - started)
+        later = deferred if deferred is not None and deferred.rest_chars >= DEFER_CHARS else None
         return Plan(parsed, decision, ranked, chains, prompt_tokens, estimated=deferred is not None,
-                    unencoded=deferred)
+                    unencoded=later)
 
     def encode_rest(self, plan: Plan) -> None:
         """Start encoding a deferred prompt's fresh rest, once. The router calls this when the answer has

@@ -15,7 +15,7 @@ from router_inprocess import MODEL, InlineTokenizers, StubUpstream, assert_opena
 
 from gateway.body_limits import LimitsConfig
 from gateway.request_body import parse_request
-from gateway.route_planner import MAX_KEY_CHARS, bounded_key, head_decides, request_prefix_key
+from gateway.route_planner import DEFER_CHARS, MAX_KEY_CHARS, bounded_key, head_decides, request_prefix_key
 from gateway.security.config import AuthConfig, TenantConfig
 from gateway.security.keys import hash_key
 from index.view import CacheOverlap
@@ -109,7 +109,7 @@ async def test_a_deferred_prompt_is_routed_on_its_head_and_its_rest_encoded_once
             async def complete(off_loop):
                 completed.set()
                 return list(range(5000))
-            return DeferredIds(list(range(40)), 5000, complete)
+            return DeferredIds(list(range(40)), 5000, complete, rest_chars=DEFER_CHARS)
 
     planner.tokenizers = HeadFirst()
     parsed = parse_request(json.dumps({"model": MODEL, "stream": True,
@@ -167,7 +167,7 @@ async def test_a_short_fresh_rest_is_encoded_before_routing_when_two_engines_hol
     async with trio.open_nursery() as nursery:
         planner._background = nursery
         alone = await planner.plan(parsed, {})
-        assert alone.estimated and not completions
+        assert alone.estimated and alone.unencoded is None and not completions  # decided: never encoded
         for engine in router.engines.all():
             planner.cache.record_dispatch(engine.id, alone.chains, trio.current_time())
         shared = await planner.plan(parsed, {})
@@ -184,7 +184,7 @@ async def test_the_router_encodes_a_deferred_rest_once_the_answer_head_goes_out(
             async def complete(off_loop):
                 encoded_when.append("encoded")
                 return list(range(5000))
-            return DeferredIds(list(range(40)), 5000, complete)
+            return DeferredIds(list(range(40)), 5000, complete, rest_chars=DEFER_CHARS)
 
     class Watching(StubUpstream):
         async def __call__(self, engines, exchange, max_attempts):
