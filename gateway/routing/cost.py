@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from gateway.routing.decode import DecodeModel, DecodePrior
-from gateway.routing.learning import TTFTLearner, TTFTParams, TTFTPrior
+from gateway.routing.learning import TTFTLearner, TTFTParams, TTFTPrior, split_depth
 from gateway.routing.types import CandidateScore, EngineView, RouteRequest
 
 
@@ -136,6 +136,17 @@ class CostModel:
         needed = math.ceil((uncached + answer) / block)
         evicted = min(held, max(0, needed - max(0, _count(engine.num_blocks) - held)))
         return _clamp(engine.reuse_ratio, 0.0, 1.0) * p.prefill_s(evicted * block)
+
+    @staticmethod
+    def stall_s(depth: int, slots: int | None, uncached: int, p: TTFTParams) -> float:
+        """What a request's prefill costs the streams already decoding on an engine: a prefill shares the
+        engine's steps with the running batch (chunked prefill), so each stream there waits for it once (a
+        1k-token miss is about a 40 ms step on an A40-class engine, a hit's short suffix next to nothing).
+        Requests still waiting for a slot are not decoding. Charged by kv_aware when a prefix leaves its
+        homes (gateway/routing/kv_aware.py), where it is measured; not part of ``estimate``.
+        """
+        in_batch, _ = split_depth(depth, slots)
+        return in_batch * p.prefill_s(uncached)
 
     def topology_penalty_s(self, engine: EngineView, request: RouteRequest) -> float:
         crosses = request.router_island is not None and engine.island not in (None, request.router_island)

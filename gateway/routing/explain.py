@@ -63,6 +63,7 @@ def _row(rank: int, score: CandidateScore) -> dict[str, Any]:
         "home": score.home,
         "displacement_ms": _ms(score.displacement_s),
         "crowding_ms": _ms(score.crowding_s),
+        "stall_ms": _ms(score.stall_s),
         "cost_ms": _ms(score.cost_s),
     }
 

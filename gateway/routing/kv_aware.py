@@ -63,7 +63,15 @@ class KvAwarePolicy(Policy):
         homed prefix spills by the cost model's own queue terms, which already price its home's queue; charging
         the spill again would only keep hot prefixes on queued engines longer). The blind term prices the
         blocks of prefixes nobody asks for any more like those of hot ones: after a change of traffic it sent
-        every new prefix away from the engine whose cache happened to be full of old ones."""
+        every new prefix away from the engine whose cache happened to be full of old ones.
+
+        Leaving home is also charged the stall its prefill causes the streams decoding where it goes
+        (``CostModel.stall_s``); ``decode_s`` charges a request for the batch it joins, and without the mirror
+        term a long answer's decode gap (128 tokens at one or two streams' difference: 40-110 ms, learned)
+        outweighed a document's prefill: workload d at c=8 spilled 51-55 times in 480 requests, each a near-full
+        miss with a worse TTFT of its own (p50 132 ms against 91 ms for a hit at home), hit 0.54-0.56; with the
+        stall, 25 spills, hit 0.612/0.581 and TTFT p50 99/104 ms against 116-127. Charged everywhere, the stall
+        also moved new prefixes and cost workload e 5 points of hit rate and 25 ms of TTFT p90."""
         key = request.home_key
         homes = self.homes.homes(key)
         heat = {e.id: self.homes.resident_heat(e.id, exclude=key) for e in pool}
@@ -77,8 +85,11 @@ class KvAwarePolicy(Policy):
                 lambda blocks, p=params, b=block: p.prefill_s(blocks * b),
             )
             crowding = 0.0 if homes or mean_heat <= 0 else params.batch_s_per_request * heat[engine.id] / mean_heat
-            scores[engine.id] = replace(scores[engine.id], home=home, eviction_s=0.0, displacement_s=displacement,
-                                        crowding_s=crowding)
+            score = scores[engine.id]
+            stall = 0.0 if home or not homes else self.costs.stall_s(
+                score.queue_depth, engine.max_num_seqs, score.uncached_tokens, params)
+            scores[engine.id] = replace(score, home=home, eviction_s=0.0, displacement_s=displacement,
+                                        crowding_s=crowding, stall_s=stall)
 
     def rank(self, request: RouteRequest, pool: list[EngineView], scores: Scores) -> tuple[list[str], str]:
         if self.keeps_homes and request.home_key:

@@ -107,6 +107,8 @@ class CandidateScore:
     """Expected recompute of the other prefixes' homes this placement pushes out of the engine's cache."""
     crowding_s: float = 0.0
     """For a prefix without a home: the queueing its later requests meet beside the traffic homed there."""
+    stall_s: float = 0.0
+    """How much this request's prefill delays the streams decoding on the engine (see ``CostModel.stall_s``)."""
 
     @property
     def penalties_s(self) -> float:
@@ -124,8 +126,8 @@ class CandidateScore:
 
     @property
     def cost_s(self) -> float:
-        """What ranking minimises: this request's time to its last token plus what it costs later ones."""
-        return self.done_s + self.eviction_s + self.displacement_s + self.crowding_s
+        """What ranking minimises: this request's time to its last token plus what it costs other ones."""
+        return self.done_s + self.eviction_s + self.displacement_s + self.crowding_s + self.stall_s
 
     @property
     def overlap_tokens(self) -> int:

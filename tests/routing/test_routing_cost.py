@@ -274,3 +274,12 @@ def test_a_full_fleet_keeps_a_prefix_on_its_busier_holder_when_its_cache_is_read
     assert decision.chosen == "holder"
     idle = next(s for s in decision.table if s.engine == "idle")
     assert idle.eviction_s > 0 and idle.cost_s == pytest.approx(idle.done_s + idle.eviction_s)
+
+
+def test_a_prefill_stalls_only_the_streams_in_the_batch():
+    """Requests waiting for a slot are not decoding yet: the stall counts at most max_num_seqs streams."""
+    params = CostModel().learner.params("e", None)
+    assert CostModel.stall_s(0, 8, 1000, params) == 0.0
+    assert CostModel.stall_s(3, 8, 1000, params) == pytest.approx(3 * params.prefill_s(1000))
+    assert CostModel.stall_s(20, 8, 1000, params) == pytest.approx(8 * params.prefill_s(1000))
+    assert CostModel.stall_s(20, None, 40, params) == pytest.approx(20 * params.prefill_s(40))

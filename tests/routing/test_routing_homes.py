@@ -189,3 +189,30 @@ def test_consecutive_workloads_on_warm_engines_do_not_drift(seed, engines):
         assert hits.count(False) <= 6 + 12, f"run {run + 1}"
         homed = {r.key for e in fleet.ids for r in policy.homes.residents(e)}
         assert homed <= {f"sys{10 * run + p}" for p in range(6)} | {f"sys{10 * (run - 1) + p}" for p in range(6)}
+
+
+def test_leaving_home_is_charged_the_stall_of_the_streams_decoding_where_it_goes():
+    """Home 12 deep, another engine 2 deep: the queue terms alone would spill, but the spill's prefill would
+    hold up both streams there, and it stays home; an idle engine (nothing to stall) still takes a spill."""
+    policy = make_policy("kv_aware")
+    fleet = _Fleet(3)
+    _run(policy, fleet, [0] * 5)
+    home = policy.homes.homes("sys0")[0]
+    lighter, idle = (e for e in fleet.ids if e != home)
+    fleet.busy.update({home: 12, lighter: 2, idle: 50})
+    decision = policy.choose(_request(0), fleet.views(0))
+    scores = {s.engine: s for s in decision.table}
+    params = policy.costs.learner.params(lighter, None)
+    assert decision.chosen == home and scores[home].stall_s == 0.0
+    assert scores[lighter].stall_s == pytest.approx(2 * params.prefill_s(scores[lighter].uncached_tokens))
+    assert scores[lighter].cost_s - scores[lighter].stall_s < scores[home].cost_s
+    fleet.busy.update({home: 40, idle: 0})
+    assert policy.choose(_request(0), fleet.views(0)).chosen == idle
+
+
+def test_a_prefix_without_a_home_and_a_policy_without_homes_pay_no_stall():
+    for name in ("kv_aware", "approximate"):
+        fleet = _Fleet(3)
+        fleet.busy.update({"e0": 3, "e1": 3, "e2": 3})
+        decision = make_policy(name).choose(_request(0), fleet.views(0))
+        assert all(s.stall_s == 0.0 for s in decision.table)
