@@ -94,36 +94,40 @@ async def test_the_ttft_model_is_refit_after_an_answer_not_in_the_next_decision(
     assert learner._models and not learner._stale
 
 
+STREAMED_CHAT = json.dumps({"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "x"}]}).encode()
+
+
+class HeadFirst(InlineTokenizers):
+    """Defers every prompt: ``head`` routes it, and encoding the rest (logged in ``log``) gives ``ids``."""
+
+    def __init__(self, head: int, ids: int, rest_chars: int, log: list[str]) -> None:
+        super().__init__()
+        self.head, self.ids, self.rest_chars, self.log = list(range(head)), list(range(ids)), rest_chars, log
+
+    async def token_ids_or_head(self, model, body, kind, defer_chars):
+        async def complete(off_loop):
+            self.log.append("encoded")
+            return self.ids
+        return DeferredIds(self.head, len(self.ids), complete, rest_chars=self.rest_chars)
+
+
 async def test_a_deferred_prompt_is_routed_on_its_head_and_its_rest_encoded_once_it_is_asked_for(monkeypatch):
     """The rest is encoded only once the answer has begun: started with the request, its CPU competed with
     the engine's prefill."""
     router = make_router(monkeypatch, policy="kv_aware")
     planner = router.planner
-    completed = trio.Event()
-
-    class HeadFirst:
-        def fewest_tokens(self, model, texts, above):
-            return 0
-
-        async def token_ids_or_head(self, model, body, kind, defer_chars):
-            async def complete(off_loop):
-                completed.set()
-                return list(range(5000))
-            return DeferredIds(list(range(40)), 5000, complete, rest_chars=DEFER_CHARS)
-
-    planner.tokenizers = HeadFirst()
-    parsed = parse_request(json.dumps({"model": MODEL, "stream": True,
-                                       "messages": [{"role": "user", "content": "x"}]}).encode(), "chat",
-                           LimitsConfig())
+    log: list[str] = []
+    planner.tokenizers = HeadFirst(40, 5000, DEFER_CHARS, log)
+    parsed = parse_request(STREAMED_CHAT, "chat", LimitsConfig())
     async with trio.open_nursery() as nursery:
         planner._background = nursery
         plan = await planner.plan(parsed, {})
         await trio.testing.wait_all_tasks_blocked()
-        assert not completed.is_set()
+        assert not log
         planner.encode_rest(plan)
         planner.encode_rest(plan)
-        await completed.wait()
-        assert plan.unencoded is None
+        await trio.testing.wait_all_tasks_blocked()
+        assert log == ["encoded"] and plan.unencoded is None
     assert (plan.prompt_tokens, plan.counted_tokens, plan.estimated) == (5000, 0, True)
     assert all(len(blocks) == 40 // size for size, blocks in plan.chains.items())
     assert plan.decision.prompt_tokens == 5000
@@ -148,63 +152,42 @@ def test_the_cached_head_decides_only_when_the_fresh_rest_cannot_change_the_engi
 async def test_a_short_fresh_rest_is_encoded_before_routing_when_two_engines_hold_the_head(monkeypatch):
     router = make_router(monkeypatch, policy="kv_aware")
     planner = router.planner
-    completions = []
-
-    class HeadFirst:
-        def fewest_tokens(self, model, texts, above):
-            return 0
-
-        async def token_ids_or_head(self, model, body, kind, defer_chars):
-            async def complete(off_loop):
-                completions.append(True)
-                return list(range(400))
-            return DeferredIds(list(range(64)), 380, complete, rest_chars=1500)
-
-    planner.tokenizers = HeadFirst()
-    parsed = parse_request(json.dumps({"model": MODEL, "stream": True,
-                                       "messages": [{"role": "user", "content": "x"}]}).encode(), "chat",
-                           LimitsConfig())
+    log: list[str] = []
+    planner.tokenizers = HeadFirst(64, 400, 1500, log)
+    parsed = parse_request(STREAMED_CHAT, "chat", LimitsConfig())
     async with trio.open_nursery() as nursery:
         planner._background = nursery
         alone = await planner.plan(parsed, {})
-        assert alone.estimated and alone.unencoded is None and not completions  # decided: never encoded
+        assert alone.estimated and alone.unencoded is None and not log  # decided: never encoded
         for engine in router.engines.all():
             planner.cache.record_dispatch(engine.id, alone.chains, trio.current_time())
         shared = await planner.plan(parsed, {})
-    assert completions == [True]
+    assert log == ["encoded"]
     assert (shared.estimated, shared.prompt_tokens, shared.unencoded) == (False, 400, None)
     assert all(len(blocks) == 400 // size for size, blocks in shared.chains.items())
 
 
 async def test_the_router_encodes_a_deferred_rest_once_the_answer_head_goes_out(monkeypatch):
-    encoded_when: list[str] = []
-
-    class HeadFirst(InlineTokenizers):
-        async def token_ids_or_head(self, model, body, kind, defer_chars):
-            async def complete(off_loop):
-                encoded_when.append("encoded")
-                return list(range(5000))
-            return DeferredIds(list(range(40)), 5000, complete, rest_chars=DEFER_CHARS)
+    log: list[str] = []
 
     class Watching(StubUpstream):
         async def __call__(self, engines, exchange, max_attempts):
-            encoded_when.append("head")
+            log.append("head")
             return await super().__call__(engines, exchange, max_attempts)
 
     router = make_router(monkeypatch, upstream=Watching(), policy="kv_aware")
-    router.planner.tokenizers = HeadFirst()
+    router.planner.tokenizers = HeadFirst(40, 5000, DEFER_CHARS, log)
     encode_rest = router.planner.encode_rest
 
     def asked(plan):
-        encoded_when.append("asked")
+        log.append("asked")
         encode_rest(plan)
 
     monkeypatch.setattr(router.planner, "encode_rest", asked)
-    body = json.dumps({"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "x"}]}).encode()
     async with trio.open_nursery() as nursery:
         router.planner._background = nursery
-        assert (await call(router, "POST", "/v1/chat/completions", body)).status == 200
-    assert encoded_when[:2] == ["head", "asked"] and encoded_when.count("encoded") == 1
+        assert (await call(router, "POST", "/v1/chat/completions", STREAMED_CHAT)).status == 200
+    assert log[:2] == ["head", "asked"] and log.count("encoded") == 1
 
 
 async def test_a_tokenizer_queue_full_of_the_tenants_own_prompts_is_a_429_and_a_late_one_a_503(monkeypatch):
