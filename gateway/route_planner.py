@@ -202,6 +202,13 @@ class RoutePlanner:
         """Whether KV events feed this router's index (every policy but ``approximate``)."""
         return self.policy.knowledge is not Knowledge.ROUTER_ONLY
 
+    def _events_tell_all(self, engine_ids: list[str]) -> bool:
+        """Whether every candidate's cache is known from its events. What the router knows of an engine
+        without them (or under the ``approximate`` policy) is only the blocks it sent there, and a fresh rest
+        routed unencoded would never be recorded: a conversation's next turn could not find its engine."""
+        infos = [self.cache.info(e) for e in engine_ids]
+        return self.reads_events and all(info is not None and info.has_events for info in infos)
+
     def register_engine(self, engine: EngineState, has_events: bool) -> None:
         self.cache.register(engine.id, block_size=engine.block_size, has_events=has_events,
                             capacity_blocks=engine.load.num_blocks)
@@ -280,8 +287,8 @@ class RoutePlanner:
         with tracing.step("route") as span:
             overlaps = self.cache.overlaps(chains, ids, now) if chains else {}
             decision = self._decide(parsed, headers, candidates, prompt_tokens, chains, overlaps)
-            if deferred is not None and deferred.rest_chars < DEFER_CHARS and not head_decides(
-                    chains, overlaps, decision.ranked[:1]):
+            if deferred is not None and deferred.rest_chars < DEFER_CHARS and not (
+                    self._events_tell_all(ids) and head_decides(chains, overlaps, decision.ranked[:1])):
                 with tracing.step("tokenize"):
                     token_ids = await deferred.complete(False)
                 deferred, prompt_tokens = None, len(token_ids)

@@ -167,6 +167,24 @@ async def test_a_short_fresh_rest_is_encoded_before_routing_when_two_engines_hol
     assert all(len(blocks) == 400 // size for size, blocks in shared.chains.items())
 
 
+@pytest.mark.parametrize("policy", ["approximate", "kv_aware_without_events"])
+async def test_a_short_fresh_rest_is_encoded_first_where_the_router_only_knows_what_it_sent(monkeypatch, policy):
+    """Without events the router knows an engine's cache only by the blocks it recorded sending there: an
+    unencoded rest would never be recorded, and the conversation's next turn could not find its engine."""
+    router = make_router(monkeypatch, policy=policy.removesuffix("_without_events"))
+    planner = router.planner
+    if policy.endswith("_without_events"):
+        engine = router.engines.all()[0]
+        planner.register_engine(engine, has_events=False)
+    log: list[str] = []
+    planner.tokenizers = HeadFirst(64, 400, 1500, log)
+    async with trio.open_nursery() as nursery:
+        planner._background = nursery
+        plan = await planner.plan(parse_request(STREAMED_CHAT, "chat", LimitsConfig()), {})
+    assert log == ["encoded"]
+    assert (plan.estimated, plan.prompt_tokens) == (False, 400)
+
+
 async def test_the_router_encodes_a_deferred_rest_once_the_answer_head_goes_out(monkeypatch):
     log: list[str] = []
 
