@@ -52,19 +52,23 @@ finds its head decided again (only the engine that answered holds it past the sy
 several engines hold that head, encodes it then. Shorter fresh parts are encoded first."""
 
 
+def head_holders(chains: Mapping[int, Sequence[int]], overlaps: Mapping[str, CacheOverlap]) -> list[str] | None:
+    """The engines holding the whole cached head: only they can hold blocks past it (a prefix walk stops at
+    its first miss). None when the head has no full block, and so tells nothing."""
+    if not chains or not all(chains.values()):
+        return None
+    return [engine for engine, found in overlaps.items()
+            if max(found.exact_blocks, found.approx_blocks) >= len(chains.get(found.block_size, ()))]
+
+
 def head_decides(chains: Mapping[int, Sequence[int]], overlaps: Mapping[str, CacheOverlap],
                  chosen: Sequence[str]) -> bool:
-    """Whether encoding a prompt's fresh rest could not change the engine chosen on its cached head.
-
-    Only an engine holding the whole head can hold blocks past it (a prefix walk stops at its first
-    miss). So the head decides when it has full blocks and no engine holds all of them, or when exactly
-    one does and was chosen: more cached tokens only make it cheaper. With two holders the rest may be
-    cached on either (a conversation another replica served, a repeated prompt), so it is encoded first."""
-    if not chains or not all(chains.values()):
-        return False
-    holders = [engine for engine, found in overlaps.items()
-               if max(found.exact_blocks, found.approx_blocks) >= len(chains.get(found.block_size, ()))]
-    return not holders or holders == list(chosen)
+    """Whether encoding a prompt's fresh rest could not change the engine chosen on its cached head: no
+    engine holds the whole head, or exactly one does and was chosen (more cached tokens only make it
+    cheaper). With two holders the rest may be cached on either (a conversation another replica served, a
+    repeated prompt), so it is encoded first."""
+    holders = head_holders(chains, overlaps)
+    return holders is not None and (not holders or holders == list(chosen))
 
 
 @dataclass
@@ -202,6 +206,14 @@ class RoutePlanner:
         """Whether KV events feed this router's index (every policy but ``approximate``)."""
         return self.policy.knowledge is not Knowledge.ROUTER_ONLY
 
+    async def _encode_now(self, parsed: ParsedRequest, deferred: DeferredIds, engine_ids: list[str], now: float
+                          ) -> tuple[list[int], dict[int, list[int]], dict[str, CacheOverlap]]:
+        """A deferred prompt's whole ids, encoded before routing after all, with its chains and overlaps."""
+        with tracing.step("tokenize"):
+            token_ids = await deferred.complete()
+        chains = self._chains(parsed, token_ids, engine_ids)
+        return token_ids, chains, self.cache.overlaps(chains, engine_ids, now)
+
     def _events_tell_all(self, engine_ids: list[str]) -> bool:
         """Whether every candidate's cache is known from its events. What the router knows of an engine
         without them (or under the ``approximate`` policy) is only the blocks it sent there, and a fresh rest
@@ -229,7 +241,7 @@ class RoutePlanner:
         """Encode a deferred prompt's rest, so the conversation's next turn finds it cached. A render error
         cannot happen here (the head was rendered from the same body); anything else is the engine's call."""
         with contextlib.suppress(RenderError):
-            await deferred.complete(True)
+            await deferred.complete()
 
     def _context_length(self, candidates: list[EngineState]) -> int | None:
         """The largest context any candidate takes; None when one of them has no known length."""
@@ -286,14 +298,16 @@ class RoutePlanner:
                 span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
         with tracing.step("route") as span:
             overlaps = self.cache.overlaps(chains, ids, now) if chains else {}
+            if deferred is not None and deferred.rest_chars < DEFER_CHARS:
+                holders = head_holders(chains, overlaps) if self._events_tell_all(ids) else None
+                if holders is None or len(holders) > 1:  # the rest may matter whatever is chosen: encode first
+                    deferred, token_ids, chains, overlaps = None, *await self._encode_now(parsed, deferred, ids, now)
+                    prompt_tokens = len(token_ids)
             decision = self._decide(parsed, headers, candidates, prompt_tokens, chains, overlaps)
-            if deferred is not None and deferred.rest_chars < DEFER_CHARS and not (
-                    self._events_tell_all(ids) and head_decides(chains, overlaps, decision.ranked[:1])):
-                with tracing.step("tokenize"):
-                    token_ids = await deferred.complete(False)
-                deferred, prompt_tokens = None, len(token_ids)
-                chains = self._chains(parsed, token_ids, ids)
-                overlaps = self.cache.overlaps(chains, ids, now)
+            if (deferred is not None and deferred.rest_chars < DEFER_CHARS
+                    and not head_decides(chains, overlaps, decision.ranked[:1])):  # the one holder was not chosen
+                deferred, token_ids, chains, overlaps = None, *await self._encode_now(parsed, deferred, ids, now)
+                prompt_tokens = len(token_ids)
                 decision = self._decide(parsed, headers, candidates, prompt_tokens, chains, overlaps)
             span.set_attribute("kvmesh.route.policy", decision.policy)
             span.set_attribute("kvmesh.route.reason", decision.reason)

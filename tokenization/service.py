@@ -28,9 +28,9 @@ from tokenization.worker import WorkerError, WorkerPool
 
 DEFAULT_CACHE_TOKENS = 4_000_000
 DEFAULT_INLINE_MAX_CHARS = 4_096
-"""Up to about 4k characters (~1k tokens, ~0.5 ms of loop) encoding inline is cheaper than a thread hop:
-on a busy 2-core machine the hop took a 300-token turn from 0.22 ms to 1.1-1.7 ms on the way to the
-first token (``kvmesh bench overhead``), and it costs CPU the relay needs at high concurrency."""
+"""Up to about 4k characters (~1k tokens, ~0.5 ms of loop) encoding inline is cheaper than a thread hop: a
+300-token turn encodes in 0.22-0.3 ms, while the router's tokenize step with the hop took 1.1-1.7 ms under
+``kvmesh bench overhead`` on a 2-core machine, and the hop costs CPU the relay needs at high concurrency."""
 DEFAULT_THREAD_MAX_CHARS = 96 * 1024
 """Up to ~20k tokens a thread encodes; beyond, converting the ids to Python lists holds the GIL for long."""
 DEFAULT_VERIFY_EVERY = 64
@@ -48,12 +48,11 @@ class DeferredIds:
 
     ``head`` is a prefix of the prompt's ids (every segment before the first cache miss), enough to look
     the prefix up in the KV index; ``estimated_tokens`` guesses the whole prompt's length from the head's
-    characters per token; ``complete`` encodes the rest (filling the cache) and returns all the ids, off
-    the event loop when ``off_loop`` (the request is already on its way: the loop relays its answer)."""
+    characters per token; ``complete`` encodes the rest (filling the cache) and returns all the ids."""
 
     head: list[int]
     estimated_tokens: int
-    complete: Callable[[bool], Awaitable[list[int]]]
+    complete: Callable[[], Awaitable[list[int]]]
     rest_chars: int = 0
     """Characters of the uncached segments still to encode."""
 
@@ -130,15 +129,14 @@ class TokenizerService:
         self.stats.thread_renders += 1
         return await trio.to_thread.run_sync(prompts, tok.hf, body, kind)
 
-    async def _ids_of(self, tok: LoadedTokenizer, rendered: Sequence[TextPrompt | TokenPrompt],
-                      off_loop: bool = False) -> list[list[int]]:
+    async def _ids_of(self, tok: LoadedTokenizer, rendered: Sequence[TextPrompt | TokenPrompt]) -> list[list[int]]:
         out = []
         for prompt in rendered:
             self.stats.prompts += 1
             if isinstance(prompt, TokenPrompt):
                 ids = prompt.ids
             else:
-                ids = await self._text_ids(tok, prompt, off_loop)
+                ids = await self._text_ids(tok, prompt)
             out.append(finish(truncated(ids, prompt.truncate, prompt.keep_left)))
         return out
 
@@ -167,24 +165,24 @@ class TokenizerService:
         rest = len(prompt.text) - head_chars
         estimated = len(head) + len(affixes[1]) + round(rest * (len(head) or 1) / max(head_chars, 1))
 
-        async def complete(off_loop: bool) -> list[int]:
-            return (await self._ids_of(tok, found, off_loop))[0]
+        async def complete() -> list[int]:
+            return (await self._ids_of(tok, found))[0]
 
         return DeferredIds(head, estimated, complete, rest_chars)
 
-    async def _text_ids(self, tok: LoadedTokenizer, prompt: TextPrompt, off_loop: bool = False) -> list[int]:
+    async def _text_ids(self, tok: LoadedTokenizer, prompt: TextPrompt) -> list[int]:
         affixes = tok.plan.affixes if prompt.add_special_tokens else ((), ())
         if affixes is None:
             return await self._encode_with_specials(tok, prompt.text)
         prefix, suffix = affixes
-        return [*prefix, *await self._plain_ids(tok, prompt.text, off_loop), *suffix]
+        return [*prefix, *await self._plain_ids(tok, prompt.text), *suffix]
 
-    async def _plain_ids(self, tok: LoadedTokenizer, text: str, off_loop: bool = False) -> list[int]:
+    async def _plain_ids(self, tok: LoadedTokenizer, text: str) -> list[int]:
         spec = tok.spec
         pieces = tok.plan.split(text) if self._segmented[spec] else [text]
         found = {piece: self.cache.get(spec, piece) for piece in pieces}
         misses = [piece for piece, ids in found.items() if ids is None]
-        for piece, ids in zip(misses, await self._encode(tok, misses, off_loop), strict=True):
+        for piece, ids in zip(misses, await self._encode(tok, misses), strict=True):
             found[piece] = tuple(ids)
             self.cache.put(spec, piece, found[piece])
         joined = [t for piece in pieces for t in found[piece] or ()]
@@ -209,13 +207,13 @@ class TokenizerService:
             self.cache.clear(tok.spec)
         return whole
 
-    async def _encode(self, tok: LoadedTokenizer, texts: Sequence[str], off_loop: bool = False) -> list[list[int]]:
-        """Plain ids of each text: inline if short (unless ``off_loop``), in a thread if middling, else in a
-        worker (a thread if the worker fails)."""
+    async def _encode(self, tok: LoadedTokenizer, texts: Sequence[str]) -> list[list[int]]:
+        """Plain ids of each text: inline if short, in a thread if middling, else in a worker (a thread if
+        the worker fails)."""
         if not texts:
             return []
         chars = sum(map(len, texts))
-        if chars <= self.inline_max_chars and not off_loop:
+        if chars <= self.inline_max_chars:
             self.stats.inline_encodes += 1
             return encode_plain(tok.hf, texts)
         if chars <= self.thread_max_chars:

@@ -105,7 +105,7 @@ class HeadFirst(InlineTokenizers):
         self.head, self.ids, self.rest_chars, self.log = list(range(head)), list(range(ids)), rest_chars, log
 
     async def token_ids_or_head(self, model, body, kind, defer_chars):
-        async def complete(off_loop):
+        async def complete():
             self.log.append("encoded")
             return self.ids
         return DeferredIds(self.head, len(self.ids), complete, rest_chars=self.rest_chars)

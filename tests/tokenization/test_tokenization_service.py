@@ -217,27 +217,14 @@ async def test_a_long_fresh_turn_after_a_cached_head_is_deferred_and_completed_e
         assert isinstance(found, DeferredIds)
         assert 0 < len(found.head) < len(exact) and exact[:len(found.head)] == found.head
         assert 0.5 * len(exact) < found.estimated_tokens < 2 * len(exact)
-        assert await found.complete(False) == exact
+        threads = svc.stats.thread_encodes
+        assert await found.complete() == exact
+        assert svc.stats.thread_encodes == threads + 1  # off the loop, which relays answers meanwhile
         assert await svc.token_ids_or_head(None, body, "chat", defer_chars=16_000) == exact  # now cached
         short = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": excerpt(rnd, 2_000)}]}
         assert await svc.token_ids_or_head(None, short, "chat", defer_chars=16_000) == \
             all_prompt_token_ids_sync(HF, short, "chat")[0]
         assert svc.stats.deferred == 1
-
-
-async def test_a_deferred_rest_completed_off_the_loop_is_encoded_in_a_thread_even_when_short() -> None:
-    """The request is on its way by then and the loop relays its answer: an inline encode would hold the
-    first token back."""
-    rnd = random.Random(5)
-    system = CORPUS[:3000]
-    async with TokenizerService.open(TokenizerRegistry(default=SPEC)) as svc:
-        await svc.token_ids(None, {"messages": [{"role": "system", "content": system}]}, "chat")
-        body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": excerpt(rnd, 2_000)}]}
-        found = await svc.token_ids_or_head(None, body, "chat", defer_chars=1_000)
-        assert isinstance(found, DeferredIds) and found.rest_chars >= 1_000
-        threads = svc.stats.thread_encodes
-        assert await found.complete(True) == all_prompt_token_ids_sync(HF, body, "chat")[0]
-        assert svc.stats.thread_encodes == threads + 1
 
 
 async def test_a_prompt_is_rendered_once_whether_or_not_it_is_deferred(monkeypatch) -> None:
@@ -260,5 +247,5 @@ async def test_a_prompt_is_rendered_once_whether_or_not_it_is_deferred(monkeypat
         long_body = {"messages": [body["messages"][0], {"role": "user", "content": excerpt(rnd, 20_000)}]}
         found = await svc.token_ids_or_head(None, long_body, "chat", defer_chars=16_000)
         assert isinstance(found, DeferredIds)
-        await found.complete(False)
+        await found.complete()
     assert len(renders) == 2
