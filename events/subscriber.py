@@ -66,7 +66,7 @@ async def run_subscriber(feed: EngineFeed, source: EventSource, *, context: zmq.
     """Run until cancelled, rebuilding the session with exponential backoff after errors/disconnects.
     ``budget``: shared by every subscriber of a process (the loop they share is one); its own if None.
     ``before_ingest``: awaited before each pass over the live messages queued (a router lets the engine's
-    pending first bytes go first, see gateway/first_bytes.py)."""
+    pending first tokens go first, see gateway/first_tokens.py)."""
     config = config or SubscriberConfig()
     budget = budget or IngestBudget()
     context = context or zmq.Context.instance()

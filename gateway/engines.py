@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 
 from gateway.breaker import EngineHealth
 from gateway.config import EngineConfig, validate_engine_url
-from gateway.first_bytes import PendingFirstBytes
+from gateway.first_tokens import PendingFirstTokens
 from gateway.upstream import EnginePool
 
 
@@ -76,8 +76,8 @@ class EngineState:
     event_sources: list[str] = field(default_factory=list)
     max_model_len: int | None = None
     """The context length the engine reports in ``/v1/models`` (vLLM does), if any."""
-    first_bytes: PendingFirstBytes = field(default_factory=PendingFirstBytes)
-    """Requests sent to it whose first byte has not arrived (its event ingest lets them go first)."""
+    first_tokens: PendingFirstTokens = field(default_factory=PendingFirstTokens)
+    """Streams sent to it whose first token has not reached the client (its event ingest lets them go first)."""
 
     @property
     def url(self) -> str:

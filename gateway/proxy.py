@@ -115,7 +115,7 @@ class ProxyResult:
     """The last bytes of the answer, where the engine's usage (cached prompt tokens) is."""
     continuations: list[Continued] = field(default_factory=list)
     first_token_out: Callable[[], None] = field(default=lambda: None, repr=False)
-    """Called once the first token has gone to the client (see ``gateway.first_bytes``)."""
+    """Called once the first token has gone to the client (see ``gateway.first_tokens``)."""
 
     def cached_tokens(self) -> int | None:
         """``usage.prompt_tokens_details.cached_tokens`` as the engine reported it, if it did."""
@@ -305,10 +305,10 @@ async def _try_engine(engine: EngineState, exchange: Exchange, result: ProxyResu
                       start: float, candidates: list[EngineState]) -> bool | ErrorAnswer:
     """One attempt: True when the client got a response, the engine's answer when it was a retryable
     error status, False when the engine failed (already charged). While a stream waits for its first
-    token, the engine's event ingest lets it go first (``gateway.first_bytes``)."""
+    token, the engine's event ingest lets it go first (``gateway.first_tokens``)."""
     if not exchange.is_stream:
         return await _attempt(engine, exchange, result, start, candidates)
-    result.first_token_out = engine.first_bytes.wait_for_one()
+    result.first_token_out = engine.first_tokens.wait_for_one()
     try:
         return await _attempt(engine, exchange, result, start, candidates)
     finally:

@@ -210,7 +210,7 @@ async def test_a_client_gone_during_a_continuation_stops_the_next_engine(nursery
 
 
 async def test_an_engine_counts_a_stream_as_waiting_until_its_first_token_reached_the_client(nursery):
-    """Its event ingest lets such streams go first (gateway/first_bytes.py): the count must fall as soon
+    """Its event ingest lets such streams go first (gateway/first_tokens.py): the count must fall as soon
     as the first token is out, and must not stay up after the stream."""
     sims, states, prompt = await three_engines(nursery)
     seen: list[tuple[int, int]] = []
@@ -219,11 +219,11 @@ async def test_an_engine_counts_a_stream_as_waiting_until_its_first_token_reache
 
     async def watching(message: dict[str, Any]) -> None:
         tokens = len(re.findall(rb'"content":"[^"]', sink.body))  # the role-only event has "content":""
-        seen.append((tokens, states[0].first_bytes.count))  # tokens the client had before this send
+        seen.append((tokens, states[0].first_tokens.count))  # tokens the client had before this send
         await send(message)
 
     sink.send = watching
     await forward(states, exchange(sink, dict(CHAT, max_tokens=5), prompt_tokens=prompt), max_attempts=3)
     assert seen[0] == (0, 1)  # the head: the first token is still to come
     assert all(count == 0 for chunks, count in seen if chunks >= 1)
-    assert states[0].first_bytes.count == 0
+    assert states[0].first_tokens.count == 0
