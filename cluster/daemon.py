@@ -42,20 +42,39 @@ class ProcessRecord:
     cwd: str = str(REPO_ROOT)
 
 
-def start_ticks(pid: int) -> int | None:
-    """The process start time in clock ticks since boot (field 22 of /proc/PID/stat); None if gone."""
+def _stat_fields(stat_file: Path) -> list[str] | None:
+    """The fields of a /proc stat file after the command name (state ppid pgrp session ...)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat_file.read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    fields = stat.rsplit(")", 1)[1].split()
-    if fields[0] in ("Z", "X"):
+
+
+def _exited(proc_dir: Path) -> bool:
+    """True once every thread has exited.
+
+    A killed multi-threaded process shows its main thread as a zombie while the other threads are still
+    tearing down, and its open files (a listening socket) close only when the last one is gone: until
+    then the kernel still accepts connections on that socket and resets them a few ms later.
+    """
+    try:
+        tasks = list((proc_dir / "task").iterdir())
+    except OSError:
+        return True
+    return all((fields := _stat_fields(task / "stat")) is None or fields[0] in ("Z", "X") for task in tasks)
+
+
+def start_ticks(pid: int) -> int | None:
+    """The process start time in clock ticks since boot (field 22 of /proc/PID/stat); None if gone."""
+    proc_dir = Path(f"/proc/{pid}")
+    fields = _stat_fields(proc_dir / "stat")
+    if fields is None or _exited(proc_dir):
         return None
     return int(fields[19])
 
 
 def alive(record: ProcessRecord) -> bool:
-    """True while the recorded process (not a later one with the same pid) runs and is not a zombie."""
+    """True while the recorded process (not a later one with the same pid) has a thread not yet exited."""
     return record.pid > 0 and start_ticks(record.pid) == record.start_ticks
 
 
@@ -65,12 +84,8 @@ def session_members(record: ProcessRecord) -> list[int]:
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        # Fields after the command name: state ppid pgrp session ...
-        if fields[0] not in ("Z", "X") and int(fields[3]) == record.pid:
+        fields = _stat_fields(entry / "stat")
+        if fields is not None and int(fields[3]) == record.pid and not _exited(entry):
             pid = int(entry.name)
             if pid != record.pid or alive(record):
                 members.append(pid)

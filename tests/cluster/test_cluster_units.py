@@ -179,3 +179,25 @@ def test_a_dead_child_fails_the_wait_with_its_log(tmp_path: Path) -> None:
     record = _sh(tmp_path, "echo boom >&2; exit 3")
     with pytest.raises(daemon.StartError, match="boom"):
         daemon.wait_ready_line(record, "READY ", time.monotonic() + 20)
+
+
+def test_a_process_whose_main_thread_exited_is_alive_while_another_thread_runs(tmp_path: Path) -> None:
+    """Its open files (a router's listening socket) stay open until the last thread exits."""
+    script = (
+        "import ctypes, threading, time\n"
+        "threading.Thread(target=time.sleep, args=(300,)).start()\n"
+        "print('ARMED {}', flush=True)\n"
+        "ctypes.CDLL(None).pthread_exit(None)\n"
+    )
+    record = daemon.spawn(
+        ProcessRecord(role="t", name="t", argv=[sys.executable, "-c", script], log=str(tmp_path / "t.log"))
+    )
+    daemon.wait_ready_line(record, "ARMED ", time.monotonic() + 10)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{record.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline, "the main thread did not exit"
+        time.sleep(0.02)
+    assert daemon.alive(record)
+    assert daemon.session_members(record) == [record.pid]
+    assert daemon.stop([record], grace=5) == []
+    assert not daemon.alive(record)
