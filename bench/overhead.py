@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.client import HttpClient, model_name, run_closed_loop
+from bench.passthrough import passthrough_relay
 from bench.peers import smg_router
 from bench.runner import FleetSpec, router, sim_fleet
 from bench.stats import RequestResult, Summary, percentile, summarize
@@ -149,7 +150,9 @@ class Block:
         return len(self.ok) / self.wall if self.wall > 0 else 0.0
 
 
-PEERS = ("smg",)
+PEERS = ("smg", "passthrough")
+"""``passthrough`` is not a router: it is kvmesh's own HTTP stack relaying to the engine and nothing else
+(bench/passthrough.py), the floor under kvmesh's row."""
 QUEUE_THRESHOLD = 1024
 """kvmesh sheds load (429) once an engine's queue passes its threshold, 64 by default; the peer does not, and
 at c=64 on one engine the default sheds. The bench compares data paths, so shedding is kept out of it."""
@@ -168,7 +171,9 @@ async def _paths(client: HttpClient, spec: FleetSpec, log_dir: Path, policy: str
                                                         extra_args=["--config", str(config)]))
         urls = {"engine": engines[0], "kvmesh": kvmesh}
         for name in peer_names:
-            urls[name] = await stack.enter_async_context(smg_router(client, engines, f"smg:{PEER_POLICY}", log_dir))
+            start = (passthrough_relay(client, engines[0], log_dir) if name == "passthrough"
+                     else smg_router(client, engines, f"smg:{PEER_POLICY}", log_dir))
+            urls[name] = await stack.enter_async_context(start)
         yield urls
 
 

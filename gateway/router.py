@@ -184,7 +184,7 @@ class Router:
 
     async def __call__(self, scope: dict[str, Any], receive: http_app.Receive, send: http_app.Send) -> None:
         if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            await http_app.lifespan(receive, send)
             return
         if scope["type"] != "http":
             return
@@ -522,13 +522,3 @@ def _client_host(scope: dict) -> str:
 def _require(method: str, expected: str) -> None:
     if method != expected:
         raise ApiError(405, f"method {method} not allowed; use {expected}", code="method_not_allowed")
-
-
-async def _lifespan(receive: http_app.Receive, send: http_app.Send) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
+from bench.client import HttpClient
 from bench.overhead import SYSTEM_WORDS, Block, format_system_prompt, rotated, system_prompt_requests
+from bench.passthrough import passthrough_relay
+from bench.runner import FleetSpec, sim_fleet
 from bench.stats import RequestResult
 
 
@@ -33,3 +40,25 @@ def test_added_ttft_and_speed_are_taken_against_the_engine_of_the_same_round():
     assert "+1.25ms" in row  # median of +1.5 and +1.0, not pooled p50s (20.75 - 15)
     assert " 0.50 " in row  # half the engine's req/s in both rounds
     assert row.split()[3] == "1"  # the failed request is counted
+
+
+@pytest.mark.integration
+async def test_the_passthrough_floor_relays_the_engines_stream_unchanged(tmp_path):
+    """The floor row is only a floor if its relay does the same work: the engine's whole streamed answer."""
+    client = HttpClient()
+    spec = FleetSpec(engines=1, profile="fast", time_scale=1.0, num_blocks=1024)
+    conversation = system_prompt_requests(1, 1, 30)[0]
+    try:
+        async with sim_fleet(client, spec, tmp_path) as engines, passthrough_relay(client, engines[0], tmp_path) as url:
+            model = (await client.get_json(url + "/v1/models"))["data"][0]["id"]
+            body = json.dumps({**conversation.body(model, True), "max_tokens": 5}).encode()
+            direct = await client.request(engines[0] + "/v1/chat/completions", "POST", body)
+            relayed = await client.request(url + "/v1/chat/completions", "POST", body)
+    finally:
+        await client.aclose()
+    assert relayed.status == direct.status == 200
+    events = [line for line in relayed.body.decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) == len(
+        [line for line in direct.body.decode().splitlines() if line.startswith("data: ")])
+    deltas = [c["delta"].get("content", "") for e in events[:-1] for c in json.loads(e[6:])["choices"]]
+    assert sum(d != "" for d in deltas) == 5

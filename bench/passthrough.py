@@ -1,0 +1,84 @@
+"""The floor of kvmesh's stack: a relay built from the router's own server and engine client that does
+nothing else. Hypercorn on trio takes the request, the router's ``EnginePool`` sends it unchanged to one
+engine, and the answer is streamed back chunk by chunk: no parsing, tokenizing, routing, admission or
+bookkeeping. In ``kvmesh bench overhead --peers passthrough`` its row shows how much of kvmesh's added
+time is the Python HTTP stack itself, which no routing change can remove.
+
+Run as ``python -m bench.passthrough --engine URL --port PORT``; it prints nothing until ready and serves
+until killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+
+from bench.client import HttpClient
+from bench.processes import free_port_range, python_module, spawned, wait_ready
+from gateway.http_app import lifespan
+from gateway.upstream import EnginePool
+
+RELAYED_HEADERS = frozenset({"content-type", "accept"})
+
+
+class Passthrough:
+    """An ASGI app that forwards every request to one engine."""
+
+    def __init__(self, engine_url: str) -> None:
+        self.pool = EnginePool(engine_url)
+
+    async def __call__(self, scope: dict[str, Any], receive, send) -> None:
+        if scope["type"] == "lifespan":
+            await lifespan(receive, send)
+            return
+        chunks = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
+                   if k.decode("latin-1").lower() in RELAYED_HEADERS]
+        upstream = await self.pool.request(scope["method"], scope["path"], b"".join(chunks), headers)
+        try:
+            answer_headers = [(k.encode(), v.encode()) for k, v in upstream.headers if k == "content-type"]
+            await send({"type": "http.response.start", "status": upstream.status, "headers": answer_headers})
+            async for chunk in upstream.iter_body(60.0):
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await upstream.aclose()
+
+
+@asynccontextmanager
+async def passthrough_relay(client: HttpClient, engine_url: str, log_dir: Path) -> AsyncIterator[str]:
+    """One relay process in front of the engine; yields its URL."""
+    port = free_port_range(1)
+    log = log_dir / f"passthrough-{port}.log"
+    async with spawned(python_module("bench.passthrough", "--engine", engine_url, "--port", str(port)), log) as proc:
+        url = f"http://127.0.0.1:{port}"
+        await wait_ready(client, url + "/v1/models", proc, log)
+        yield url
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args()
+    config = Config()
+    config.bind = [f"127.0.0.1:{args.port}"]
+    config.accesslog = None
+    config.keep_alive_timeout = 75
+    trio.run(lambda: serve(Passthrough(args.engine), config))
+
+
+if __name__ == "__main__":
+    main()
