@@ -19,6 +19,7 @@ from pathlib import Path
 from bench.client import HttpClient, model_name, run_closed_loop
 from bench.passthrough import passthrough_relay
 from bench.peers import smg_router
+from bench.replica_stats import process_cpu
 from bench.runner import FleetSpec, router, sim_fleet
 from bench.stats import RequestResult, Summary, percentile, summarize
 from bench.workloads import Conversation, text, unique_prompts
@@ -137,6 +138,8 @@ class Block:
     round: int
     results: list[RequestResult]
     wall: float
+    cpu_s: float | None = None
+    """CPU time of the path's own process (a router, not the engine) during the block."""
 
     @property
     def ok(self) -> list[RequestResult]:
@@ -161,18 +164,19 @@ PEER_POLICY = "cache_aware"
 
 @asynccontextmanager
 async def _paths(client: HttpClient, spec: FleetSpec, log_dir: Path, policy: str,
-                 peer_names: list[str]) -> AsyncIterator[dict[str, str]]:
-    """One engine, kvmesh in front of it, and each peer in front of the same engine."""
+                 peer_names: list[str], pids: dict[str, int]) -> AsyncIterator[dict[str, str]]:
+    """One engine, kvmesh in front of it, and each peer in front of the same engine; each router's pid
+    goes into ``pids`` by URL."""
     async with AsyncExitStack() as stack:
         engines = await stack.enter_async_context(sim_fleet(client, spec, log_dir))
         config = log_dir / "overhead-router.toml"
         config.write_text(f"[admission]\nqueue_threshold = {QUEUE_THRESHOLD}\n")
         kvmesh = await stack.enter_async_context(router(client, engines, policy, log_dir,
-                                                        extra_args=["--config", str(config)]))
+                                                        extra_args=["--config", str(config)], pids=pids))
         urls = {"engine": engines[0], "kvmesh": kvmesh}
         for name in peer_names:
-            start = (passthrough_relay(client, engines[0], log_dir) if name == "passthrough"
-                     else smg_router(client, engines, f"smg:{PEER_POLICY}", log_dir))
+            start = (passthrough_relay(client, engines[0], log_dir, pids) if name == "passthrough"
+                     else smg_router(client, engines, f"smg:{PEER_POLICY}", log_dir, pids))
             urls[name] = await stack.enter_async_context(start)
         yield urls
 
@@ -183,8 +187,9 @@ async def measure_system_prompt(spec: FleetSpec, log_dir: Path, rounds: int = 5,
     client = HttpClient()
     cases = cases or system_prompt_cases()
     blocks: list[Block] = []
+    pids: dict[str, int] = {}
     try:
-        async with _paths(client, spec, log_dir, policy, peer_names or []) as urls:
+        async with _paths(client, spec, log_dir, policy, peer_names or [], pids) as urls:
             model = await model_name(client, urls["engine"])
             for url in urls.values():  # warm-up: the system prompt cached, connections open
                 await run_closed_loop(client, url, system_prompt_requests(10_000, 8, USER_WORDS), 4, model, True)
@@ -194,8 +199,11 @@ async def measure_system_prompt(spec: FleetSpec, log_dir: Path, rounds: int = 5,
                     for path in rotated(list(urls), rnd):
                         seed += 1
                         convs = system_prompt_requests(seed, case.requests, case.user_words)
+                        pid = pids.get(urls[path])
+                        cpu_before = process_cpu(pid) if pid else 0.0
                         results, wall = await run_closed_loop(client, urls[path], convs, case.concurrency, model, True)
-                        blocks.append(Block(path, case.name, rnd, results, wall))
+                        cpu = process_cpu(pid) - cpu_before if pid else None
+                        blocks.append(Block(path, case.name, rnd, results, wall, cpu))
     finally:
         await client.aclose()
     return blocks
@@ -203,9 +211,10 @@ async def measure_system_prompt(spec: FleetSpec, log_dir: Path, rounds: int = 5,
 
 def format_system_prompt(blocks: list[Block]) -> str:
     """Per case and path: pooled TTFT p50/p90 and req/s, then the medians over rounds of what each router
-    adds to the engine's TTFT p50/p90 and of its req/s ratio to the engine's (both from the same round)."""
-    lines = [f"{'case':<8} {'path':<7} {'reqs':>5} {'errs':>4} {'TTFT p50':>9} {'p90':>7} {'req/s':>7} "
-             f"{'added p50':>10} {'added p90':>10} {'req/s x':>8} {'spread p50':>11}"]
+    adds to the engine's TTFT p50/p90 and of its req/s ratio to the engine's (both from the same round),
+    and the router process's CPU time per answered request."""
+    lines = [f"{'case':<8} {'path':<11} {'reqs':>5} {'errs':>4} {'TTFT p50':>9} {'p90':>7} {'req/s':>7} "
+             f"{'added p50':>10} {'added p90':>10} {'req/s x':>8} {'spread p50':>11} {'CPU/req':>8}"]
     cases = list(dict.fromkeys(b.case for b in blocks))
     paths = list(dict.fromkeys(b.path for b in blocks))
     for case in cases:
@@ -214,7 +223,7 @@ def format_system_prompt(blocks: list[Block]) -> str:
             mine = [b for b in blocks if b.case == case and b.path == path]
             pooled = Block(path, case, -1, [r for b in mine for r in b.results], sum(b.wall for b in mine))
             errors = len(pooled.results) - len(pooled.ok)
-            row = (f"{case:<8} {path:<7} {len(pooled.results):>5} {errors:>4} {pooled.ttft(50) * 1e3:>7.2f}ms "
+            row = (f"{case:<8} {path:<11} {len(pooled.results):>5} {errors:>4} {pooled.ttft(50) * 1e3:>7.2f}ms "
                    f"{pooled.ttft(90) * 1e3:>5.2f}ms {statistics.median(b.req_per_s for b in mine):>7.1f}")
             if path != "engine":
                 added50 = [(b.ttft(50) - base[b.round].ttft(50)) * 1e3 for b in mine]
@@ -222,7 +231,12 @@ def format_system_prompt(blocks: list[Block]) -> str:
                 speed = [b.req_per_s / base[b.round].req_per_s for b in mine if base[b.round].req_per_s]
                 row += (f" {statistics.median(added50):>+8.2f}ms {statistics.median(added90):>+8.2f}ms "
                         f"{statistics.median(speed):>8.2f} {min(added50):>+5.1f}..{max(added50):<+5.1f}")
+                timed = [b for b in mine if b.cpu_s is not None]
+                answered = sum(len(b.ok) for b in timed)
+                if answered:
+                    row += f" {sum(b.cpu_s or 0.0 for b in timed) / answered * 1e3:>6.2f}ms"
             lines.append(row)
     lines.append("added = median over rounds of (path - engine, same round); req/s x = median of per-round ratios;"
-                 " spread = per-round range of added p50 (noise)")
+                 " spread = per-round range of added p50 (noise); CPU/req = the router process's CPU time per"
+                 " answered request (its background work included)")
     return "\n".join(lines)

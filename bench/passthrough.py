@@ -58,13 +58,16 @@ class Passthrough:
 
 
 @asynccontextmanager
-async def passthrough_relay(client: HttpClient, engine_url: str, log_dir: Path) -> AsyncIterator[str]:
-    """One relay process in front of the engine; yields its URL."""
+async def passthrough_relay(client: HttpClient, engine_url: str, log_dir: Path,
+                            pids: dict[str, int] | None = None) -> AsyncIterator[str]:
+    """One relay process in front of the engine; yields its URL (and notes its pid in ``pids``, by URL)."""
     port = free_port_range(1)
     log = log_dir / f"passthrough-{port}.log"
     async with spawned(python_module("bench.passthrough", "--engine", engine_url, "--port", str(port)), log) as proc:
         url = f"http://127.0.0.1:{port}"
         await wait_ready(client, url + "/v1/models", proc, log)
+        if pids is not None:
+            pids[url] = proc.pid
         yield url
 
 

@@ -101,8 +101,10 @@ async def router(
     log_dir: Path,
     tokenizer: str | None = None,
     extra_args: Sequence[str] = (),
+    pids: dict[str, int] | None = None,
 ) -> AsyncIterator[str]:
-    """Start one kvmesh router with ``policy`` in front of the engines; yields its base URL."""
+    """Start one kvmesh router with ``policy`` in front of the engines; yields its base URL (and notes its
+    pid in ``pids``, by URL, for a caller that reads its CPU time)."""
     port = free_port_range(1)
     args = ["router", "--host", "127.0.0.1", "--port", str(port), "--policy", policy, *extra_args]
     for url in engine_urls:
@@ -113,6 +115,8 @@ async def router(
     async with spawned(python_module("gateway.cli", *args), log) as proc:
         url = f"http://127.0.0.1:{port}"
         await wait_ready(client, url + "/health", proc, log)
+        if pids is not None:
+            pids[url] = proc.pid
         yield url
 
 

@@ -42,6 +42,15 @@ def test_added_ttft_and_speed_are_taken_against_the_engine_of_the_same_round():
     assert row.split()[3] == "1"  # the failed request is counted
 
 
+def test_router_cpu_is_per_answered_request_over_the_rounds_that_timed_it():
+    blocks = [_block("engine", 0, 10), _block("kvmesh", 0, 11.0, failed=2),
+              _block("engine", 1, 10), _block("kvmesh", 1, 11.0)]
+    blocks[1].cpu_s, blocks[3].cpu_s = 0.010, 0.030  # 40 ms over 20 answered requests
+    table = format_system_prompt(blocks).splitlines()
+    assert next(line for line in table if " kvmesh " in line).endswith(" 2.00ms")
+    assert next(line for line in table if " engine " in line).endswith(" 10.0")  # no CPU: the engine is no router
+
+
 @pytest.mark.integration
 async def test_the_passthrough_floor_relays_the_engines_stream_unchanged(tmp_path):
     """The floor row is only a floor if its relay does the same work: the engine's whole streamed answer."""
