@@ -61,13 +61,11 @@ def head_holders(chains: Mapping[int, Sequence[int]], overlaps: Mapping[str, Cac
             if max(found.exact_blocks, found.approx_blocks) >= len(chains.get(found.block_size, ()))]
 
 
-def head_decides(chains: Mapping[int, Sequence[int]], overlaps: Mapping[str, CacheOverlap],
-                 chosen: Sequence[str]) -> bool:
-    """Whether encoding a prompt's fresh rest could not change the engine chosen on its cached head: no
-    engine holds the whole head, or exactly one does and was chosen (more cached tokens only make it
-    cheaper). With two holders the rest may be cached on either (a conversation another replica served, a
-    repeated prompt), so it is encoded first."""
-    holders = head_holders(chains, overlaps)
+def head_decides(holders: list[str] | None, chosen: Sequence[str]) -> bool:
+    """Whether encoding a prompt's fresh rest could not change the engine chosen on its cached head, given
+    the head's ``holders`` (``head_holders``): no engine holds the whole head, or exactly one does and was
+    chosen (more cached tokens only make it cheaper). With two holders the rest may be cached on either (a
+    conversation another replica served, a repeated prompt), so it is encoded first."""
     return holders is not None and (not holders or holders == list(chosen))
 
 
@@ -298,14 +296,13 @@ class RoutePlanner:
                 span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
         with tracing.step("route") as span:
             overlaps = self.cache.overlaps(chains, ids, now) if chains else {}
-            if deferred is not None and deferred.rest_chars < DEFER_CHARS:
-                holders = head_holders(chains, overlaps) if self._events_tell_all(ids) else None
-                if holders is None or len(holders) > 1:  # the rest may matter whatever is chosen: encode first
-                    deferred, token_ids, chains, overlaps = None, *await self._encode_now(parsed, deferred, ids, now)
-                    prompt_tokens = len(token_ids)
+            short_rest = deferred is not None and deferred.rest_chars < DEFER_CHARS
+            holders = head_holders(chains, overlaps) if short_rest and self._events_tell_all(ids) else None
+            if short_rest and (holders is None or len(holders) > 1):  # the rest may matter whatever is chosen
+                deferred, token_ids, chains, overlaps = None, *await self._encode_now(parsed, deferred, ids, now)
+                prompt_tokens, short_rest = len(token_ids), False
             decision = self._decide(parsed, headers, candidates, prompt_tokens, chains, overlaps)
-            if (deferred is not None and deferred.rest_chars < DEFER_CHARS
-                    and not head_decides(chains, overlaps, decision.ranked[:1])):  # the one holder was not chosen
+            if short_rest and not head_decides(holders, decision.ranked[:1]):  # the one holder was not chosen
                 deferred, token_ids, chains, overlaps = None, *await self._encode_now(parsed, deferred, ids, now)
                 prompt_tokens = len(token_ids)
                 decision = self._decide(parsed, headers, candidates, prompt_tokens, chains, overlaps)

@@ -15,7 +15,14 @@ from router_inprocess import MODEL, InlineTokenizers, StubUpstream, assert_opena
 
 from gateway.body_limits import LimitsConfig
 from gateway.request_body import parse_request
-from gateway.route_planner import DEFER_CHARS, MAX_KEY_CHARS, bounded_key, head_decides, request_prefix_key
+from gateway.route_planner import (
+    DEFER_CHARS,
+    MAX_KEY_CHARS,
+    bounded_key,
+    head_decides,
+    head_holders,
+    request_prefix_key,
+)
 from gateway.security.config import AuthConfig, TenantConfig
 from gateway.security.keys import hash_key
 from index.view import CacheOverlap
@@ -145,8 +152,8 @@ def _overlap(blocks: int) -> CacheOverlap:
 ])
 def test_the_cached_head_decides_only_when_the_fresh_rest_cannot_change_the_engine(held, chosen, decides):
     chains = {16: [11, 12, 13]}
-    assert head_decides(chains, {e: _overlap(n) for e, n in held.items()}, chosen) is decides
-    assert not head_decides({16: []}, {e: _overlap(0) for e in held}, chosen)
+    assert head_decides(head_holders(chains, {e: _overlap(n) for e, n in held.items()}), chosen) is decides
+    assert not head_decides(head_holders({16: []}, {e: _overlap(0) for e in held}), chosen)
 
 
 async def test_a_short_fresh_rest_is_encoded_before_routing_when_two_engines_hold_the_head(monkeypatch):
