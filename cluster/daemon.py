@@ -87,7 +87,7 @@ def session_members(record: ProcessRecord) -> list[int]:
         fields = _stat_fields(entry / "stat")
         if fields is not None and int(fields[3]) == record.pid and not _exited(entry):
             pid = int(entry.name)
-            if pid != record.pid or alive(record):
+            if pid != record.pid or int(fields[19]) == record.start_ticks:  # the leader, not a recycled pid
                 members.append(pid)
     return members
 
