@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from bench.client import HttpClient
 from bench.processes import free_port_range, python_module, spawned, wait_ready
-from gateway.http_app import lifespan
+from gateway.config import RouterConfig
+from gateway.http_app import lifespan, read_body
+from gateway.server import hypercorn_config
 from gateway.upstream import EnginePool
 
 RELAYED_HEADERS = frozenset({"content-type", "accept"})
@@ -31,22 +32,18 @@ RELAYED_HEADERS = frozenset({"content-type", "accept"})
 class Passthrough:
     """An ASGI app that forwards every request to one engine."""
 
-    def __init__(self, engine_url: str) -> None:
+    def __init__(self, engine_url: str, max_body_bytes: int) -> None:
         self.pool = EnginePool(engine_url)
+        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: dict[str, Any], receive, send) -> None:
         if scope["type"] == "lifespan":
             await lifespan(receive, send)
             return
-        chunks = []
-        while True:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
+        body = await read_body(scope, receive, self.max_body_bytes)
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
                    if k.decode("latin-1").lower() in RELAYED_HEADERS]
-        upstream = await self.pool.request(scope["method"], scope["path"], b"".join(chunks), headers)
+        upstream = await self.pool.request(scope["method"], scope["path"], body, headers)
         try:
             answer_headers = [(k.encode(), v.encode()) for k, v in upstream.headers if k == "content-type"]
             await send({"type": "http.response.start", "status": upstream.status, "headers": answer_headers})
@@ -76,11 +73,8 @@ def main() -> None:
     parser.add_argument("--engine", required=True)
     parser.add_argument("--port", type=int, required=True)
     args = parser.parse_args()
-    config = Config()
-    config.bind = [f"127.0.0.1:{args.port}"]
-    config.accesslog = None
-    config.keep_alive_timeout = 75
-    trio.run(lambda: serve(Passthrough(args.engine), config))
+    config = RouterConfig(port=args.port)  # the router's own server settings
+    trio.run(lambda: serve(Passthrough(args.engine, config.max_body_bytes), hypercorn_config(config)))
 
 
 if __name__ == "__main__":
