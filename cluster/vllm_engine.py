@@ -57,16 +57,25 @@ and a port the kernel picked could meanwhile be handed to any outgoing connectio
 already in use" for the KV-event PUB while other processes ran)."""
 
 
+PORT_CLASH = "Address already in use"
+MAX_RELAUNCHES = 2
+_handed_out: set[int] = set()
+"""Ports this process chose already: not reserved by the kernel until vLLM binds them, so never chosen twice."""
+
+
 def free_port() -> int:
-    """A loopback port outside the ephemeral range that was free a moment ago."""
+    """A loopback port outside the ephemeral range that was free a moment ago and not chosen before here."""
     rng = random.Random()
     for _ in range(200):
         port = rng.choice(STATIC_PORTS)
+        if port in _handed_out:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _handed_out.add(port)
             return port
     raise OSError("no free port found below the ephemeral range")
 
@@ -100,6 +109,8 @@ class VllmEngine:
     events_port: int = field(default_factory=free_port)
     replay_port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
+    relaunches: int = 0
+    launched_at: float = 0.0
 
     @property
     def url(self) -> str:
@@ -162,6 +173,7 @@ class VllmEngine:
     def start(self) -> None:
         """Launch the process (returns at once; use ``wait_ready`` or ``check_ready``)."""
         self.options.log_dir.mkdir(parents=True, exist_ok=True)
+        self.launched_at = time.monotonic()
         with open(self.log_path, "ab") as log:
             log.write(f"\n=== kvmesh: starting {self.name} at {time.strftime('%H:%M:%S')} ===\n".encode())
             log.flush()
@@ -202,23 +214,46 @@ class VllmEngine:
         except (OSError, urllib.error.URLError):
             return False
 
+    def _relaunched_after_port_clash(self, failure: EngineFailed) -> bool:
+        """vLLM binds its ports about 35 s after they were chosen, and another process may take one
+        meanwhile: then the launch fails with "Address already in use" and starts again on fresh ports
+        (at most ``MAX_RELAUNCHES`` times). Any other failure stays a failure."""
+        if self.relaunches >= MAX_RELAUNCHES or PORT_CLASH not in str(failure):
+            return False
+        self.relaunches += 1
+        self.stop()
+        self.port, self.events_port, self.replay_port = free_port(), free_port(), free_port()
+        self.start()
+        return True
+
+    def _ready_or_relaunched(self) -> bool:
+        """One health probe; a launch lost to a port clash is started again (and is not ready yet)."""
+        try:
+            return self.check_ready()
+        except EngineFailed as failure:
+            if not self._relaunched_after_port_clash(failure):
+                raise
+            return False
+
     def _timed_out(self) -> EngineFailed:
         timeout = self.options.startup_timeout
         return EngineFailed(f"{self.name} not healthy after {timeout:.0f} s; log tail:\n{self.log_tail()}")
 
+    def _overdue(self) -> bool:
+        """The current launch (a relaunch starts the clock again) has had its startup time."""
+        return time.monotonic() - self.launched_at > self.options.startup_timeout
+
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + self.options.startup_timeout
-        while not self.check_ready():
-            if time.monotonic() > deadline:
+        while not self._ready_or_relaunched():
+            if self._overdue():
                 raise self._timed_out()
             time.sleep(0.5)
 
     async def wait_ready_async(self) -> None:
-        with trio.move_on_after(self.options.startup_timeout) as scope:
-            while not await trio.to_thread.run_sync(self.check_ready):
-                await trio.sleep(0.5)
-        if scope.cancelled_caught:
-            raise self._timed_out()
+        while not await trio.to_thread.run_sync(self._ready_or_relaunched):
+            if self._overdue():
+                raise self._timed_out()
+            await trio.sleep(0.5)
 
     def stop(self) -> None:
         """SIGTERM the whole process group, SIGKILL it after the grace period. Safe to call twice."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ from cluster.cli import engines_arg
 from cluster.daemon import ProcessRecord
 from cluster.local import UpOptions, router_argv
 from cluster.state import ClusterState, load
+from cluster.vllm_engine import EngineFailed, EngineOptions, VllmEngine
 
 
 def test_rendered_config_passes_haproxy_check(tmp_path: Path) -> None:
@@ -201,3 +203,46 @@ def test_a_process_whose_main_thread_exited_is_alive_while_another_thread_runs(t
     assert daemon.session_members(record) == [record.pid]
     assert daemon.stop([record], grace=5) == []
     assert not daemon.alive(record)
+
+
+class _PortTakingEngine(VllmEngine):
+    """Stands in for vLLM where ports are concerned: it binds its events port as vLLM does, exits 1 with
+    vLLM's message when that port is taken, and otherwise answers /health on its HTTP port."""
+
+    def command(self) -> list[str]:
+        script = (
+            "import http.server, socket, sys\n"
+            "s = socket.socket()\n"
+            "try:\n"
+            f"    s.bind(('127.0.0.1', {self.events_port}))\n"
+            "except OSError:\n"
+            "    print('zmq.error.ZMQError: Address already in use', flush=True)\n"
+            "    sys.exit(1)\n"
+            "class H(http.server.BaseHTTPRequestHandler):\n"
+            "    def do_GET(self):\n"
+            "        self.send_response(200); self.end_headers()\n"
+            f"http.server.HTTPServer(('127.0.0.1', {self.port}), H).serve_forever()\n"
+        )
+        return [sys.executable, "-c", script]
+
+
+def test_an_engine_whose_port_was_taken_meanwhile_starts_again_on_fresh_ports(tmp_path: Path) -> None:
+    engine = _PortTakingEngine(name="e", cpu=0, options=EngineOptions(log_dir=tmp_path, startup_timeout=20))
+    taken = engine.events_port
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", taken))
+        try:
+            engine.start()
+            engine.wait_ready()
+            assert engine.relaunches == 1 and engine.events_port != taken
+        finally:
+            engine.stop()
+
+
+def test_an_engine_that_fails_otherwise_is_not_started_again(tmp_path: Path) -> None:
+    engine = _PortTakingEngine(name="e", cpu=0, options=EngineOptions(log_dir=tmp_path, startup_timeout=20))
+    engine.command = lambda: [sys.executable, "-c", "import sys; print('some other error'); sys.exit(1)"]
+    engine.start()
+    with pytest.raises(EngineFailed, match="some other error"):
+        engine.wait_ready()
+    assert engine.relaunches == 0
