@@ -54,6 +54,10 @@ class RouterMetrics:
         self.loop_lag = Histogram("kvmesh_event_loop_lag_seconds", "How late the router's event loop woke a "
                                   "task that asked to run (what every request and health poll waited then)",
                                   buckets=LOOP_LAG_BUCKETS, registry=r)
+        self.background_encode_failures = Counter("kvmesh_background_encode_failures",
+                                                  "Deferred encodes of a prompt's fresh rest that failed after "
+                                                  "the request went out (the next turn misses that rest)",
+                                                  ["reason"], registry=r)
         self._refresh: Callable[[RouterMetrics], None] = lambda metrics: None
 
     def on_scrape(self, refresh: Callable[[RouterMetrics], None]) -> None:

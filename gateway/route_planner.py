@@ -6,8 +6,8 @@ it gathers what they need, calls them once per request, and feeds measured TTFTs
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +32,8 @@ from tokenization.messages import TEXT_PART_KEYS, RenderError
 from tokenization.registry import DEFAULT_TOKENIZER_DIR, TokenizerRegistry
 from tokenization.service import DeferredIds, TokenizerService
 from tokenization.worker import TokenizerBusy
+
+log = logging.getLogger("kvmesh.planner")
 
 # Policies that look at prompt blocks; the others route without tokenizing at all.
 CACHE_POLICIES = frozenset({"kv_aware", "approximate"})
@@ -236,10 +238,18 @@ class RoutePlanner:
             raise ApiError(429 if exc.own_load else 503, str(exc), code="tokenizer_busy", retry_after=1) from None
 
     async def _complete(self, deferred: DeferredIds) -> None:
-        """Encode a deferred prompt's rest, so the conversation's next turn finds it cached. A render error
-        cannot happen here (the head was rendered from the same body); anything else is the engine's call."""
-        with contextlib.suppress(RenderError):
+        """Encode a deferred prompt's rest, so the conversation's next turn finds it cached.
+
+        The request has already gone out: nothing here may reach it or the nursery this runs in, whose
+        failure would end the router. A refused job (``TokenizerBusy``: the tenant's queue is full or the
+        job waited too long, as a dozen concurrent long prompts make it), a render error or a failed worker
+        only costs the next turn its cached rest; it is logged and counted, never raised."""
+        try:
             await deferred.complete()
+        except Exception as exc:  # noqa: BLE001 - an owner of a background task: log once, count, go on
+            reason = type(exc).__name__
+            self.metrics.background_encode_failures.labels(reason).inc()
+            log.warning("deferred encode of a prompt's rest dropped (%s: %s)", reason, exc)
 
     def _context_length(self, candidates: list[EngineState]) -> int | None:
         """The largest context any candidate takes; None when one of them has no known length."""

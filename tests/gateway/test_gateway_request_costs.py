@@ -226,3 +226,28 @@ async def test_a_tokenizer_queue_full_of_the_tenants_own_prompts_is_a_429_and_a_
         answer = await call(router, "POST", "/v1/chat/completions", body)
         assert assert_openai_error(answer, status)["code"] == "tokenizer_busy"
         assert answer.headers["retry-after"] == "1"
+
+
+class RefusedRest(HeadFirst):
+    """Defers every prompt, and the worker pool refuses to encode the rest (the tenant's queue is full)."""
+
+    async def token_ids_or_head(self, model, body, kind, defer_chars):
+        async def complete():
+            self.log.append("refused")
+            raise TokenizerBusy("8 long prompts of this requester are already waiting", True)
+        return DeferredIds(self.head, len(self.ids), complete, rest_chars=self.rest_chars)
+
+
+async def test_a_refused_background_encode_is_counted_and_the_router_keeps_serving(monkeypatch):
+    """The rest of a long prompt is encoded after the request went out, in the planner's background nursery:
+    a refusal there used to cancel that nursery, which ends the router process."""
+    log: list[str] = []
+    router = make_router(monkeypatch, policy="kv_aware")
+    router.planner.tokenizers = RefusedRest(40, 5000, DEFER_CHARS, log)
+    failures = router.metrics.background_encode_failures.labels("TokenizerBusy")
+    async with trio.open_nursery() as nursery:
+        router.planner._background = nursery
+        for _ in range(12):
+            assert (await call(router, "POST", "/v1/chat/completions", STREAMED_CHAT)).status == 200
+    assert log.count("refused") == 12
+    assert failures._value.get() == 12
