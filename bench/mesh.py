@@ -18,12 +18,12 @@ from pathlib import Path
 import trio
 
 from bench import mesh_measure as measure
+from bench.cluster_run import ClusterRun, run_workload
 from bench.report import Verdict
 from bench.runner import MeasureOptions
 from cluster.daemon import StartError
 from cluster.local import ClusterError, UpOptions, down, up
 from cluster.state import load
-from cluster.workload_run import ClusterRun, run_workload
 
 WORKLOADS = ("c", "a")
 HIT_RATE_POINTS = 1.0

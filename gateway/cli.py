@@ -15,7 +15,7 @@ DELEGATED = {
     "up": ("cluster.cli", "start a local cluster (routers behind HAProxy, engines, Redis)"),
     "down": ("cluster.cli", "stop the local cluster started by 'kvmesh up'"),
     "status": ("cluster.cli", "show the local cluster started by 'kvmesh up'"),
-    "demo": ("cluster.demo", "start a local cluster, send a workload, print what happened"),
+    "demo": ("bench.demo", "start a local cluster, send a workload, print what happened"),
     "chaos": ("chaos.cli", "run a chaos scenario against the local cluster"),
     "keys": ("gateway.security.keys", "hash or generate API keys for the config file"),
 }

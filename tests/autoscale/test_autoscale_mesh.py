@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cluster.router_process import RouterProcess
-from sim.process import SimFleetProcess
+from cluster.sim_process import SimFleetProcess
 
 pytestmark = [pytest.mark.mesh, pytest.mark.integration]
 

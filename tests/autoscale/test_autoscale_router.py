@@ -7,7 +7,7 @@ import pytest
 
 from autoscale.signals import histogram_quantile
 from cluster.router_process import RouterProcess
-from sim.process import SimFleetProcess
+from cluster.sim_process import SimFleetProcess
 
 
 def get(url: str) -> dict:

@@ -7,11 +7,11 @@ import math
 from hypothesis import given
 from hypothesis import strategies as st
 
+from bench.cluster_run import ClusterRun, served_requests
+from bench.demo import report
 from bench.mesh import INGEST_OPS_PER_S, LAG_P99_MS, MeshRow, format_rows, verdicts
 from bench.report import Row
 from bench.stats import summarize
-from cluster.demo import report
-from cluster.workload_run import ClusterRun, served_requests
 
 METRICS = """# HELP kvmesh_requests_total Requests answered
 # TYPE kvmesh_requests_total counter

@@ -4,7 +4,7 @@ import pytest
 from gateway_http import Http
 
 from cluster.router_process import RouterProcess
-from sim.process import SimFleetProcess
+from cluster.sim_process import SimFleetProcess
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ from gateway_http import Http, chat
 from proxy_harness import Sink, completion, failures, sim_engines
 
 from cluster.router_process import RouterProcess
+from cluster.sim_process import SimFleetProcess
 from gateway.proxy import forward
-from sim.process import SimFleetProcess
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,7 @@ from test_gateway_fuzz_front_door import hostile_request, send
 from bench.engine_stats import delta, fleet_hit_rate, parse_counters
 from bench.workloads import text
 from cluster.router_process import RouterProcess
-from sim.process import SimFleetProcess
+from cluster.sim_process import SimFleetProcess
 
 pytestmark = pytest.mark.integration
 

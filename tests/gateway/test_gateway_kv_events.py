@@ -7,7 +7,7 @@ import pytest
 from gateway_http import Http, chat
 
 from cluster.router_process import RouterProcess
-from sim.process import SimFleetProcess
+from cluster.sim_process import SimFleetProcess
 
 pytestmark = pytest.mark.integration
 

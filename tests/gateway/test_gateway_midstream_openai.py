@@ -15,7 +15,7 @@ from gateway_http import MODEL
 
 from chaos.invariants import route_engine
 from cluster.router_process import RouterProcess
-from sim.process import SimFleetProcess
+from cluster.sim_process import SimFleetProcess
 
 pytestmark = pytest.mark.integration
 MESSAGES = [{"role": "user", "content": "write a long answer"}]

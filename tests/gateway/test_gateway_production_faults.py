@@ -21,7 +21,7 @@ from gateway_production_helpers import (
 )
 
 from cluster.router_process import RouterProcess
-from sim.process import SimFleetProcess
+from cluster.sim_process import SimFleetProcess
 
 pytestmark = pytest.mark.integration
 FIRST_BYTE_TIMEOUT_S = 1.0

@@ -11,7 +11,7 @@ from gateway_http import Http, chat
 from gateway_production_helpers import bearer, engine_id, new_keys, served_by, wait_until, write_config
 
 from cluster.router_process import RouterProcess
-from sim.process import SimFleetProcess
+from cluster.sim_process import SimFleetProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.mesh]
 

@@ -24,8 +24,8 @@ from test_gateway_untrusted_engines import LIAR, MODELS, SOURCES_SURROGATE
 from untrusted_engines import HEALTHY, serve_canned
 
 from cluster.router_process import RouterProcess
+from cluster.sim_process import SimFleetProcess
 from mesh.snapshots import KEY_PREFIX
-from sim.process import SimFleetProcess
 
 pytestmark = [pytest.mark.mesh, pytest.mark.integration]
 

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from cluster.router_process import RouterProcess
-from sim.process import SimFleetProcess
+from cluster.sim_process import SimFleetProcess
 
 pytestmark = [pytest.mark.mesh, pytest.mark.integration]
 MODEL = "kvmesh-tiny"

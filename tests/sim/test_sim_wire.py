@@ -9,10 +9,10 @@ import pytest
 import trio
 import zmq
 
+from cluster.sim_process import SimFleetProcess
 from index.vllm_hash import block_hashes, to_u64
 from sim.config import EngineConfig, FleetConfig
 from sim.fleet import run_fleet
-from sim.process import SimFleetProcess
 
 pytestmark = pytest.mark.integration
 MSGS = [{"role": "system", "content": "You are terse. " * 20}, {"role": "user", "content": "Say hi."}]

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import trio
 
+from bench.cluster_run import ClusterRun, run_workload
 from bench.report import format_table
 from bench.runner import MeasureOptions
 from cluster.daemon import StartError
 from cluster.local import ClusterError, UpOptions, down, up
 from cluster.state import load
-from cluster.workload_run import ClusterRun, run_workload
 
 POLICIES = ("kv_aware", "round_robin")
 WORKLOADS = {"a": "shared documents", "c": "multi-turn chats"}
