@@ -46,15 +46,22 @@ class CircuitBreaker:
         if self.state == "half_open":
             self._probes = [t for t in self._probes if now - t < self.probe_timeout_s]
 
+    def state_at(self, now: float) -> State:
+        """The state the breaker is in at ``now`` (an open period may have ended), read without changing it."""
+        return "half_open" if self.state == "open" and now >= self.open_until else self.state
+
     def available(self, now: float) -> bool:
-        """Whether ``allow`` would let a request through now, without taking a probe slot."""
-        self._advance(now)
-        if self.state == "half_open":
-            return len(self._probes) < self.half_open_probes
-        return self.state == "closed"
+        """Whether ``allow`` would let a request through now, without taking a probe slot. A read: it changes
+        nothing, so health can be asked at any time (and on a mock clock) without moving the breaker."""
+        state = self.state_at(now)
+        if state == "half_open":
+            live = 0 if self.state == "open" else sum(now - t < self.probe_timeout_s for t in self._probes)
+            return live < self.half_open_probes
+        return state == "closed"
 
     def allow(self, now: float) -> bool:
         """Call once for the engine actually chosen: in half-open this takes one of the probe slots."""
+        self._advance(now)
         if not self.available(now):
             return False
         if self.state == "half_open":
@@ -111,10 +118,8 @@ class CircuitBreaker:
         self._probes = []
 
     def state_code(self, now: float | None = None) -> int:
-        """For a Prometheus gauge: 0 closed, 1 half-open, 2 open (advanced to ``now`` when given)."""
-        if now is not None:
-            self._advance(now)
-        return _STATE_CODES[self.state]
+        """For a Prometheus gauge: 0 closed, 1 half-open, 2 open (as of ``now`` when given)."""
+        return _STATE_CODES[self.state if now is None else self.state_at(now)]
 
 
 class EngineHealth:
@@ -179,7 +184,8 @@ class EngineHealth:
         if not self.health_checked:
             return False, "awaiting first health check"
         if not self.breaker.available(now):
-            return False, f"circuit {self.breaker.state.replace('_', '-')} after {self.breaker.last_cause}"
+            state = self.breaker.state_at(now).replace("_", "-")
+            return False, f"circuit {state} after {self.breaker.last_cause}"
         if self.metric_failures >= self.metric_failures_down:
             return True, f"metrics failing ({self.last_error})"
         return True, "ok"

@@ -1,5 +1,7 @@
 """Circuit breaker transitions with exponential backoff, and the combined engine-health verdict."""
 
+import copy
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -104,6 +106,22 @@ def test_invariants_under_any_sequence(sequence):
             assert 0.5 <= breaker.open_for <= 4.0
             last_open_for = breaker.open_for
 
+
+@given(events, st.lists(st.floats(0, 10), max_size=6))
+def test_reading_the_breaker_changes_nothing(sequence, reads):
+    """Health is read all the time (routing, /ready, metrics): a read at any time, on any clock, leaves the
+    breaker as it was, and says what ``allow`` would then do."""
+    breaker = CircuitBreaker(failure_threshold=2, window=4, open_base_s=0.5, half_open_probes=1, probe_timeout_s=1)
+    now = 0.0
+    for gap, action in sequence:
+        now += gap
+        {"allow": breaker.allow, "ok": breaker.record_success,
+         "fail": lambda t: breaker.record_failure(t, "x")}[action](now)
+    for later in reads:
+        before = copy.deepcopy(vars(breaker))
+        available, _, _ = breaker.available(now + later), breaker.state_code(now + later), breaker.state_at(now + later)
+        assert vars(breaker) == before
+        assert available == copy.deepcopy(breaker).allow(now + later)
 
 def healthy() -> EngineHealth:
     health = EngineHealth(CircuitBreaker(failure_threshold=1), health_failures_down=2, metric_failures_down=2)
