@@ -6,7 +6,6 @@ from dataclasses import dataclass, field, fields
 
 from autoscale.decision import ScalePolicy
 from autoscale.offers import Offer, Placement
-from gateway.config_errors import ConfigError
 
 PROVIDERS = ("local", "command")
 
@@ -52,20 +51,18 @@ class AutoscaleConfig:
                            placement=Placement(self.latency_limit_ms, self.cross_island_ms, self.provisioning_limit_s))
 
     def validate(self, where: str = "autoscaler") -> None:
+        """ValueError naming the key (the router's config loader reports it as a configuration error)."""
         if not self.enabled:
             return
         if self.provider not in PROVIDERS:
-            raise ConfigError(f"{where}.provider: {self.provider!r} is not {' | '.join(PROVIDERS)}")
+            raise ValueError(f"{where}.provider: {self.provider!r} is not {' | '.join(PROVIDERS)}")
         if self.provider == "command" and not self.command:
-            raise ConfigError(f"{where}.command: the command provider needs an executable")
+            raise ValueError(f"{where}.command: the command provider needs an executable")
         if not self.offers:
-            raise ConfigError(f"{where}.offers: at least one offer is needed")
+            raise ValueError(f"{where}.offers: at least one offer is needed")
         for key in ("interval_s", "drain_deadline_s", "lease_ttl_s", "command_timeout_s"):
             if getattr(self, key) <= 0:
-                raise ConfigError(f"{where}.{key}: must be positive")
-        try:
-            for i, offer in enumerate(self.offers):
-                offer.validate(f"{where}.offers[{i}]")
-            self.policy().validate(where)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+                raise ValueError(f"{where}.{key}: must be positive")
+        for i, offer in enumerate(self.offers):
+            offer.validate(f"{where}.offers[{i}]")
+        self.policy().validate(where)

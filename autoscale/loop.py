@@ -3,7 +3,7 @@
 AutoscaleLoop.run
  +- lease loop      (renew or claim the lease in the replicated document; autoscale/lease.py)
  +- decision loop   (every interval: signals -> Autoscaler.decide -> log, gauges, shared state, act)
- +- provider tasks  (provisioning; a ready engine is registered with every router via Router.add_engine)
+ +- provider tasks  (provisioning; a ready engine is registered with every router through FleetControl)
  +- drains          (no new requests; wait until idle or the deadline; terminate; remove)
 
 Provisions in flight (``pending:``) and the engines the autoscaler started (``engine:``) live in the
@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 from prometheus_client import Counter, Gauge
@@ -25,14 +25,10 @@ from prometheus_client import Counter, Gauge
 from autoscale.config import AutoscaleConfig
 from autoscale.decision import Autoscaler, Decision
 from autoscale.lease import Lease, LeaseKeeper
+from autoscale.ports import FleetControl, SignalSource
 from autoscale.providers.base import Provider, ProviderError, ProvisionResult
 from autoscale.providers.command import CommandProvider
 from autoscale.providers.local import LocalProvider
-from autoscale.signals import SignalReader
-from gateway.config import ConfigError, EngineConfig
-
-if TYPE_CHECKING:
-    from gateway.router import Router
 
 log = logging.getLogger("kvmesh.autoscaler")
 KEPT_DECISIONS = 20
@@ -63,16 +59,18 @@ class AutoscalerMetrics:
 
 
 class AutoscaleLoop:
-    def __init__(self, router: Router) -> None:
-        self.router = router
-        self.config = router.config.autoscaler
+    def __init__(self, config: AutoscaleConfig, fleet: FleetControl, signals: SignalSource, state: Any, me: str,
+                 registry: Any) -> None:
+        """``state``: the mesh's shared state (None without a mesh); ``me``: this replica's member id."""
+        self.config = config
+        self.fleet = fleet
+        self.signals = signals
         self.core = Autoscaler(self.config.policy(), self.config.offers)
         self.provider = make_provider(self.config)
-        self.reader = SignalReader(router)
-        self.state = router.mesh_state
-        self.me = router.mesh.member_id if router.mesh is not None else "local"
+        self.state = state
+        self.me = me
         self.keeper = LeaseKeeper(self.me, self.config.lease_ttl_s)
-        self.metrics = AutoscalerMetrics(router.metrics.registry)
+        self.metrics = AutoscalerMetrics(registry)
         self.acting = self.state is None
         self.decisions: deque[dict[str, Any]] = deque(maxlen=KEPT_DECISIONS)
         self.draining: set[str] = set()
@@ -150,7 +148,7 @@ class AutoscaleLoop:
             log.warning("autoscaler provider list failed", extra={"error": str(exc)})
             return
         for engine in listed:
-            if self.router.engines.get(engine.id) is None:
+            if not self.fleet.known(engine.id):
                 self._register(engine.id, engine.url, engine.island, engine.offer)
 
     # ----- one decision -----------------------------------------------------------------------------
@@ -163,7 +161,7 @@ class AutoscaleLoop:
         pending = self._live_pending(now)
         managed = {key.removeprefix("engine:"): float(v.get("price_per_hour", 0.0))
                    for key, v in self._entries("engine:").items()}
-        signals = self.reader.read(managed, self.draining, len(pending))
+        signals = self.signals.read(managed, self.draining, len(pending))
         decision = self.core.decide(signals, now)
         record = decision.as_json()
         log.info("autoscaler decision", extra={"autoscaler": record, "holder": self.me,
@@ -200,7 +198,7 @@ class AutoscaleLoop:
             assert self._nursery is not None
             for engine_id in decision.release:
                 self.draining.add(engine_id)
-                self.router.set_engine_state(engine_id, {"draining": True})
+                self.fleet.drain(engine_id, self.config.drain_deadline_s - STREAM_HANDOVER_S)
                 self._nursery.start_soon(self._drain, engine_id)
 
     def _on_ready(self, result: ProvisionResult) -> None:
@@ -215,17 +213,15 @@ class AutoscaleLoop:
                                                    "offer": result.offer.name})
 
     def _register(self, engine_id: str, url: str, island: str | None, offer_name: str) -> None:
-        config = EngineConfig(url=url, id=engine_id, island=island)
+        offer = next((o for o in self.core.offers if o.name == offer_name), None)
         try:
-            config.validate("provisioned engine")
-        except ConfigError as exc:
+            self.fleet.register(engine_id, url, island)
+        except ValueError as exc:
             self.metrics.errors.labels("provision").inc()
             log.warning("autoscaler provider returned an unusable engine", extra={"error": str(exc)})
             return
-        offer = next((o for o in self.core.offers if o.name == offer_name), None)
         self._set(f"engine:{engine_id}", {"url": url, "offer": offer_name,
                                           "price_per_hour": offer.price_per_hour if offer else 0.0})
-        self.router.add_engine(config)
 
     async def _drain(self, engine_id: str) -> None:
         """No new requests reach it (draining); release it once idle for a while, or at the deadline. Streams
@@ -233,13 +229,10 @@ class AutoscaleLoop:
         so releasing it fails nobody."""
         started = trio.current_time()
         deadline = started + self.config.drain_deadline_s
-        engine = self.router.engines.get(engine_id)
-        if engine is not None:
-            engine.pool.drain_at = max(started, deadline - STREAM_HANDOVER_S)
         idle_looks = 0
         while trio.current_time() < deadline and idle_looks < IDLE_CHECKS:
             await trio.sleep(0.5)
-            idle_looks = idle_looks + 1 if self._idle(engine_id, started) else 0
+            idle_looks = idle_looks + 1 if self.fleet.idle(engine_id, started) else 0
         try:
             await self.provider.terminate(engine_id)
         except ProviderError as exc:
@@ -248,19 +241,11 @@ class AutoscaleLoop:
                                                                                         "error": str(exc)})
             self.draining.discard(engine_id)
             return
-        self.router.remove_engine(engine_id)
+        self.fleet.release(engine_id)
         self._set(f"engine:{engine_id}", None)
         self.draining.discard(engine_id)
         log.info("autoscaler engine released", extra={"engine": engine_id, "idle": idle_looks >= IDLE_CHECKS,
                                                       "drain_s": round(trio.current_time() - started, 2)})
-
-    def _idle(self, engine_id: str, since: float) -> bool:
-        engine = self.router.engines.get(engine_id)
-        if engine is None:
-            return True
-        peers = self.router.planner.peer_in_flight().get(engine_id, 0)
-        polled_after = engine.load.polled_at is not None and engine.load.polled_at > since
-        return engine.in_flight == 0 and peers == 0 and polled_after and engine.load.running + engine.load.waiting == 0
 
     # ----- what every replica shows -----------------------------------------------------------------
 

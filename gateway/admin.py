@@ -6,26 +6,36 @@ Everything here is for operators and the chaos suite; none of it is on the reque
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import trio
 
 from gateway import http_app
+from gateway.body_limits import LimitsConfig
 from gateway.config import ConfigError, EngineConfig, _build
+from gateway.fleet import Fleet, SettingError, check_engine_settings
 from gateway.openai_errors import ApiError
 from gateway.request_body import load_json_object
 from index.digest import block_set_digest
 
-if TYPE_CHECKING:
-    from gateway.router import Router
-
-ADMIN_STATE_KEYS = ("draining", "maintenance", "island", "zone")
-BOOLEAN_STATE_KEYS = ("draining", "maintenance")
 ADMIN_BODY_BYTES = 1024 * 1024
 
 
-def engine_row(router: Router, engine_id: str) -> dict[str, Any]:
-    engine = router.engines.get(engine_id)
+@dataclass(frozen=True)
+class AdminApi:
+    """What the admin API may see and do: the fleet, and narrow views of the mesh and the autoscaler."""
+
+    fleet: Fleet
+    limits: LimitsConfig
+    mesh_report: Callable[[], dict[str, Any]]
+    isolate: Callable[[bool], None]
+    autoscaler_report: Callable[[], dict[str, Any]]
+
+
+def engine_row(fleet: Fleet, engine_id: str) -> dict[str, Any]:
+    engine = fleet.engines.get(engine_id)
     assert engine is not None
     return {
         "id": engine.id, "url": engine.url, "models": sorted(engine.models), "island": engine.config.island,
@@ -37,11 +47,11 @@ def engine_row(router: Router, engine_id: str) -> dict[str, Any]:
     }
 
 
-def index_report(router: Router) -> dict[str, Any]:
+def index_report(fleet: Fleet) -> dict[str, Any]:
     now = trio.current_time()
-    cache = router.planner.cache
+    cache = fleet.planner.cache
     engines = {}
-    for engine in router.engines.all():
+    for engine in fleet.engines.all():
         info = cache.info(engine.id)
         fresh = info.freshness if info else None
         engine_hashes, own_keys = cache.export(engine.id)
@@ -61,60 +71,60 @@ def index_report(router: Router) -> dict[str, Any]:
     return {"engines": engines}
 
 
-async def _json_body(router: Router, scope: dict, receive) -> dict[str, Any]:
+async def _json_body(api: AdminApi, scope: dict, receive) -> dict[str, Any]:
     """The admin body: a JSON object within the router's limits (an empty body is an empty object)."""
-    raw = await http_app.read_body(scope, receive, ADMIN_BODY_BYTES, router.config.limits.body_timeout_s)
-    return load_json_object(raw, router.config.limits) if raw.strip() else {}
+    raw = await http_app.read_body(scope, receive, ADMIN_BODY_BYTES, api.limits.body_timeout_s)
+    return load_json_object(raw, api.limits) if raw.strip() else {}
 
 
-async def handle_admin(router: Router, method: str, path: str, scope: dict, receive, send) -> int:
+async def handle_admin(api: AdminApi, method: str, path: str, scope: dict, receive, send) -> int:
+    fleet = api.fleet
     parts = [p for p in path.split("/") if p][1:]
     if parts == ["index"] and method == "GET":
-        await http_app.send_json(send, 200, index_report(router))
+        await http_app.send_json(send, 200, index_report(fleet))
         return 200
     if parts == ["mesh"] and method == "GET":
-        await http_app.send_json(send, 200, router.mesh_report())
+        await http_app.send_json(send, 200, api.mesh_report())
         return 200
     if parts == ["autoscaler"] and method == "GET":
-        autoscaler = getattr(router, "autoscaler", None)
-        await http_app.send_json(send, 200, autoscaler.report() if autoscaler is not None else {"enabled": False})
+        await http_app.send_json(send, 200, api.autoscaler_report())
         return 200
     if parts == ["mesh", "isolate"] and method == "POST":
-        isolated = _flag(await _json_body(router, scope, receive), "isolated")
-        router.isolate(isolated)
+        isolated = _flag(await _json_body(api, scope, receive), "isolated")
+        api.isolate(isolated)
         await http_app.send_json(send, 200, {"isolated": isolated})
         return 200
     if parts == ["engines"] and method == "GET":
-        await http_app.send_json(send, 200, {"engines": [engine_row(router, e.id) for e in router.engines.all()]})
+        await http_app.send_json(send, 200, {"engines": [engine_row(fleet, e.id) for e in fleet.engines.all()]})
         return 200
     if parts == ["engines"] and method == "POST":
-        body = await _json_body(router, scope, receive)
+        body = await _json_body(api, scope, receive)
         try:
             config = _build(EngineConfig, body, "engine")
             config.validate("engine")  # the URL rule is config.validate_engine_url, as for every other source
-            engine_id = router.add_engine(config)
+            engine_id = fleet.add(config)
         except ConfigError as exc:
             raise ApiError(400, str(exc), param=str(exc).split(":")[0]) from None
         except ValueError as exc:
             raise ApiError(400, f"engine.url: {exc}", param="engine.url") from None
-        await http_app.send_json(send, 201, engine_row(router, engine_id))
+        await http_app.send_json(send, 201, engine_row(fleet, engine_id))
         return 201
     if len(parts) >= 2 and parts[0] == "engines":
         engine_id = parts[1]
-        if router.engines.get(engine_id) is None:
+        if fleet.engines.get(engine_id) is None:
             raise ApiError(404, f"no engine {engine_id!r}", code="engine_not_found")
         if len(parts) == 2 and method == "DELETE":
-            router.remove_engine(engine_id)
+            fleet.remove(engine_id)
             await http_app.send_json(send, 200, {"removed": engine_id})
             return 200
         if len(parts) == 2 and method in ("PATCH", "POST"):
-            body = await _json_body(router, scope, receive)
-            return await _set_state(router, engine_id, body, send)
+            body = await _json_body(api, scope, receive)
+            return await _set_state(fleet, engine_id, body, send)
         if len(parts) == 3 and parts[2] == "drain" and method == "POST":
-            return await _drain(router, engine_id, await _json_body(router, scope, receive), send)
+            return await _drain(fleet, engine_id, await _json_body(api, scope, receive), send)
         if len(parts) == 3 and parts[2] == "maintenance" and method == "POST":
-            enabled = _flag(await _json_body(router, scope, receive), "enabled")
-            return await _set_state(router, engine_id, {"maintenance": enabled}, send)
+            enabled = _flag(await _json_body(api, scope, receive), "enabled")
+            return await _set_state(fleet, engine_id, {"maintenance": enabled}, send)
     raise ApiError(404, f"no admin route for {method} {path}", code="not_found")
 
 
@@ -126,48 +136,28 @@ def _flag(body: dict[str, Any], key: str) -> bool:
     return value
 
 
-async def _drain(router: Router, engine_id: str, body: dict[str, Any], send) -> int:
-    """Take the engine out of rotation. With ``deadline_s``, streams still running on it that many seconds
-    later are continued on other engines (``gateway.proxy``) rather than cut, so it can then be stopped
-    without failing anyone. The deadline is this replica's: send the drain to every replica."""
+async def _drain(fleet: Fleet, engine_id: str, body: dict[str, Any], send) -> int:
+    """Take the engine out of rotation (``Fleet.drain``). The deadline is this replica's: send the drain to
+    every replica."""
     enabled = _flag(body, "enabled")
     deadline = body.get("deadline_s")
     if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, int | float)
                                  or not 0 <= deadline < 86400):
         raise ApiError(400, "'deadline_s' must be a number of seconds from 0 to 86400", param="deadline_s")
-    engine = router.engines.get(engine_id)
+    fleet.drain(engine_id, enabled, deadline)
+    engine = fleet.engines.get(engine_id)
     assert engine is not None
-    engine.pool.drain_at = trio.current_time() + deadline if enabled and deadline is not None else math.inf
-    router.set_engine_state(engine_id, {"draining": enabled})
-    row = engine_row(router, engine_id)
+    row = engine_row(fleet, engine_id)
     row["drain_deadline_in_s"] = None if math.isinf(engine.pool.drain_at) else deadline
     await http_app.send_json(send, 200, row)
     return 200
 
 
-def check_engine_setting(key: str, value: Any) -> None:
-    """ValueError unless ``value`` has the type of admin setting ``key`` (whether from a client or a peer)."""
-    if key in BOOLEAN_STATE_KEYS:
-        if not isinstance(value, bool):
-            raise ValueError(f"'{key}' must be true or false")
-    elif value is not None and not (isinstance(value, str) and 0 < len(value) <= 64 and value.isprintable()):
-        raise ValueError(f"'{key}' must be null or a printable string of up to 64 characters")
-
-
-def _check_state(body: dict[str, Any]) -> None:
-    """Engine settings are replicated fleet-wide as given: each must have its type."""
-    unknown = set(body) - set(ADMIN_STATE_KEYS)
-    if unknown:
-        raise ApiError(400, f"unknown engine setting(s): {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
-    for key, value in body.items():
-        try:
-            check_engine_setting(key, value)
-        except ValueError as exc:
-            raise ApiError(400, str(exc), param=key) from None
-
-
-async def _set_state(router: Router, engine_id: str, body: dict[str, Any], send) -> int:
-    _check_state(body)
-    router.set_engine_state(engine_id, body)
-    await http_app.send_json(send, 200, engine_row(router, engine_id))
+async def _set_state(fleet: Fleet, engine_id: str, body: dict[str, Any], send) -> int:
+    try:
+        check_engine_settings(body)
+    except SettingError as exc:
+        raise ApiError(400, str(exc), param=exc.key) from None
+    fleet.set_state(engine_id, body)
+    await http_app.send_json(send, 200, engine_row(fleet, engine_id))
     return 200

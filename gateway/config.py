@@ -176,7 +176,10 @@ class RouterConfig:
         self.admission.validate("admission")
         self.tracing.validate()
         self.limits.validate("limits")
-        self.autoscaler.validate()
+        try:
+            self.autoscaler.validate()  # the autoscaler's own rules name the key; this makes them a ConfigError
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 def _coerce(value: Any, hint: Any, where: str) -> Any:

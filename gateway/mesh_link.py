@@ -13,13 +13,12 @@ import logging
 import socket
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
-from gateway.admin import ADMIN_STATE_KEYS, check_engine_setting
 from gateway.config import ConfigError, EngineConfig, RouterConfig, validate_engine_url
-from gateway.engines import EngineState
+from gateway.fleet import Fleet, registry_settings
 from gateway.mesh_state import NAMESPACES, MeshState
 from mesh.auth import load_secret
 from mesh.node import MeshNode
@@ -27,9 +26,6 @@ from mesh.settings import MeshSettings
 
 DISPATCH_SWEEP_S = 5.0
 log = logging.getLogger("kvmesh.mesh")
-
-if TYPE_CHECKING:
-    from gateway.router import Router
 
 
 def build_mesh_node(config: RouterConfig) -> MeshNode | None:
@@ -67,11 +63,6 @@ def _advertise_for(bind: str) -> str | None:
         return None
 
 
-def registry_state(engine: EngineState) -> dict[str, Any]:
-    return {"draining": engine.draining, "maintenance": engine.maintenance, "island": engine.config.island,
-            "zone": engine.zone}
-
-
 async def sweep_dispatches(state: MeshState) -> None:
     """The mesh's leader deletes expired dispatch entries, so the document does not keep them."""
     while True:
@@ -80,48 +71,43 @@ async def sweep_dispatches(state: MeshState) -> None:
             state.sweep_dispatches(time.time())
 
 
-def registry_settings(state: dict[str, Any]) -> dict[str, Any]:
-    """The admin settings of a replicated registry entry, type-checked; ValueError names the bad one."""
-    settings = {key: state[key] for key in ADMIN_STATE_KEYS if key in state}
-    for key, value in settings.items():
-        check_engine_setting(key, value)
-    return settings
-
-
-def follow_mesh(router: Router, state: MeshState) -> None:
-    """Subscribe the router to the mesh's change feeds; each callback is cheap and never awaits."""
+def follow_mesh(fleet: Fleet, state: MeshState) -> None:
+    """Keep the fleet in step with the mesh's change feeds, and publish its changes there; each callback is
+    cheap and never awaits."""
     node = state.node
+    planner = fleet.planner
 
     def on_registry(engine_id: str, entry: dict[str, Any] | None) -> None:
         """A peer's registry entry is untrusted like any input: a bad URL or value is counted and logged,
         never added (prompts would flow to it) and never raised into replication."""
         if entry is None or entry.get("removed") is True:
-            if router.engines.get(engine_id) is not None:
-                router.remove_engine(engine_id, replicate=False)
+            if fleet.engines.get(engine_id) is not None:
+                fleet.remove(engine_id, replicate=False)
             return
         try:
             settings = registry_settings(entry)
-            if router.engines.get(engine_id) is None and "url" in entry:
-                router.add_engine(EngineConfig(url=validate_engine_url(entry["url"]), id=engine_id,
+            if fleet.engines.get(engine_id) is None and "url" in entry:
+                fleet.add(EngineConfig(url=validate_engine_url(entry["url"]), id=engine_id,
                                                island=settings.get("island")), replicate=False)
         except (ValueError, TypeError) as exc:
             state.malformed["registry"] += 1
             log.warning("refused a replicated engine entry", extra={"engine": engine_id[:200], "reason": str(exc)})
             return
-        router.set_engine_state(engine_id, settings, replicate=False)
+        fleet.set_state(engine_id, settings, replicate=False)
 
     def on_dispatch(engine_id: str, own_key: int, expires_at: float) -> None:
-        router.planner.cache.record_remote_dispatch(engine_id, own_key, trio.current_time(),
+        planner.cache.record_remote_dispatch(engine_id, own_key, trio.current_time(),
                                                     expires_at - time.time())
 
     def share_dispatch(engine_id: str, own_keys: Sequence[int], ttl_s: float) -> None:
         now = time.time()
         state.publish_dispatch(engine_id, own_keys, now + ttl_s, now + ttl_s / 2)
 
+    fleet.replicate = state.set_registry
     state.on_registry(on_registry)
     state.on_dispatch(on_dispatch)
-    router.planner.share_dispatch = share_dispatch
-    node.share_load(lambda: {e.id: e.in_flight for e in router.engines.all() if e.in_flight > 0})
-    router.planner.peer_in_flight = node.peer_in_flight
+    planner.share_dispatch = share_dispatch
+    node.share_load(lambda: {e.id: e.in_flight for e in fleet.engines.all() if e.in_flight > 0})
+    planner.peer_in_flight = node.peer_in_flight
     for engine_id, engine_state in state.registry().items():
         on_registry(engine_id, engine_state)

@@ -18,15 +18,16 @@ from events.curve import CurveClient
 from events.ingest_budget import IngestBudget
 from events.subscriber import SubscriberConfig
 from gateway import http_app, tracing
-from gateway.admin import ADMIN_STATE_KEYS, handle_admin
-from gateway.config import EngineConfig, RouterConfig
+from gateway.admin import AdminApi, handle_admin
+from gateway.autoscale_link import build_autoscaler
+from gateway.config import RouterConfig
 from gateway.continuation import ContinuationSpec
-from gateway.engine_watch import watch_engine
 from gateway.engines import EngineRegistry, EngineState
 from gateway.event_ingest import EventIngest
+from gateway.fleet import Fleet
 from gateway.gatekeeper import Gatekeeper
 from gateway.loop_lag import watch_loop_lag
-from gateway.mesh_link import build_mesh_node, follow_mesh, registry_state, sweep_dispatches
+from gateway.mesh_link import build_mesh_node, follow_mesh, sweep_dispatches
 from gateway.mesh_state import MeshState
 from gateway.metrics import RouterMetrics
 from gateway.openai_errors import ApiError, error_type, sse_error_event
@@ -64,14 +65,16 @@ class Router:
         self.ingest = EventIngest(self.planner.cache, self.mesh,
                                   budget=IngestBudget(serving=lambda: self.active_requests > 0),
                                   subscriber=SubscriberConfig(curve_client=curve))
-        self.gate = Gatekeeper(config, self.metrics, self.mesh.member_id if self.mesh is not None else "local")
+        self.fleet = Fleet(self.engines, self.planner, self.ingest, config.metrics_interval_s)
+        self.autoscaler: AutoscaleLoop | None = None
+        self.admin = AdminApi(self.fleet, config.limits, self.mesh_report, self.isolate, self._autoscaler_report)
+        self.member_id = self.mesh.member_id if self.mesh is not None else "local"
+        self.gate = Gatekeeper(config, self.metrics, self.member_id)
         self.timeouts = Timeouts(config.connect_timeout_s, config.first_byte_timeout_s, config.idle_timeout_s)
         self.active_requests = 0
         self.shutting_down = False
         self._cuttable: set[trio.CancelScope] = set()
         """The proxying of every request in flight, so that a shutdown can end what outlived its grace."""
-        self._nursery: trio.Nursery | None = None
-        self._watches: dict[str, trio.CancelScope] = {}
         self._exported_engines: set[str] = set()
         self._exported_peers: set[str] = set()
         """Label values exported at the last scrape, so gauges of removed engines and gone peers are dropped."""
@@ -79,64 +82,22 @@ class Router:
     async def run_background(self, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         """Mesh, tokenizers, event ingestion and engine watchers; owned by the process nursery."""
         async with trio.open_nursery() as nursery:
-            self._nursery = nursery
             nursery.start_soon(watch_loop_lag, self.metrics.loop_lag.observe)
             await nursery.start(self.ingest.run)
             if self.mesh is not None and self.mesh_state is not None:
                 await nursery.start(self.mesh.run)
-                follow_mesh(self, self.mesh_state)
+                follow_mesh(self.fleet, self.mesh_state)
                 nursery.start_soon(sweep_dispatches, self.mesh_state)
                 if self.gate.has_limits:
                     nursery.start_soon(self.gate.share_limits, self.mesh_state)
             await nursery.start(self.planner.run)
-            for engine in self.engines.all():
-                self._watch(engine)
+            await nursery.start(self.fleet.run)
             if self.config.autoscaler.enabled:
-                self.autoscaler = AutoscaleLoop(self)
+                self.autoscaler = build_autoscaler(self.config.autoscaler, self.fleet, self.metrics.ttft,
+                                                   self.config.island, self.mesh_state, self.member_id,
+                                                   self.metrics.registry)
                 await nursery.start(self.autoscaler.run)
             task_status.started()
-
-    def _watch(self, engine: EngineState) -> None:
-        """Start the engine's watcher under its own cancel scope, so removing the engine stops it."""
-        assert self._nursery is not None
-        scope = trio.CancelScope()
-        self._watches[engine.id] = scope
-
-        async def watched() -> None:
-            with scope:
-                await watch_engine(engine, self.planner, self.ingest, self.config.metrics_interval_s)
-
-        self._nursery.start_soon(watched)
-
-    def add_engine(self, config: EngineConfig, replicate: bool = True) -> str:
-        engine = self.engines.add(config)
-        if engine.id not in self._watches:
-            self._watch(engine)
-        if replicate and self.mesh_state is not None:
-            self.mesh_state.set_registry(engine.id, {**registry_state(engine), "url": engine.url})
-        return engine.id
-
-    def remove_engine(self, engine_id: str, replicate: bool = True) -> None:
-        scope = self._watches.pop(engine_id, None)
-        if scope is not None:
-            scope.cancel()
-        self.ingest.remove(engine_id)
-        self.engines.remove(engine_id)
-        self.planner.cache.unregister(engine_id)
-        if replicate and self.mesh_state is not None:
-            self.mesh_state.set_registry(engine_id, {"removed": True})
-
-    def set_engine_state(self, engine_id: str, state: dict[str, Any], replicate: bool = True) -> None:
-        engine = self.engines.get(engine_id)
-        if engine is None:
-            return
-        for key, value in state.items():
-            if key == "island":
-                engine.config.island = value
-            elif key in ADMIN_STATE_KEYS:
-                setattr(engine, key, value)
-        if replicate and self.mesh_state is not None:
-            self.mesh_state.set_registry(engine_id, {**registry_state(engine), "url": engine.url})
 
     def _export_gauges(self, metrics: RouterMetrics) -> None:
         now, clock = time.monotonic(), trio.current_time()
@@ -164,6 +125,9 @@ class Router:
             return {"enabled": False, "members": []}
         return {"enabled": True, **self.mesh.describe(), "ingesting": self.ingest.ingesting(),
                 "index_transfer": dict(self.ingest.stats)}
+
+    def _autoscaler_report(self) -> dict[str, Any]:
+        return self.autoscaler.report() if self.autoscaler is not None else {"enabled": False}
 
     def isolate(self, isolated: bool) -> None:
         if self.mesh is None:
@@ -224,7 +188,7 @@ class Router:
             return await self._inference(INFERENCE_PATHS[path], scope, receive, send, record)
         if path.startswith("/admin/"):
             self.gate.require_admin(dict(_headers(scope)))
-            return await handle_admin(self, method, path, scope, receive, send)
+            return await handle_admin(self.admin, method, path, scope, receive, send)
         if path == "/debug/route":
             _require(method, "POST")
             headers = dict(_headers(scope))

@@ -1,4 +1,4 @@
-"""The loop's actions on a router stand-in: provisioned engines are registered, a released engine is
+"""The loop's actions on a fleet stand-in: provisioned engines are registered, a released engine is
 drained first and only terminated once idle."""
 
 from types import SimpleNamespace
@@ -10,6 +10,7 @@ from autoscale.config import AutoscaleConfig
 from autoscale.loop import AutoscaleLoop
 from autoscale.offers import Offer
 from autoscale.providers.base import Provider, ProvisionedEngine
+from gateway.autoscale_link import RouterSignals
 from gateway.config import EngineConfig
 from gateway.engines import EngineRegistry
 from gateway.metrics import RouterMetrics
@@ -34,31 +35,41 @@ class FakeProvider(Provider):
         return []
 
 
-class FakeRouter:
-    def __init__(self, config: AutoscaleConfig) -> None:
-        self.config = SimpleNamespace(autoscaler=config, island=None)
-        self.mesh = self.mesh_state = None
-        self.metrics = RouterMetrics()
+class FakeFleet:
+    """``FleetControl`` over a bare engine registry, recording what it was asked; the signals come from the
+    router's real reader over the same engines and a stand-in index of ``blocks``."""
+
+    def __init__(self) -> None:
         self.engines = EngineRegistry()
         self.blocks: dict[str, dict[int, int]] = {}
-        cache = SimpleNamespace(export=self._export, block_count=lambda engine: 0)
-        self.planner = SimpleNamespace(cache=cache, peer_in_flight=dict)
         self.removed: list[str] = []
+        self.signals = RouterSignals(self.engines, SimpleNamespace(export=self._export, block_count=lambda e: 0),
+                                     dict, RouterMetrics().ttft, None)
 
     def _export(self, engine: str) -> tuple[np.ndarray, np.ndarray]:
         pairs = self.blocks.get(engine, {})
         return np.array(list(pairs), dtype=np.uint64), np.array(list(pairs.values()), dtype=np.uint64)
 
-    def add_engine(self, config: EngineConfig) -> str:
-        return self.engines.add(config).id
+    def known(self, engine_id: str) -> bool:
+        return self.engines.get(engine_id) is not None
 
-    def remove_engine(self, engine_id: str) -> None:
+    def register(self, engine_id: str, url: str, island: str | None) -> None:
+        self.engines.add(EngineConfig(url=url, id=engine_id, island=island))
+
+    def release(self, engine_id: str) -> None:
         self.removed.append(engine_id)
         self.engines.remove(engine_id)
 
-    def set_engine_state(self, engine_id: str, state: dict) -> None:
+    def drain(self, engine_id: str, handover_in_s: float) -> None:
+        self.engines.get(engine_id).draining = True
+
+    def idle(self, engine_id: str, since: float) -> bool:
         engine = self.engines.get(engine_id)
-        engine.draining = state.get("draining", engine.draining)
+        return engine is None or (engine.in_flight == 0 and (engine.load.polled_at or 0) > since)
+
+
+def autoscaler(fleet: FakeFleet, config: AutoscaleConfig) -> AutoscaleLoop:
+    return AutoscaleLoop(config, fleet, fleet.signals, None, "local", RouterMetrics().registry)
 
 
 def config(**kw) -> AutoscaleConfig:
@@ -67,8 +78,8 @@ def config(**kw) -> AutoscaleConfig:
 
 
 async def test_provisions_to_min_then_drains_an_idle_engine_before_releasing(autojump_clock):
-    router = FakeRouter(config(min_engines=1))
-    loop = AutoscaleLoop(router)
+    router = FakeFleet()
+    loop = autoscaler(router, config(min_engines=1))
     loop.provider = FakeProvider()
     async with trio.open_nursery() as nursery:
         loop._nursery = nursery
@@ -80,8 +91,7 @@ async def test_provisions_to_min_then_drains_an_idle_engine_before_releasing(aut
         assert not loop.report()["pending"]
 
         loop.tick(1001.0)  # one engine is the minimum: it stays
-        second = router.add_engine(EngineConfig(url="http://127.0.0.1:9100", id="new-2"))
-        loop._register(second, "http://127.0.0.1:9100", None, "o")
+        loop._register("new-2", "http://127.0.0.1:9100", None, "o")
         busy = router.engines.get("new-1")
         busy.load.polled_at = trio.current_time()
         idle = router.engines.get("new-2")
@@ -102,13 +112,12 @@ async def test_provisions_to_min_then_drains_an_idle_engine_before_releasing(aut
 
 
 async def test_drain_deadline_releases_a_stuck_engine(autojump_clock):
-    router = FakeRouter(config(min_engines=0, drain_deadline_s=10))
-    loop = AutoscaleLoop(router)
+    router = FakeFleet()
+    loop = autoscaler(router, config(min_engines=0, drain_deadline_s=10))
     loop.provider = FakeProvider()
     async with trio.open_nursery() as nursery:
         loop._nursery = nursery
         loop.provider.attach(nursery)
-        router.add_engine(EngineConfig(url="http://127.0.0.1:9100", id="stuck"))
         loop._register("stuck", "http://127.0.0.1:9100", None, "o")
         loop.tick(1000.0)
         assert "stuck" in loop.draining

@@ -60,9 +60,10 @@ def test_router_provisions_a_local_engine_up_to_min_engines(tmp_path):
         assert wait_until(routable_local, 60), get(router.url + "/admin/engines")
         report = get(router.url + "/admin/autoscaler")
         assert report["acting"] and report["managed"] == [routable_local()[0]["id"]]
-        assert any(d["action"] == "up" and d["reason"] == "below min_engines" for d in report["decisions"])
+        # The report keeps the last 20 decisions (10 s here): on a loaded machine the "up" may be gone from it.
+        assert all(d["action"] == "hold" or d["reason"] == "below min_engines" for d in report["decisions"])
         with urllib.request.urlopen(router.url + "/metrics", timeout=10) as response:
-            assert b"kvmesh_autoscaler_decisions_total" in response.read()
+            assert b'kvmesh_autoscaler_decisions_total{action="up"} 1.0' in response.read()
 
 
 def test_a_fresh_engine_has_no_hit_ratio_yet():

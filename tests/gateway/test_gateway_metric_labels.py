@@ -13,7 +13,7 @@ async def test_removed_engine_leaves_no_gauge_series_behind():
                                           EngineConfig(url="http://127.0.0.1:10")]))
     page = router.metrics.render().decode()
     assert 'kvmesh_engine_healthy{engine="127.0.0.1:10"}' in page
-    router.remove_engine("127.0.0.1:10", replicate=False)
+    router.fleet.remove("127.0.0.1:10", replicate=False)
     page = router.metrics.render().decode()
     assert 'engine="127.0.0.1:10"' not in page
     assert 'kvmesh_engine_healthy{engine="127.0.0.1:9"}' in page

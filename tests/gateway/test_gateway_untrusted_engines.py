@@ -82,7 +82,7 @@ async def test_router_keeps_serving_next_to_engines_that_answer_garbage():
         status, body = await asgi(router, "POST", "/admin/engines", {"url": "http://ü@127.0.0.1:9"})
         assert status == 400 and b"engine.url" in body
         with pytest.raises(ValueError, match="ASCII"):
-            router.add_engine(EngineConfig(url="http://ü@127.0.0.1:9"))  # as the replicated registry would
+            router.fleet.add(EngineConfig(url="http://ü@127.0.0.1:9"))  # as the replicated registry would
         nursery.cancel_scope.cancel()
 
 
