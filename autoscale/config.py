@@ -36,7 +36,7 @@ class AutoscaleConfig:
     ttft_p99_ceiling_s: float = 2.0
     cooldown_s: float = 60.0
     step_cooldown_s: float = 10.0
-    down_stable_s: float = 30.0
+    down_stable_s: float = ScalePolicy.down_stable_s
     max_step_up: int = 4
     max_step_down: int = 1
     latency_limit_ms: float = 100.0

@@ -48,7 +48,7 @@ class ScalePolicy:
     ttft_p99_ceiling_s: float = 2.0
     cooldown_s: float = 60.0
     step_cooldown_s: float = 10.0
-    down_stable_s: float = 0.0
+    down_stable_s: float = 30.0
     """How long the fleet must have been idle before an engine goes (scale up fast, down slowly)."""
     max_step_up: int = 4
     max_step_down: int = 1

@@ -60,13 +60,14 @@ class AutoscalerMetrics:
 
 class AutoscaleLoop:
     def __init__(self, config: AutoscaleConfig, fleet: FleetControl, signals: SignalSource, state: Any, me: str,
-                 registry: Any) -> None:
-        """``state``: the mesh's shared state (None without a mesh); ``me``: this replica's member id."""
+                 registry: Any, provider: Provider | None = None) -> None:
+        """``state``: the mesh's shared state (None without a mesh); ``me``: this replica's member id;
+        ``provider``: the configured one when None."""
         self.config = config
         self.fleet = fleet
         self.signals = signals
         self.core = Autoscaler(self.config.policy(), self.config.offers)
-        self.provider = make_provider(self.config)
+        self.provider = provider or make_provider(self.config)
         self.state = state
         self.me = me
         self.keeper = LeaseKeeper(self.me, self.config.lease_ttl_s)

@@ -13,6 +13,7 @@ from prometheus_client import Histogram
 from autoscale.config import AutoscaleConfig
 from autoscale.decision import EngineSignal, FleetSignals
 from autoscale.loop import AutoscaleLoop
+from autoscale.providers.base import Provider
 from autoscale.signals import histogram_quantile
 from gateway.config import EngineConfig
 from gateway.engines import EngineRegistry
@@ -100,9 +101,9 @@ class RouterSignals:
 
 
 def build_autoscaler(config: AutoscaleConfig, fleet: Fleet, ttft: Histogram, island: str | None, state: Any,
-                     me: str, registry: Any) -> AutoscaleLoop:
+                     me: str, registry: Any, provider: Provider | None = None) -> AutoscaleLoop:
     """The autoscaler of this replica, wired to its fleet and signals (``state``: the mesh's shared state,
-    None without a mesh)."""
+    None without a mesh; ``provider``: the configured one when None)."""
     signals = RouterSignals(fleet.engines, fleet.planner.cache, lambda: fleet.planner.peer_in_flight(), ttft,
                             island)
-    return AutoscaleLoop(config, FleetAutoscaleControl(fleet), signals, state, me, registry)
+    return AutoscaleLoop(config, FleetAutoscaleControl(fleet), signals, state, me, registry, provider)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 
 import trio
 
@@ -71,11 +70,11 @@ async def _health_loop(engine: EngineState, planner, faults: EngineFaults, inter
         except UpstreamError as exc:
             status, detail = 0, str(exc)
         was_healthy = engine.healthy
-        engine.health.record_health(status == 200, detail, time.monotonic())
+        engine.health.record_health(status == 200, detail, trio.current_time())
         faults.succeeded("health")
         if engine.healthy != was_healthy:
             log.info("engine healthy" if engine.healthy else "engine unhealthy",
-                     extra={"engine": engine.id, "reason": engine.health.reason(time.monotonic())})
+                     extra={"engine": engine.id, "reason": engine.health.reason(trio.current_time())})
             if engine.healthy and engine.health.was_down:
                 planner.engine_recovered(engine.id)
         await trio.sleep(interval_s if engine.healthy else DOWN_POLL_S)

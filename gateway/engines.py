@@ -5,14 +5,15 @@ Pollers and the proxy write here; the routing core reads an immutable ``EngineVi
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
+
+import trio
 
 from gateway.breaker import EngineHealth
 from gateway.config import EngineConfig, validate_engine_url
 from gateway.first_tokens import PendingFirstTokens
-from gateway.upstream import EnginePool
+from gateway.upstream import Connect, EnginePool
 
 
 @dataclass
@@ -85,8 +86,9 @@ class EngineState:
 
     @property
     def healthy(self) -> bool:
-        """Health polls, request outcomes (circuit breaker), metric polls and event silence combined."""
-        return self.health.routable(time.monotonic())
+        """Health polls, request outcomes (circuit breaker) and metric polls combined, as of the loop's clock;
+        a read that changes nothing."""
+        return self.health.routable(trio.current_time())
 
     @property
     def routable(self) -> bool:
@@ -112,8 +114,10 @@ def engine_id_for(config: EngineConfig) -> str:
 
 
 class EngineRegistry:
-    def __init__(self) -> None:
+    def __init__(self, connect: Connect | None = None) -> None:
+        """``connect``: how the engines' pools open connections (TCP, or TLS for https, when None)."""
         self._engines: dict[str, EngineState] = {}
+        self._connect = connect
 
     def add(self, config: EngineConfig) -> EngineState:
         """Register an engine; ValueError if its URL is not one the pool can use (whatever the source:
@@ -122,7 +126,7 @@ class EngineRegistry:
         engine_id = engine_id_for(config)
         if engine_id in self._engines:
             return self._engines[engine_id]
-        state = EngineState(engine_id, config, EnginePool(config.url))
+        state = EngineState(engine_id, config, EnginePool(config.url, connect=self._connect))
         if config.model:
             state.models.add(config.model)
         self._engines[engine_id] = state

@@ -9,7 +9,7 @@ channel, and that one nursery owns every watcher, as ``EventIngest.run`` owns ev
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +24,8 @@ from gateway.route_planner import RoutePlanner
 ADMIN_STATE_KEYS = ("draining", "maintenance", "island", "zone")
 BOOLEAN_STATE_KEYS = ("draining", "maintenance")
 
+Watch = Callable[[EngineState, RoutePlanner, EventIngest, float], Awaitable[None]]
+"""An engine's background tasks (``watch_engine``: health, discovery, metrics, events), run until cancelled."""
 Replicate = Callable[[str, dict[str, Any]], None]
 """Publishes an engine's registry entry to the other replicas (installed by the mesh link)."""
 
@@ -72,7 +74,7 @@ def registry_entry(engine: EngineState) -> dict[str, Any]:
 
 
 @dataclass
-class _Watch:
+class _Watcher:
     engine: EngineState
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
 
@@ -81,32 +83,33 @@ class Fleet:
     """The engines of this replica and what may be done to them; :meth:`run` owns their watchers."""
 
     def __init__(self, engines: EngineRegistry, planner: RoutePlanner, ingest: EventIngest,
-                 metrics_interval_s: float) -> None:
+                 metrics_interval_s: float, watch: Watch = watch_engine) -> None:
         self.engines = engines
+        self.watch = watch
         self.planner = planner
         self.ingest = ingest
         self.metrics_interval_s = metrics_interval_s
         self.replicate: Replicate | None = None
-        self._watches: dict[str, _Watch] = {}
-        self._send, self._started = trio.open_memory_channel[_Watch](math.inf)
+        self._watchers: dict[str, _Watcher] = {}
+        self._send, self._started = trio.open_memory_channel[_Watcher](math.inf)
         for engine in engines.all():
-            self._watch(engine)
+            self._start_watcher(engine)
 
     async def run(self, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         """Own every engine's watcher; a watcher removed before it started never starts."""
         async with trio.open_nursery() as nursery:
             task_status.started()
-            async for watch in self._started:
-                if self._watches.get(watch.engine.id) is watch:
-                    nursery.start_soon(self._watched, watch)
+            async for watcher in self._started:
+                if self._watchers.get(watcher.engine.id) is watcher:
+                    nursery.start_soon(self._run_watcher, watcher)
 
-    async def _watched(self, watch: _Watch) -> None:
-        with watch.scope:
-            await watch_engine(watch.engine, self.planner, self.ingest, self.metrics_interval_s)
+    async def _run_watcher(self, watcher: _Watcher) -> None:
+        with watcher.scope:
+            await self.watch(watcher.engine, self.planner, self.ingest, self.metrics_interval_s)
 
-    def _watch(self, engine: EngineState) -> None:
-        watch = self._watches[engine.id] = _Watch(engine)
-        self._send.send_nowait(watch)
+    def _start_watcher(self, engine: EngineState) -> None:
+        watcher = self._watchers[engine.id] = _Watcher(engine)
+        self._send.send_nowait(watcher)
 
     def _replicate(self, engine_id: str, entry: dict[str, Any]) -> None:
         if self.replicate is not None:
@@ -114,16 +117,16 @@ class Fleet:
 
     def add(self, config: EngineConfig, replicate: bool = True) -> str:
         engine = self.engines.add(config)
-        if engine.id not in self._watches:
-            self._watch(engine)
+        if engine.id not in self._watchers:
+            self._start_watcher(engine)
         if replicate:
             self._replicate(engine.id, registry_entry(engine))
         return engine.id
 
     def remove(self, engine_id: str, replicate: bool = True) -> None:
-        watch = self._watches.pop(engine_id, None)
-        if watch is not None:
-            watch.scope.cancel()
+        watcher = self._watchers.pop(engine_id, None)
+        if watcher is not None:
+            watcher.scope.cancel()
         self.ingest.remove(engine_id)
         self.engines.remove(engine_id)
         self.planner.cache.unregister(engine_id)

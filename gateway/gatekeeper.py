@@ -48,7 +48,7 @@ class Gatekeeper:
 
     def admit_debug_route(self, tenant: Tenant, client_host: str) -> None:
         """429 when this client (tenant at address) calls /debug/route faster than its small bucket allows."""
-        verdict = self.debug_route_buckets.admit(f"{tenant.name}@{client_host}", time.monotonic(), "/debug/route")
+        verdict = self.debug_route_buckets.admit(f"{tenant.name}@{client_host}", trio.current_time(), "/debug/route")
         if isinstance(verdict, Reject):
             self.metrics.admission_rejections.labels("debug_route_rate_limited", "normal").inc()
             raise verdict.error()

@@ -20,6 +20,7 @@ import trio
 from gateway.config import ConfigError, EngineConfig, RouterConfig, validate_engine_url
 from gateway.fleet import Fleet, registry_settings
 from gateway.mesh_state import NAMESPACES, MeshState
+from gateway.openai_errors import ApiError
 from mesh.auth import load_secret
 from mesh.node import MeshNode
 from mesh.settings import MeshSettings
@@ -50,6 +51,27 @@ def build_mesh_node(config: RouterConfig) -> MeshNode | None:
     except ValueError as exc:
         raise ConfigError(f"mesh: {exc}") from None
     return MeshNode(settings, NAMESPACES)
+
+
+def mesh_report(mesh: MeshNode | None, ingesting: list[str], index_transfer: dict[str, int]) -> dict[str, Any]:
+    """``GET /admin/mesh``: members, their state, and which engines this replica ingests."""
+    if mesh is None:
+        return {"enabled": False, "members": []}
+    return {"enabled": True, **mesh.describe(), "ingesting": ingesting, "index_transfer": index_transfer}
+
+
+def isolate(mesh: MeshNode | None, isolated: bool) -> None:
+    """Cut this replica off the mesh (or rejoin it): for chaos tests and operators."""
+    if mesh is None:
+        raise ApiError(409, "this router runs without a mesh", code="no_mesh")
+    mesh.isolate(isolated)
+
+
+async def leave_mesh(mesh: MeshNode | None) -> None:
+    """Tell the peers this replica is going, within 2 s."""
+    if mesh is not None:
+        with trio.move_on_after(2):
+            await mesh.leave()
 
 
 def _advertise_for(bind: str) -> str | None:
@@ -88,7 +110,7 @@ def follow_mesh(fleet: Fleet, state: MeshState) -> None:
             settings = registry_settings(entry)
             if fleet.engines.get(engine_id) is None and "url" in entry:
                 fleet.add(EngineConfig(url=validate_engine_url(entry["url"]), id=engine_id,
-                                               island=settings.get("island")), replicate=False)
+                                       island=settings.get("island")), replicate=False)
         except (ValueError, TypeError) as exc:
             state.malformed["registry"] += 1
             log.warning("refused a replicated engine entry", extra={"engine": engine_id[:200], "reason": str(exc)})

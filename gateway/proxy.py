@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -225,6 +224,10 @@ class _NoRetry(Exception):
         self.error = error
 
 
+Forward = Callable[[list[EngineState], Exchange, int], Awaitable[ProxyResult]]
+"""What the router calls to proxy one request (``forward`` below; tests pass an in-process answerer)."""
+
+
 async def forward(candidates: list[EngineState], exchange: Exchange, max_attempts: int) -> ProxyResult:
     """Try engines in ranked order; engines whose breaker is open are skipped without using an attempt.
 
@@ -233,13 +236,13 @@ async def forward(candidates: list[EngineState], exchange: Exchange, max_attempt
     exchange = replace(exchange, headers=_upstream_headers(exchange.headers))
     result = ProxyResult()
     ledger = ErrorLedger()
-    start = time.perf_counter()
+    start = trio.current_time()
     tried = lost = 0
     try:
         for engine in candidates:
             if tried >= max_attempts:
                 break
-            if not engine.health.breaker.allow(time.monotonic()):
+            if not engine.health.breaker.allow(trio.current_time()):
                 result.attempts.append(Attempt(engine.id, "circuit open"))
                 continue
             tried += 1
@@ -258,7 +261,7 @@ async def forward(candidates: list[EngineState], exchange: Exchange, max_attempt
                 if lost > MAX_CONTINUATIONS:
                     break  # generated in full that many times already: not again
             if outcome is True:
-                result.total_s = time.perf_counter() - start
+                result.total_s = trio.current_time() - start
                 _settle(candidates, ledger)
                 return result
             if isinstance(outcome, ErrorAnswer):
@@ -282,7 +285,7 @@ def _settle(candidates: list[EngineState], ledger: ErrorLedger, request_at_fault
     """Charge the engines' error answers once the verdict is known: server errors count against their
     engines unless the request was at fault; anything else only frees the half-open probe slot it took
     (a busy engine, or one the request broke, has shown neither failure nor success)."""
-    now = time.monotonic()
+    now = trio.current_time()
     engines = {e.id: e for e in candidates}
     for answer in ledger.answers:
         breaker = engines[answer.engine].health.breaker
@@ -326,19 +329,19 @@ async def _attempt(engine: EngineState, exchange: Exchange, result: ProxyResult,
         if not exchange.is_stream:
             # vLLM answers a non-streamed request only when generation ends: the engine is still working
             # on it, so another engine would generate it again, and slowness is not a failure.
-            engine.health.breaker.abstain(time.monotonic())
+            engine.health.breaker.abstain(trio.current_time())
             result.attempts.append(Attempt(engine.id, "timeout (generation still running)"))
             raise _NoRetry(ApiError(504, f"no answer within {exchange.timeouts.first_byte:g}s",
                                     code="upstream_timeout")) from None
-        engine.health.breaker.record_failure(time.monotonic(), "no response")
+        engine.health.breaker.record_failure(trio.current_time(), "no response")
         result.attempts.append(Attempt(engine.id, f"unreachable ({exc})"))
         return False
     except UpstreamLost as exc:
-        engine.health.breaker.record_failure(time.monotonic(), "lost")
+        engine.health.breaker.record_failure(trio.current_time(), "lost")
         result.attempts.append(Attempt(engine.id, f"{LOST} ({exc})"))
         return False
     except UpstreamError as exc:
-        engine.health.breaker.record_failure(time.monotonic(), "unreachable")
+        engine.health.breaker.record_failure(trio.current_time(), "unreachable")
         result.attempts.append(Attempt(engine.id, f"unreachable ({exc})"))
         return False
     try:
@@ -348,24 +351,24 @@ async def _attempt(engine: EngineState, exchange: Exchange, result: ProxyResult,
         try:
             first, rest = await _first_chunk(upstream, exchange.timeouts)
         except (UpstreamError, trio.TooSlowError) as exc:
-            engine.health.breaker.record_failure(time.monotonic(), "no first byte")
+            engine.health.breaker.record_failure(trio.current_time(), "no first byte")
             result.attempts.append(Attempt(engine.id, f"failed before first byte ({exc or 'timeout'})"))
             return False
         if not exchange.is_stream and first is not None:
             try:
                 first = await _whole_answer(first, rest)
             except UpstreamError as exc:
-                engine.health.breaker.record_failure(time.monotonic(), "broken answer")
+                engine.health.breaker.record_failure(trio.current_time(), "broken answer")
                 result.attempts.append(Attempt(engine.id, f"{LOST} mid-answer ({exc})"))
                 return False
-        result.ttft_s = time.perf_counter() - start
+        result.ttft_s = trio.current_time() - start
         result.engine = engine
         result.status = upstream.status
         result.attempts.append(Attempt(engine.id, "ok", upstream.status))
         await exchange.send({"type": "http.response.start", "status": upstream.status,
                     "headers": _response_headers(upstream, exchange.route_header(engine, result.attempts))})
         if exchange.continuation is not None and upstream.status == 200:
-            deadline = trio.current_time() + exchange.timeouts.request - (time.perf_counter() - start)
+            deadline = trio.current_time() + exchange.timeouts.request - (trio.current_time() - start)
             await _Relay(exchange, exchange.continuation, result, candidates, deadline).run(engine, first, rest)
             return True
         if first is not None:
@@ -378,12 +381,12 @@ async def _attempt(engine: EngineState, exchange: Exchange, result: ProxyResult,
                 await exchange.send({"type": "http.response.body", "body": chunk, "more_body": True})
                 _relayed(result)
         except UpstreamError as exc:
-            engine.health.breaker.record_failure(time.monotonic(), "broken stream")
+            engine.health.breaker.record_failure(trio.current_time(), "broken stream")
             result.broken_after_first_byte = True
             tail = sse_error_event(f"engine {engine.id} failed mid-stream: {exc}") if exchange.is_stream else b""
             await exchange.send({"type": "http.response.body", "body": tail, "more_body": False})
             return True
-        engine.health.breaker.record_success(time.monotonic())
+        engine.health.breaker.record_success(trio.current_time())
         await exchange.send({"type": "http.response.body", "body": b"", "more_body": False})
         return True
     finally:
@@ -418,7 +421,7 @@ class _Relay:
             while True:
                 why = await self._pump(engine, first, body)
                 if why is None:
-                    engine.health.breaker.record_success(time.monotonic())
+                    engine.health.breaker.record_success(trio.current_time())
                     await self._finish(self.splicer.ending(None))
                     return
                 self._broken(engine, why)
@@ -437,7 +440,7 @@ class _Relay:
                     return
                 record = Continued(engine.id, why, self.splicer.tokens)
                 self.result.continuations.append(record)
-                self._waiting = (record, time.perf_counter())
+                self._waiting = (record, trio.current_time())
                 opened = await self._open(json.dumps(request).encode())
                 if opened is None:
                     await self._finish(sse_error_event(f"engine {engine.id} failed mid-stream ({why}) and no "
@@ -479,7 +482,7 @@ class _Relay:
         if out:
             if self._waiting is not None:
                 record, broke_at = self._waiting
-                record.latency_s = time.perf_counter() - broke_at
+                record.latency_s = trio.current_time() - broke_at
                 self._waiting = None
             await self.exchange.send({"type": "http.response.body", "body": out, "more_body": True})
             _relayed(self.result)
@@ -490,7 +493,7 @@ class _Relay:
         if why == DRAINED:
             self.result.attempts.append(Attempt(engine.id, "drained mid-stream"))
         else:
-            engine.health.breaker.record_failure(time.monotonic(), "broken stream")
+            engine.health.breaker.record_failure(trio.current_time(), "broken stream")
             self.result.attempts.append(Attempt(engine.id, f"broken mid-stream ({why})"))
         self.result.broken_after_first_byte = True
         self.failed.add(engine.id)
@@ -536,7 +539,7 @@ class _Relay:
         """The continuation's first chunk from the next engine in cost order that gives one in time."""
         timeouts = self.exchange.timeouts
         for engine in self.candidates:
-            now = time.monotonic()
+            now = trio.current_time()
             if (engine.id in self.failed or engine.draining or engine.maintenance
                     or not engine.health.breaker.allow(now)):
                 continue
@@ -554,11 +557,11 @@ class _Relay:
                     answer = await _error_answer(engine, upstream, timeouts)
                     self.result.attempts.append(Attempt(engine.id, f"status {answer.status}", answer.status))
                     if answer.status >= 500:
-                        engine.health.breaker.record_failure(time.monotonic(), f"status {answer.status}")
+                        engine.health.breaker.record_failure(trio.current_time(), f"status {answer.status}")
                     else:
-                        engine.health.breaker.abstain(time.monotonic())
+                        engine.health.breaker.abstain(trio.current_time())
                 except (UpstreamError, trio.TooSlowError) as exc:
-                    engine.health.breaker.record_failure(time.monotonic(), "continuation failed")
+                    engine.health.breaker.record_failure(trio.current_time(), "continuation failed")
                     self.result.attempts.append(Attempt(engine.id, f"unreachable ({exc or 'timeout'})"))
             if upstream is not None:
                 await upstream.aclose()

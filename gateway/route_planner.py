@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -286,7 +285,7 @@ class RoutePlanner:
         if not candidates:
             raise ApiError(404, f"The model `{parsed.model}` does not exist.", param="model",
                            code="model_not_found")
-        started = time.perf_counter()
+        started = trio.current_time()
         ids = [e.id for e in candidates]
         token_ids: list[int] = []
         prompt_tokens = 0
@@ -326,7 +325,7 @@ class RoutePlanner:
         if not ranked:
             raise ApiError(503, f"no engine is available for model `{parsed.model}`", code="no_engine_available")
         self.metrics.decisions.labels(decision.policy, decision.reason.split(" ")[0]).inc()
-        self.metrics.decision_latency.observe(time.perf_counter() - started)
+        self.metrics.decision_latency.observe(trio.current_time() - started)
         later = deferred if deferred is not None and deferred.rest_chars >= DEFER_CHARS else None
         return Plan(parsed, decision, ranked, chains, prompt_tokens, estimated=deferred is not None,
                     unencoded=later)

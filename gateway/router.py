@@ -1,4 +1,4 @@
-"""The router replica as an ASGI application: parse, route, proxy; plus its background tasks."""
+"""The router replica as an ASGI application: parse, admit, route, proxy."""
 
 from __future__ import annotations
 
@@ -6,34 +6,25 @@ import contextlib
 import logging
 import random
 import re
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
-from autoscale.loop import AutoscaleLoop
-from events.curve import CurveClient
-from events.ingest_budget import IngestBudget
-from events.subscriber import SubscriberConfig
 from gateway import http_app, tracing
 from gateway.admin import AdminApi, handle_admin
-from gateway.autoscale_link import build_autoscaler
 from gateway.config import RouterConfig
 from gateway.continuation import ContinuationSpec
 from gateway.engines import EngineRegistry, EngineState
-from gateway.event_ingest import EventIngest
 from gateway.fleet import Fleet
 from gateway.gatekeeper import Gatekeeper
-from gateway.loop_lag import watch_loop_lag
-from gateway.mesh_link import build_mesh_node, follow_mesh, sweep_dispatches
-from gateway.mesh_state import MeshState
 from gateway.metrics import RouterMetrics
 from gateway.openai_errors import ApiError, error_type, sse_error_event
-from gateway.proxy import Attempt, Exchange, Timeouts, UpstreamFailure, forward, report_continued
+from gateway.proxy import Attempt, Exchange, Forward, Timeouts, UpstreamFailure, forward, report_continued
 from gateway.request_body import Kind, check_body_headers, parse_request
 from gateway.route_planner import RoutePlanner
+from mesh.node import MeshNode
 from tokenization.worker import REQUESTER
 
 log = logging.getLogger("kvmesh.router")
@@ -51,25 +42,22 @@ anything else, which would fail the upstream request."""
 
 
 class Router:
-    def __init__(self, config: RouterConfig) -> None:
+    """The replica's ASGI application: parse, admit, route, proxy. Its parts are built and their tasks run by
+    ``gateway/replica.py``; ``forward`` is the proxy (a seam: tests answer in-process)."""
+
+    def __init__(self, config: RouterConfig, *, engines: EngineRegistry, metrics: RouterMetrics,
+                 planner: RoutePlanner, fleet: Fleet, gate: Gatekeeper, mesh: MeshNode | None, admin: AdminApi,
+                 forward: Forward = forward) -> None:
         self.config = config
-        self.engines = EngineRegistry()
-        for engine in config.engines:
-            self.engines.add(engine)
-        self.metrics = RouterMetrics()
+        self.engines = engines
+        self.metrics = metrics
         self.metrics.on_scrape(self._export_gauges)
-        self.mesh = build_mesh_node(config)
-        self.mesh_state = MeshState(self.mesh) if self.mesh is not None else None
-        self.planner = RoutePlanner(config, self.engines, self.metrics)
-        curve = CurveClient.load(config.events_curve_secret_file) if config.events_curve_secret_file else None
-        self.ingest = EventIngest(self.planner.cache, self.mesh,
-                                  budget=IngestBudget(serving=lambda: self.active_requests > 0),
-                                  subscriber=SubscriberConfig(curve_client=curve))
-        self.fleet = Fleet(self.engines, self.planner, self.ingest, config.metrics_interval_s)
-        self.autoscaler: AutoscaleLoop | None = None
-        self.admin = AdminApi(self.fleet, config.limits, self.mesh_report, self.isolate, self._autoscaler_report)
-        self.member_id = self.mesh.member_id if self.mesh is not None else "local"
-        self.gate = Gatekeeper(config, self.metrics, self.member_id)
+        self.planner = planner
+        self.fleet = fleet
+        self.gate = gate
+        self.mesh = mesh
+        self.admin = admin
+        self.forward = forward
         self.timeouts = Timeouts(config.connect_timeout_s, config.first_byte_timeout_s, config.idle_timeout_s)
         self.active_requests = 0
         self.shutting_down = False
@@ -79,28 +67,8 @@ class Router:
         self._exported_peers: set[str] = set()
         """Label values exported at the last scrape, so gauges of removed engines and gone peers are dropped."""
 
-    async def run_background(self, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
-        """Mesh, tokenizers, event ingestion and engine watchers; owned by the process nursery."""
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(watch_loop_lag, self.metrics.loop_lag.observe)
-            await nursery.start(self.ingest.run)
-            if self.mesh is not None and self.mesh_state is not None:
-                await nursery.start(self.mesh.run)
-                follow_mesh(self.fleet, self.mesh_state)
-                nursery.start_soon(sweep_dispatches, self.mesh_state)
-                if self.gate.has_limits:
-                    nursery.start_soon(self.gate.share_limits, self.mesh_state)
-            await nursery.start(self.planner.run)
-            await nursery.start(self.fleet.run)
-            if self.config.autoscaler.enabled:
-                self.autoscaler = build_autoscaler(self.config.autoscaler, self.fleet, self.metrics.ttft,
-                                                   self.config.island, self.mesh_state, self.member_id,
-                                                   self.metrics.registry)
-                await nursery.start(self.autoscaler.run)
-            task_status.started()
-
     def _export_gauges(self, metrics: RouterMetrics) -> None:
-        now, clock = time.monotonic(), trio.current_time()
+        now = trio.current_time()
         engines = self.engines.all()
         per_engine = (metrics.in_flight, metrics.engine_healthy, metrics.breaker_state, metrics.index_blocks,
                       metrics.confidence)
@@ -112,27 +80,13 @@ class Router:
             metrics.breaker_state.labels(engine.id).set(engine.health.breaker.state_code(now))
             metrics.index_blocks.labels(engine.id).set(self.planner.cache.block_count(engine.id))
             info = self.planner.cache.info(engine.id)
-            metrics.confidence.labels(engine.id).set(info.freshness.confidence(clock) if info else 0.0)
+            metrics.confidence.labels(engine.id).set(info.freshness.confidence(now) if info else 0.0)
         if self.mesh is not None and self.mesh.replication is not None:
             heard = self.mesh.replication.last_heard
             _drop_labels((metrics.peer_silence,), self._exported_peers - set(heard))
             self._exported_peers = set(heard)
             for peer, at in heard.items():
-                metrics.peer_silence.labels(peer).set(clock - at)
-
-    def mesh_report(self) -> dict[str, Any]:
-        if self.mesh is None:
-            return {"enabled": False, "members": []}
-        return {"enabled": True, **self.mesh.describe(), "ingesting": self.ingest.ingesting(),
-                "index_transfer": dict(self.ingest.stats)}
-
-    def _autoscaler_report(self) -> dict[str, Any]:
-        return self.autoscaler.report() if self.autoscaler is not None else {"enabled": False}
-
-    def isolate(self, isolated: bool) -> None:
-        if self.mesh is None:
-            raise ApiError(409, "this router runs without a mesh", code="no_mesh")
-        self.mesh.isolate(isolated)
+                metrics.peer_silence.labels(peer).set(now - at)
 
     def cut_requests(self) -> int:
         """The shutdown grace is over: end every request still proxying (a stream gets an SSE error event,
@@ -141,11 +95,6 @@ class Router:
             scope.cancel()
         return len(self._cuttable)
 
-    async def leave(self) -> None:
-        if self.mesh is not None:
-            with trio.move_on_after(2):
-                await self.mesh.leave()
-
     async def __call__(self, scope: dict[str, Any], receive: http_app.Receive, send: http_app.Send) -> None:
         if scope["type"] == "lifespan":
             await http_app.lifespan(receive, send)
@@ -153,7 +102,7 @@ class Router:
         if scope["type"] != "http":
             return
         path, method = scope["path"], scope["method"]
-        started = time.perf_counter()
+        started = trio.current_time()
         response = _Response(send)
         record = RequestRecord(request_id_of(dict(_headers(scope))))
         status = 500
@@ -176,7 +125,7 @@ class Router:
         finally:
             endpoint = endpoint_label(path)
             self.metrics.requests.labels(endpoint, str(status)).inc()
-            self.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+            self.metrics.latency.labels(endpoint).observe(trio.current_time() - started)
             if status >= 400:
                 self.metrics.request_errors.labels(endpoint, str(status), record.reason(status)).inc()
                 if record.code != "internal_error":
@@ -274,7 +223,7 @@ class Router:
                 with cut:
                     result = await _forward_until_disconnect(
                         receive, send, lambda: self.planner.encode_rest(plan),
-                        lambda send_: forward(plan.engines, Exchange("POST", scope["path"], plan.body(),
+                        lambda send_: self.forward(plan.engines, Exchange("POST", scope["path"], plan.body(),
                                                                      upstream_headers, send_, self.timeouts,
                                                                      route_header, parsed.stream, continuation),
                                               self.config.max_attempts),

@@ -1,8 +1,9 @@
-"""One router process: its nursery tree, visible in one place.
+"""One router process: the replica's tasks beside the HTTP server, and a graceful stop.
 
 serve_router
- +- router.run_background   (engine watchers, event subscribers, tokenizer workers, mesh)
- +- hypercorn serve          (the OpenAI API), stopped gracefully on SIGTERM/SIGINT
+ +- run_replica       (every long-lived task of the replica: gateway/replica.py)
+ +- signal watch      (SIGTERM/SIGINT)
+ +- hypercorn serve   (the OpenAI API on Replica.router), stopped gracefully on a signal
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from prometheus_client import disable_created_metrics
 
 from gateway.config import ConfigError, RouterConfig
 from gateway.logs import setup_logging
-from gateway.router import Router
+from gateway.replica import build_replica, run_replica
 from gateway.security.posture import log_posture
 from gateway.tracing import setup_tracing
 
@@ -60,10 +61,11 @@ async def _wait_for_signal(stop: trio.Event) -> None:
 
 async def serve_router(config: RouterConfig, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
     """Run until SIGTERM/SIGINT: stop accepting, let in-flight requests finish (bounded), leave the mesh."""
-    router = Router(config)
+    replica = build_replica(config)
+    router = replica.router
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
-        await nursery.start(router.run_background)
+        await nursery.start(run_replica, replica)
         nursery.start_soon(_wait_for_signal, stop)
         binds = await nursery.start(lambda task_status: serve(router, hypercorn_config(config),
                                                               shutdown_trigger=stop.wait, task_status=task_status))
@@ -83,7 +85,7 @@ async def serve_router(config: RouterConfig, task_status: trio.TaskStatus = trio
             with trio.move_on_after(CUT_FLUSH_S):
                 while router.active_requests:
                     await trio.sleep(0.05)
-        await router.leave()
+        await replica.leave()
         nursery.cancel_scope.cancel()
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from urllib.parse import SplitResult, urlsplit
 
@@ -228,10 +228,30 @@ def _sendable(headers: list[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
     return out
 
 
+Connect = Callable[[str, int], Awaitable[trio.abc.Stream]]
+"""Opens a byte stream to (host, port): the pool's network seam (tests connect to in-memory engines)."""
+
+
+async def open_network_stream(host: str, port: int, https: bool) -> trio.abc.Stream:
+    """A TCP connection, with TLS (handshake included) for https."""
+    if not https:
+        return await trio.open_tcp_stream(host, port)
+    tls = await trio.open_ssl_over_tcp_stream(host, port)
+    try:
+        await tls.do_handshake()
+    except BaseException:
+        await trio.aclose_forcefully(tls)
+        raise
+    return tls
+
+
 class EnginePool:
     """Keep-alive connections to one engine: one set for requests, a small one for polls."""
 
-    def __init__(self, base_url: str, max_idle: int = 64, idle_limit_s: float = IDLE_LIMIT_S) -> None:
+    def __init__(self, base_url: str, max_idle: int = 64, idle_limit_s: float = IDLE_LIMIT_S,
+                 connect: Connect | None = None) -> None:
+        """``connect`` replaces the network (TCP, or TLS for https) when given."""
+        self._open = connect
         parts = urlsplit(base_url)
         self.https = parts.scheme == "https"
         self.host, self.port, self.host_header = _address(parts, 443 if self.https else 80) or ("", 0, None)
@@ -248,16 +268,10 @@ class EnginePool:
         """A fresh connection; for https the TLS handshake is part of it, under the same timeout."""
         try:
             with trio.fail_after(timeout):
-                if self.https:
-                    tls = await trio.open_ssl_over_tcp_stream(self.host, self.port)
-                    try:
-                        await tls.do_handshake()
-                    except BaseException:
-                        await trio.aclose_forcefully(tls)
-                        raise
-                    stream: trio.abc.Stream = tls
+                if self._open is not None:
+                    stream = await self._open(self.host, self.port)
                 else:
-                    stream = await trio.open_tcp_stream(self.host, self.port)
+                    stream = await open_network_stream(self.host, self.port, self.https)
         except (OSError, trio.TooSlowError, trio.BrokenResourceError) as exc:
             raise UpstreamError(f"cannot connect to {self.label}: {exc or 'timeout'}") from None
         return _Connection(stream)

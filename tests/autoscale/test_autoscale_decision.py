@@ -17,7 +17,7 @@ def engines(count: int, waiting: int = 0, running: int = 0, **kw) -> list[Engine
 def scaler(**kw) -> Autoscaler:
     kw.setdefault("cooldown_s", 60)
     kw.setdefault("step_cooldown_s", 10)
-    return Autoscaler(ScalePolicy(**kw), [OFFER])
+    return Autoscaler(ScalePolicy(**{"down_stable_s": 0.0, **kw}), [OFFER])  # scale down at once unless told
 
 
 def test_queue_depth_scales_up_by_what_demand_needs():

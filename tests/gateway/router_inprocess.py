@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
-from gateway import router as router_module
 from gateway.config import EngineConfig, RouterConfig
 from gateway.proxy import Attempt, Exchange, ProxyResult
+from gateway.replica import build_replica
 from gateway.router import Router
 from tokenization.registry import DEFAULT_TOKENIZER_DIR, LoadedTokenizer
 from tokenization.render import prompt_token_ids_sync
@@ -53,7 +53,7 @@ class Answer:
 
 @dataclass
 class StubUpstream:
-    """Replaces ``gateway.router.forward``: answers 200 from the first engine, or raises ``error``."""
+    """The router's ``forward`` seam: answers 200 from the first engine, or raises ``error``."""
 
     error: BaseException | None = None
     status: int = 200
@@ -73,15 +73,14 @@ class StubUpstream:
         return result
 
 
-def make_router(monkeypatch, upstream: StubUpstream | None = None, **config: Any) -> Router:
-    """A router with two healthy engines serving ``MODEL`` and the inline tokenizer."""
+def make_router(upstream: StubUpstream | None = None, **config: Any) -> Router:
+    """A router with two healthy engines serving ``MODEL``, the inline tokenizer and ``upstream`` as its proxy."""
     engines = [EngineConfig(url=f"http://127.0.0.1:{port}", model=MODEL) for port in (9, 10)]
-    router = Router(RouterConfig(engines=engines, **config))
+    router = build_replica(RouterConfig(engines=engines, **config), forward=upstream or StubUpstream()).router
     for engine in router.engines.all():
         engine.health.record_health(True)
         router.planner.register_engine(engine, has_events=True)
     router.planner.tokenizers = InlineTokenizers()
-    monkeypatch.setattr(router_module, "forward", upstream or StubUpstream())
     return router
 
 

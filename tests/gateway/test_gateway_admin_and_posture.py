@@ -16,7 +16,7 @@ from gateway.security.posture import log_posture
 @pytest.mark.parametrize("body", [{"draining": "false"}, {"maintenance": 0}, {"draining": None},
                                   {"island": 5}, {"zone": "x" * 65}, {"island": "a\nb"}, {"island": ""}])
 async def test_engine_settings_of_the_wrong_type_are_refused(monkeypatch, body):
-    router = make_router(monkeypatch)
+    router = make_router()
     engine = router.engines.all()[0]
     answer = await call(router, "PATCH", f"/admin/engines/{engine.id}", json.dumps(body).encode())
     assert assert_openai_error(answer, 400)["param"] == next(iter(body))
@@ -25,7 +25,7 @@ async def test_engine_settings_of_the_wrong_type_are_refused(monkeypatch, body):
 
 @pytest.mark.parametrize("path", ["drain", "maintenance"])
 async def test_drain_and_maintenance_take_only_booleans(monkeypatch, path):
-    router = make_router(monkeypatch)
+    router = make_router()
     engine = router.engines.all()[0]
     url = f"/admin/engines/{engine.id}/{path}"
     assert_openai_error(await call(router, "POST", url, b'{"enabled": "false"}'), 400)
@@ -37,7 +37,7 @@ async def test_drain_and_maintenance_take_only_booleans(monkeypatch, path):
 
 
 async def test_valid_settings_still_apply(monkeypatch):
-    router = make_router(monkeypatch)
+    router = make_router()
     engine = router.engines.all()[0]
     body = {"draining": True, "island": "rack a", "zone": None}
     assert (await call(router, "PATCH", f"/admin/engines/{engine.id}", json.dumps(body).encode())).status == 200
@@ -45,7 +45,7 @@ async def test_valid_settings_still_apply(monkeypatch):
 
 
 async def test_isolate_refuses_a_string_flag(monkeypatch):
-    answer = await call(make_router(monkeypatch), "POST", "/admin/mesh/isolate", b'{"isolated": "no"}')
+    answer = await call(make_router(), "POST", "/admin/mesh/isolate", b'{"isolated": "no"}')
     assert_openai_error(answer, 400)
 
 

@@ -18,7 +18,7 @@ def router(monkeypatch):
     tenants = [TenantConfig("public", [hash_key(SHARED)], cache="shared"),
                TenantConfig("acme", [hash_key(ISOLATED)]), TenantConfig("ops", [hash_key(OPS)])]
     admins = [hash_key(ADMIN), hash_key(OPS)]
-    return make_router(monkeypatch, auth=AuthConfig(enabled=True, admin_keys=admins), tenants=tenants)
+    return make_router(auth=AuthConfig(enabled=True, admin_keys=admins), tenants=tenants)
 
 
 def as_(key: str) -> dict[str, str]:
@@ -60,7 +60,7 @@ def test_tenants_are_isolated_unless_configured_shared():
 
 async def test_debug_route_is_rate_limited_per_client(monkeypatch):
     """Even an admin (everyone, with auth off) gets a small bucket: past it, 429 in OpenAI's shape."""
-    app = make_router(monkeypatch)
+    app = make_router()
     burst = app.config.admission.debug_route_burst
     for _ in range(burst):
         assert (await call(app, "POST", "/debug/route", BODY)).status == 200

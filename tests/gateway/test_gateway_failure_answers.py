@@ -28,7 +28,7 @@ def errors_counted(router, endpoint: str, status: int, code: str) -> float:
 
 
 async def test_a_refused_body_is_logged_once_and_counted(monkeypatch, caplog):
-    router = make_router(monkeypatch)
+    router = make_router()
     with caplog.at_level(logging.INFO, logger="kvmesh.router"):
         answer = await call(router, "POST", CHAT, b"{", {"x-request-id": "req-7"})
     assert_openai_error(answer, 400)
@@ -40,7 +40,7 @@ async def test_a_refused_body_is_logged_once_and_counted(monkeypatch, caplog):
 
 
 async def test_an_upstream_failure_names_engines_in_the_log_only(monkeypatch, caplog):
-    router = make_router(monkeypatch, StubUpstream(error=PROXY_503))
+    router = make_router(StubUpstream(error=PROXY_503))
     with caplog.at_level(logging.INFO, logger="kvmesh.router"):
         answer = await call(router, "POST", CHAT, BODY, {"x-request-id": "req-8"})
     error = assert_openai_error(answer, 503)
@@ -53,7 +53,7 @@ async def test_an_upstream_failure_names_engines_in_the_log_only(monkeypatch, ca
 
 
 async def test_an_engine_error_passed_through_is_logged_with_its_attempts(monkeypatch, caplog):
-    router = make_router(monkeypatch, StubUpstream(status=400))
+    router = make_router(StubUpstream(status=400))
     with caplog.at_level(logging.INFO, logger="kvmesh.router"):
         answer = await call(router, "POST", CHAT, BODY)
     assert answer.status == 400
@@ -64,7 +64,7 @@ async def test_an_engine_error_passed_through_is_logged_with_its_attempts(monkey
 
 
 async def test_unauthenticated_and_unknown_paths_are_logged_and_counted(monkeypatch, caplog):
-    router = make_router(monkeypatch, auth=AuthConfig(enabled=True, admin_keys=["sha256:" + "0" * 64]))
+    router = make_router(auth=AuthConfig(enabled=True, admin_keys=["sha256:" + "0" * 64]))
     with caplog.at_level(logging.INFO, logger="kvmesh.router"):
         assert (await call(router, "POST", CHAT, BODY)).status == 401
         assert (await call(router, "GET", "/nope")).status == 404
@@ -74,7 +74,7 @@ async def test_unauthenticated_and_unknown_paths_are_logged_and_counted(monkeypa
 
 
 async def test_an_internal_error_is_logged_once(monkeypatch, caplog):
-    router = make_router(monkeypatch, StubUpstream(error=ZeroDivisionError()))
+    router = make_router(StubUpstream(error=ZeroDivisionError()))
     with caplog.at_level(logging.INFO, logger="kvmesh.router"):
         assert (await call(router, "POST", CHAT, BODY)).status == 500
     [line] = failures(caplog)
@@ -83,7 +83,7 @@ async def test_an_internal_error_is_logged_once(monkeypatch, caplog):
 
 
 async def test_metric_labels_are_route_templates_not_raw_paths(monkeypatch):
-    router = make_router(monkeypatch)
+    router = make_router()
     for i in range(50):
         await call(router, "GET", f"/v1/unknown/{i}-{'x' * 100}")
         await call(router, "GET", f"/debug/route{i}")
@@ -96,7 +96,7 @@ async def test_metric_labels_are_route_templates_not_raw_paths(monkeypatch):
 
 @pytest.mark.parametrize("path", ["/health", "/ready", "/metrics"])
 async def test_head_answers_like_get_without_a_body(monkeypatch, path):
-    router = make_router(monkeypatch)
+    router = make_router()
     get = await call(router, "GET", path)
     head = await call(router, "HEAD", path)
     assert head.status == get.status and head.body == b""

@@ -200,7 +200,7 @@ def test_mutated_bytes_of_a_valid_body(data):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=chat_bodies | completion_bodies.map(lambda b: {**b, "_completion": True}))
 async def test_the_router_answers_every_body_with_a_2xx_or_an_openai_4xx(monkeypatch, body):
-    router = make_router(monkeypatch)
+    router = make_router()
     path = "/v1/completions" if body.pop("_completion", False) else CHAT
     answer = await call(router, "POST", path, json.dumps(body).encode())
     if answer.status != 200:
@@ -212,7 +212,7 @@ async def test_the_router_answers_every_body_with_a_2xx_or_an_openai_4xx(monkeyp
                                   "max_tokens = 10**400", "integer of 5,000 digits", "empty body"])
 async def test_the_router_refuses_known_hostile_bodies(monkeypatch, name):
     raw, kind = KNOWN_HOSTILE[name]
-    router = make_router(monkeypatch)
+    router = make_router()
     answer = await call(router, "POST", CHAT if kind == "chat" else "/v1/completions", raw)
     assert_openai_error(answer, 400)
     answer = await call(router, "POST", "/debug/route", raw)
@@ -229,7 +229,7 @@ async def test_the_router_refuses_known_hostile_bodies(monkeypatch, name):
     ({}, 200),
 ])
 async def test_content_types_and_encodings(monkeypatch, headers, status):
-    answer = await call(make_router(monkeypatch), "POST", CHAT, encoded(chat_body()), headers)
+    answer = await call(make_router(), "POST", CHAT, encoded(chat_body()), headers)
     assert answer.status == status
     if status != 200:
         assert assert_openai_error(answer)["code"] == "unsupported_media_type"
@@ -237,7 +237,7 @@ async def test_content_types_and_encodings(monkeypatch, headers, status):
 
 async def test_non_ascii_request_id_and_traceparent_are_not_forwarded(monkeypatch):
     upstream = StubUpstream()
-    router = make_router(monkeypatch, upstream)
+    router = make_router(upstream)
     headers = {"content-type": "application/json", "x-request-id": "r\u00e9q", "traceparent": "00-\u00ff",
                "accept": "application/json"}
     answer = await call(router, "POST", CHAT, encoded(chat_body()), headers)
@@ -252,7 +252,7 @@ async def test_non_ascii_request_id_and_traceparent_are_not_forwarded(monkeypatc
 
 
 async def test_an_unexpected_exception_is_a_logged_counted_500_in_openai_shape(monkeypatch, caplog):
-    router = make_router(monkeypatch, StubUpstream(error=KeyError("bug")))
+    router = make_router(StubUpstream(error=KeyError("bug")))
     with caplog.at_level(logging.ERROR, logger="kvmesh.router"):
         answer = await call(router, "POST", CHAT, encoded(chat_body()))
     assert assert_openai_error(answer, 500)["code"] == "internal_error"
@@ -268,7 +268,7 @@ async def test_an_exception_after_the_response_head_ends_the_body_without_a_seco
             await exchange.send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
             raise RuntimeError("bug after the head")
 
-    router = make_router(monkeypatch, FailsMidway())
+    router = make_router(FailsMidway())
     answer = await call(router, "POST", CHAT, encoded(chat_body(stream=True)))
     assert answer.status == 200 and answer.starts == 1 and answer.body == b"data: {}\n\n"
     assert router.metrics.internal_errors.labels(CHAT)._value.get() == 1
@@ -277,7 +277,7 @@ async def test_an_exception_after_the_response_head_ends_the_body_without_a_seco
 @pytest.mark.parametrize("raw", [b"[" * 100_000, b'{"draining": true, "draining": false}', b'{"x": "\\ud800"}',
                                  b"\xff", b'{"island": 1e999}'])
 async def test_the_admin_body_parser_refuses_hostile_bodies(monkeypatch, raw):
-    router = make_router(monkeypatch)
+    router = make_router()
     engine = router.engines.all()[0].id
     answer = await call(router, "PATCH", f"/admin/engines/{engine}", raw)
     assert_openai_error(answer, 400)
@@ -286,7 +286,7 @@ async def test_the_admin_body_parser_refuses_hostile_bodies(monkeypatch, raw):
 
 async def test_an_oversized_body_is_answered_then_read_to_its_end(monkeypatch):
     """The 413 goes out first; the rest of the body is still read, so the client never sees a reset."""
-    router = make_router(monkeypatch, max_body_bytes=1000)
+    router = make_router(max_body_bytes=1000)
     answer = await call(router, "POST", CHAT, [b"x" * 600] * 3)
     assert assert_openai_error(answer, 413)["code"] == "body_too_large"
     assert answer.unread == 0

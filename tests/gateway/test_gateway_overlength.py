@@ -26,7 +26,7 @@ def completion(prompt, **extra) -> bytes:
 
 
 async def test_a_1mb_prompt_is_refused_without_tokenizing(monkeypatch):
-    router = make_router(monkeypatch, limits=LimitsConfig(max_model_len=CONTEXT))
+    router = make_router(limits=LimitsConfig(max_model_len=CONTEXT))
     started = time.perf_counter()
     answer = await call(router, "POST", CHAT, chat(MEGABYTE))
     elapsed = time.perf_counter() - started
@@ -39,7 +39,7 @@ async def test_a_1mb_prompt_is_refused_without_tokenizing(monkeypatch):
 async def test_words_refuse_a_1mb_prompt_when_the_vocabulary_has_long_tokens(monkeypatch):
     """Real vocabularies hold entries of 100+ characters (runs of spaces): the character bound alone would
     let a 1 MB prompt through to a 32k context; its 200k words cannot fit."""
-    router = make_router(monkeypatch, limits=LimitsConfig(max_model_len=32_768))
+    router = make_router(limits=LimitsConfig(max_model_len=32_768))
     router.planner.tokenizers.tokenizer = dataclasses.replace(embedded_tokenizer(), longest_token=256)
     answer = await call(router, "POST", CHAT, chat(MEGABYTE))
     assert assert_openai_error(answer, 400)["code"] == "context_length_exceeded"
@@ -47,7 +47,7 @@ async def test_words_refuse_a_1mb_prompt_when_the_vocabulary_has_long_tokens(mon
 
 
 async def test_the_engines_reported_context_is_used(monkeypatch):
-    router = make_router(monkeypatch)
+    router = make_router()
     first, second = router.engines.all()
     first.max_model_len = second.max_model_len = CONTEXT
     assert (await call(router, "POST", "/v1/completions", completion([MEGABYTE, "short"]))).status == 400
@@ -57,7 +57,7 @@ async def test_the_engines_reported_context_is_used(monkeypatch):
 
 
 async def test_prompts_within_the_bound_are_tokenized(monkeypatch):
-    router = make_router(monkeypatch, limits=LimitsConfig(max_model_len=CONTEXT))
+    router = make_router(limits=LimitsConfig(max_model_len=CONTEXT))
     longest = embedded_tokenizer().longest_token
     assert (await call(router, "POST", "/v1/completions", completion("a" * (CONTEXT * longest)))).status == 200
     assert router.planner.tokenizers.calls == 1
@@ -68,13 +68,13 @@ async def test_prompts_within_the_bound_are_tokenized(monkeypatch):
 
 @pytest.mark.parametrize("prompt", [list(range(CONTEXT + 1)), [[1, 2], list(range(CONTEXT + 1))]])
 async def test_too_many_token_ids_are_refused(monkeypatch, prompt):
-    router = make_router(monkeypatch, limits=LimitsConfig(max_model_len=CONTEXT))
+    router = make_router(limits=LimitsConfig(max_model_len=CONTEXT))
     assert_openai_error(await call(router, "POST", "/v1/completions", completion(prompt)), 400)
     assert router.planner.tokenizers.calls == 0
 
 
 async def test_discovery_reads_the_context_length_from_v1_models(monkeypatch):
-    router = make_router(monkeypatch)
+    router = make_router()
     engine = router.engines.all()[0]
 
     class Pool:

@@ -57,7 +57,7 @@ def test_precheck_refuses_an_exhausted_tenant_without_charging():
     assert metrics.admission_rejections.labels("rate_limited", "normal")._value.get() == 1
 
 
-def test_precheck_sheds_like_admission():
+async def test_precheck_sheds_like_admission():
     gate, metrics = gatekeeper(threshold=4)
     registry = EngineRegistry()
     engine = registry.add(EngineConfig(url="http://127.0.0.1:9", model="m"))

@@ -31,7 +31,7 @@ from tokenization.worker import TokenizerBusy
 
 
 async def test_a_trickling_body_gets_a_408(monkeypatch, autojump_clock):
-    router = make_router(monkeypatch, limits=LimitsConfig(body_timeout_s=30))
+    router = make_router(limits=LimitsConfig(body_timeout_s=30))
     scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "query_string": b"",
              "headers": [(b"content-type", b"application/json")]}
     chunks = [{"type": "http.request", "body": b'{"model": "m", ', "more_body": True}]
@@ -60,7 +60,7 @@ def test_long_session_keys_become_short_digests():
 
 
 async def test_a_multi_megabyte_user_routes_by_session_quickly(monkeypatch):
-    router = make_router(monkeypatch, policy="session")
+    router = make_router(policy="session")
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "user": "u" * 4_000_000}
     started = time.perf_counter()
     answer = await call(router, "POST", "/v1/chat/completions", json.dumps(body).encode())
@@ -84,7 +84,7 @@ def test_the_completion_prefix_key_reads_only_the_first_items(prompt):
 async def test_debug_route_is_admitted_and_charged_like_a_request(monkeypatch):
     key = "kvm-debugger"
     tenant = TenantConfig("debugger", keys=[hash_key(key)], requests_per_second=1.0)
-    router = make_router(monkeypatch, auth=AuthConfig(enabled=True, admin_keys=[hash_key(key)]), tenants=[tenant])
+    router = make_router(auth=AuthConfig(enabled=True, admin_keys=[hash_key(key)]), tenants=[tenant])
     headers = {"content-type": "application/json", "authorization": f"Bearer {key}"}
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
     assert (await call(router, "POST", "/debug/route", body, headers)).status == 200
@@ -94,7 +94,7 @@ async def test_debug_route_is_admitted_and_charged_like_a_request(monkeypatch):
 
 async def test_the_ttft_model_is_refit_after_an_answer_not_in_the_next_decision(monkeypatch):
     """The lazy refit after an observation used to run inside the next request's routing decision."""
-    router = make_router(monkeypatch, policy="kv_aware")
+    router = make_router(policy="kv_aware")
     learner = router.planner.policy.costs.learner
     body = json.dumps({"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}).encode()
     assert (await call(router, "POST", "/v1/chat/completions", body)).status == 200
@@ -121,7 +121,7 @@ class HeadFirst(InlineTokenizers):
 async def test_a_deferred_prompt_is_routed_on_its_head_and_its_rest_encoded_once_it_is_asked_for(monkeypatch):
     """The rest is encoded only once the answer has begun: started with the request, its CPU competed with
     the engine's prefill."""
-    router = make_router(monkeypatch, policy="kv_aware")
+    router = make_router(policy="kv_aware")
     planner = router.planner
     log: list[str] = []
     planner.tokenizers = HeadFirst(40, 5000, DEFER_CHARS, log)
@@ -157,7 +157,7 @@ def test_the_cached_head_decides_only_when_the_fresh_rest_cannot_change_the_engi
 
 
 async def test_a_short_fresh_rest_is_encoded_before_routing_when_two_engines_hold_the_head(monkeypatch):
-    router = make_router(monkeypatch, policy="kv_aware")
+    router = make_router(policy="kv_aware")
     planner = router.planner
     log: list[str] = []
     planner.tokenizers = HeadFirst(64, 400, 1500, log)
@@ -178,7 +178,7 @@ async def test_a_short_fresh_rest_is_encoded_before_routing_when_two_engines_hol
 async def test_a_short_fresh_rest_is_encoded_first_where_the_router_only_knows_what_it_sent(monkeypatch, policy):
     """Without events the router knows an engine's cache only by the blocks it recorded sending there: an
     unencoded rest would never be recorded, and the conversation's next turn could not find its engine."""
-    router = make_router(monkeypatch, policy=policy.removesuffix("_without_events"))
+    router = make_router(policy=policy.removesuffix("_without_events"))
     planner = router.planner
     if policy.endswith("_without_events"):
         engine = router.engines.all()[0]
@@ -200,7 +200,7 @@ async def test_the_router_encodes_a_deferred_rest_once_the_answer_head_goes_out(
             log.append("head")
             return await super().__call__(engines, exchange, max_attempts)
 
-    router = make_router(monkeypatch, upstream=Watching(), policy="kv_aware")
+    router = make_router(upstream=Watching(), policy="kv_aware")
     router.planner.tokenizers = HeadFirst(40, 5000, DEFER_CHARS, log)
     encode_rest = router.planner.encode_rest
 
@@ -216,7 +216,7 @@ async def test_the_router_encodes_a_deferred_rest_once_the_answer_head_goes_out(
 
 
 async def test_a_tokenizer_queue_full_of_the_tenants_own_prompts_is_a_429_and_a_late_one_a_503(monkeypatch):
-    router = make_router(monkeypatch, policy="kv_aware")
+    router = make_router(policy="kv_aware")
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "long"}]}).encode()
     for own_load, status in ((True, 429), (False, 503)):
         async def busy(*args, own_load=own_load, **kwargs):
@@ -242,7 +242,7 @@ async def test_a_refused_background_encode_is_counted_and_the_router_keeps_servi
     """The rest of a long prompt is encoded after the request went out, in the planner's background nursery:
     a refusal there used to cancel that nursery, which ends the router process."""
     log: list[str] = []
-    router = make_router(monkeypatch, policy="kv_aware")
+    router = make_router(policy="kv_aware")
     router.planner.tokenizers = RefusedRest(40, 5000, DEFER_CHARS, log)
     failures = router.metrics.background_encode_failures.labels("TokenizerBusy")
     async with trio.open_nursery() as nursery:

@@ -14,7 +14,7 @@ from untrusted_engines import HEALTHY, asgi, serve_canned
 from gateway.config import EngineConfig, RouterConfig
 from gateway.engine_watch import watch_engine
 from gateway.engines import EngineState
-from gateway.router import Router
+from gateway.replica import build_replica, run_replica
 from gateway.upstream import EnginePool
 from sim.config import EngineConfig as SimEngineConfig
 from sim.config import FleetConfig
@@ -65,8 +65,9 @@ async def test_router_keeps_serving_next_to_engines_that_answer_garbage():
             engines.append(EngineConfig(url=f"http://127.0.0.1:{port}", id=name))
         port = await nursery.start(serve_canned, LIAR)
         engines.append(EngineConfig(url=f"http://127.0.0.1:{port}", id="liar"))
-        router = Router(RouterConfig(engines=engines, metrics_interval_s=0.1, policy="kv_aware"))
-        await nursery.start(router.run_background)
+        replica = build_replica(RouterConfig(engines=engines, metrics_interval_s=0.1, policy="kv_aware"))
+        router = replica.router
+        await nursery.start(run_replica, replica)
 
         with trio.fail_after(30):
             while failures("models-five", "discovery") < 2 or failures("sources-surrogate", "discovery") < 1 \
