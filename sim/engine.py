@@ -139,6 +139,13 @@ class SimEngine:
                 for listener in listeners:
                     await listener.aclose()
 
+    async def run_without_network(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Schedule what ``handle`` is asked, without listening or publishing events: in-process tests serve
+        ``handle`` over memory streams (``sim.http_server.serve_connection``)."""
+        with trio.CancelScope() as self._cancel:
+            task_status.started()
+            await self._scheduler_loop()
+
     def _wakeup(self) -> None:
         self._wake.set()
 
