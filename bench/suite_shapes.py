@@ -144,9 +144,10 @@ def conversations(shape: Shape, requests: int) -> list[Conversation]:
     return out
 
 
-DECODE_STEP_FACTOR = 2.0
-"""A streamed answer token costs about twice the engine's bare step once batching and the trip through the
-router to the client count (shape #1 of seed 0 ran 13 s where one step per token predicted 6 s)."""
+DECODE_STEP_FACTOR = 3.0
+"""A streamed answer token costs about three times the engine's bare step once batching and the trip through
+the router to the client count on a busy 2-core machine (shape #1 of seed 0 ran 11-13 s where one step per
+token predicted 4-6 s)."""
 
 
 def service_s(shape: Shape, profile: Profile) -> float:
