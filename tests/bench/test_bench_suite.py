@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from bench import suite_shapes as shapes
 from bench.report import Row
 from bench.stats import RequestResult, summarize
-from bench.suite import Entry, entries
+from bench.suite import Entry, entries, rotated
 from bench.suite_report import ShapeRun, format_overall, format_shapes, fraction, overall, plot, ttft_ratios, verdicts
 from sim.profiles import get_profile
 
@@ -154,3 +154,10 @@ def test_entries_add_meshed_replicas_only_when_asked(tmp_path):
     runs = [_run(1, [_row("round_robin", 0.3, 0.8, [0.1, 0.2]), _row("kv_aware", 0.8, 0.8, [0.1, 0.2])])]
     plot(runs, tmp_path / "suite.png")
     assert (tmp_path / "suite.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_each_shape_measures_a_different_entry_first():
+    todo = entries(["kv_aware", "approximate", "round_robin"], ["kv_aware"], 3)
+    firsts = [rotated(todo, shape)[0] for shape in shapes.draw_suite(0, 4)]
+    assert firsts == [todo[0], todo[1], todo[2], todo[3]]
+    assert all(sorted(rotated(todo, s), key=todo.index) == todo for s in shapes.draw_suite(0, 4))
