@@ -10,7 +10,7 @@ from pathlib import Path
 
 import trio
 
-from bench import mesh, scale
+from bench import mesh, scale, suite, suite_report
 from bench.overhead import PEERS, format_overhead, format_system_prompt, measure_overhead, measure_system_prompt
 from bench.processes import StartFailed
 from bench.report import Row, format_table, verdicts
@@ -63,13 +63,23 @@ def parser() -> argparse.ArgumentParser:
     routing = sub.add_parser("routing", help="policies side by side on one workload")
     routing.add_argument("--workload", choices=WORKLOAD_NAMES, default="a")
     routing.add_argument("--concurrency", type=_int_list, default=[1, 32], help="comma-separated")
-    routing.add_argument("--policies", default="kv_aware,round_robin,approximate",
-                         help="comma-separated; smg:POLICY runs that peer router (bench/peers.py) in the same run")
+    routing.add_argument("--policies", help="comma-separated (default kv_aware,round_robin,approximate; with --suite "
+                         "also smg:cache_aware when smg is found); smg:POLICY runs that peer router (bench/peers.py)")
     routing.add_argument("--target", help="drive this OpenAI URL instead of starting routers")
     routing.add_argument("--label", default="target", help="row name for --target")
     routing.add_argument("--engine-metrics", nargs="*", default=[], help="engine URLs whose /metrics to diff")
     routing.add_argument("--routers", type=int, default=1, help="router replicas per policy (kv_aware meshed)")
     routing.add_argument("--runs", type=int, default=1, help="consecutive runs per policy on the same warm engines")
+    suite_args = routing.add_argument_group("suite: shapes drawn at random, each row against its offline bound")
+    suite_args.add_argument("--suite", action="store_true", help=f"draw {suite.DEFAULT_SHAPES} shapes (--seed) "
+                            "instead of running --workload")
+    suite_args.add_argument("--quick", action="store_true", help=f"{suite.QUICK_SHAPES} shapes")
+    suite_args.add_argument("--shapes", type=int, help="how many shapes to draw")
+    suite_args.add_argument("--budget-s", type=float, default=suite.BUDGET_S, help="wall seconds one run is sized to")
+    suite_args.add_argument("--mesh-replicas", type=int, default=3, help="meshed replicas of --mesh-policies "
+                            "(0: none)")
+    suite_args.add_argument("--mesh-policies", default="kv_aware")
+    suite_args.add_argument("--plot", type=Path, help="PNG of fraction of bound per shape (default: in --log-dir)")
     _fleet_args(routing, "a40-qwen1.5b")
     _measure_args(routing)
     targets = sub.add_parser("targets", help="run workloads a, b and d and judge the targets")
@@ -118,7 +128,7 @@ async def _routing(args: argparse.Namespace, log_dir: Path) -> list[Row]:
         return await measure_target(
             args.target, args.label, args.engine_metrics, args.concurrency, options, spec.capacity_tokens
         )
-    policies = [p for p in args.policies.split(",") if p]
+    policies = _names(args.policies or "kv_aware,round_robin,approximate")
     return await compare_policies(
         spec, policies, args.concurrency, options, log_dir, args.tokenizer, args.routers, args.runs
     )
@@ -134,6 +144,30 @@ async def _targets(args: argparse.Namespace, log_dir: Path) -> list[Row]:
             args.tokenizer, args.routers if replicated else 1,
         )  # fmt: skip
     return rows
+
+
+def _names(text: str) -> list[str]:
+    return [p for p in text.split(",") if p]
+
+
+def _suite(args: argparse.Namespace, log_dir: Path) -> int:
+    count = args.shapes or (suite.QUICK_SHAPES if args.quick else suite.DEFAULT_SHAPES)
+    policies = _names(args.policies) if args.policies else suite.default_policies()
+    todo = suite.entries(policies, _names(args.mesh_policies), args.mesh_replicas)
+    fleet = _spec(args, "suite")
+    options = _options(args, "suite")
+    runs = trio.run(suite.run_suite, args.seed, count, todo, fleet, options, args.budget_s, log_dir)
+    print(suite_report.format_shapes(runs))
+    print()
+    print(f"suite seed {args.seed}, {count} shapes, policies {', '.join(e.label for e in todo)}")
+    print(suite_report.format_overall(runs))
+    plot = args.plot or log_dir / f"suite-{args.seed}.png"
+    suite_report.plot(runs, plot)
+    print(f"plot: {plot}")
+    judged = suite_report.verdicts(runs)
+    for verdict in judged:
+        print(verdict.line())
+    return 1 if any(not v.passed for v in judged) else 0
 
 
 def _overhead(args: argparse.Namespace, log_dir: Path) -> int:
@@ -166,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             return scale.run(args, log_dir)
         if args.command == "overhead":
             return _overhead(args, log_dir)
+        if args.command == "routing" and args.suite:
+            return _suite(args, log_dir)
         table_rows = trio.run(_routing if args.command == "routing" else _targets, args, log_dir)
     except StartFailed as exc:
         print(f"kvmesh bench: {exc}", file=sys.stderr)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import random
 from collections import defaultdict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -219,6 +220,23 @@ async def model_name(client: HttpClient, base_url: str) -> str:
     return listing["data"][0]["id"]  # type: ignore[index]
 
 
+async def _session_turn(
+    client: HttpClient, url: str, conv: Conversation, model: str, stream: bool, timeout: float, route_header: str,
+    t0: float,
+) -> RequestResult:
+    """Send a conversation's next turn and record its answer in the history (results keep key and turn)."""
+    result = await completion(client, url, conv.body(model, stream), timeout, route_header, trio.current_time() - t0)
+    result.key, result.turn = conv.key, conv.sent
+    conv.record_answer(result.content)
+    return result
+
+
+def _chat_urls(base_url: str | Sequence[str]) -> itertools.cycle[str]:
+    """Several base URLs (router replicas) take requests in turn, as a client-side round robin would."""
+    bases = [base_url] if isinstance(base_url, str) else list(base_url)
+    return itertools.cycle([b.rstrip("/") + "/v1/chat/completions" for b in bases])
+
+
 async def run_closed_loop(
     client: HttpClient,
     base_url: str | Sequence[str],
@@ -232,11 +250,9 @@ async def run_closed_loop(
     """``concurrency`` workers each send their next request as soon as the previous one ends.
 
     Conversations rotate through one queue so a chat's turns stay in order while others interleave.
-    Several base URLs (router replicas) take requests in turn, as a client-side round robin would.
     Returns the results and the wall time.
     """
-    bases = [base_url] if isinstance(base_url, str) else list(base_url)
-    urls = itertools.cycle([b.rstrip("/") + "/v1/chat/completions" for b in bases])
+    urls = _chat_urls(base_url)
     pending = deque(conversations)
     results: list[RequestResult] = []
     t0 = trio.current_time()
@@ -244,18 +260,46 @@ async def run_closed_loop(
     async def worker() -> None:
         while pending:
             conv = pending.popleft()
-            result = await completion(
-                client, next(urls), conv.body(model, stream), timeout, route_header, trio.current_time() - t0
-            )
-            result.key, result.turn = conv.key, conv.sent
-            conv.record_answer(result.content)
-            results.append(result)
+            results.append(await _session_turn(client, next(urls), conv, model, stream, timeout, route_header, t0))
             if not conv.done:
                 pending.append(conv)
 
     async with trio.open_nursery() as nursery:
         for _ in range(max(1, concurrency)):
             nursery.start_soon(worker)
+    return results, trio.current_time() - t0
+
+
+async def run_sessions(
+    client: HttpClient,
+    base_url: str | Sequence[str],
+    conversations: list[Conversation],
+    rate: float,
+    model: str,
+    rng: random.Random,
+    stream: bool = True,
+    timeout: float = 60.0,
+    route_header: str = ROUTE_HEADER,
+) -> tuple[list[RequestResult], float]:
+    """Open loop: conversations arrive by a Poisson process of ``rate`` per second, whatever the server does,
+    and each sends its turns one after the other (a user or an agent waits for each answer). Returns the
+    results and the wall time."""
+    if rate <= 0:
+        raise ValueError("rate must be positive")
+    urls = _chat_urls(base_url)
+    results: list[RequestResult] = []
+    t0 = trio.current_time()
+
+    async def session(conv: Conversation) -> None:
+        while not conv.done:
+            results.append(await _session_turn(client, next(urls), conv, model, stream, timeout, route_header, t0))
+
+    async with trio.open_nursery() as nursery:
+        arrival = t0
+        for conv in conversations:
+            await trio.sleep_until(arrival)
+            nursery.start_soon(session, conv)
+            arrival += rng.expovariate(rate)
     return results, trio.current_time() - t0
 
 

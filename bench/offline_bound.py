@@ -4,7 +4,8 @@ The planner gives every shared prefix a set of home engines: as many homes as it
 needs under a per-engine load limit, placed so that each engine's homes fit its KV cache after a reserve
 for the requests running at once. The trace is then replayed, request by request in its order, through
 the simulated engines' own scheduler and paged LRU cache (``sim.engine_core``, ``sim.kv_cache``), each
-request on the home of its prefix that served the fewest so far. Several load limits are tried and the
+request on the home of its prefix that served the fewest so far (a conversation's later turns on the engine its
+first turn went to). Several load limits are tried and the
 plan with the best hit rate is the bound. Requests run one at a time on idle engines, so the TTFTs are
 those of the cost model without queueing: a floor no online router reaches, next to a hit rate that a
 good one comes close to.
@@ -36,6 +37,9 @@ class TraceRequest:
     prefix: str
     prompt_ids: tuple[int, ...]
     max_tokens: int
+    session: str = ""
+    """A conversation's turns share it: they stay on the engine its first turn went to, which holds its history
+    (empty: a single request)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,9 +115,14 @@ def replay(trace: Sequence[TraceRequest], homes: dict[str, tuple[int, ...]], fle
     cores = [EngineCore(KVCache(fleet.num_blocks, fleet.block_size), fleet.profile, fleet.max_num_seqs, _VOCAB)
              for _ in range(fleet.engines)]
     served = Counter[int]()
+    sessions: dict[str, int] = {}
     ttfts = []
     for i, r in enumerate(trace):
-        engine = min(homes[r.prefix], key=lambda e: (served[e], e))
+        engine = sessions.get(r.session) if r.session else None
+        if engine is None:
+            engine = min(homes[r.prefix], key=lambda e: (served[e], e))
+            if r.session:
+                sessions[r.session] = engine
         served[engine] += 1
         core = cores[engine]
         core.add(SimRequest(f"r{i}", list(r.prompt_ids), max(1, r.max_tokens), "length", random.Random(i)))

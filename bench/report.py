@@ -26,6 +26,7 @@ class Row:
     ttft_floor: float = math.nan
     """Median perfect-cache TTFT of the same prompts under the simulated engines' cost model."""
     ttft_p90: float = math.nan
+    ttft_p99: float = math.nan
     bound_hit_rate: float = math.nan
     """The offline planner's fleet hit rate for the same trace (bench/offline_bound.py), when computed."""
     bound_ttft_p50: float = math.nan

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -18,7 +19,7 @@ from urllib.parse import urlsplit
 import trio
 
 from bench import engine_stats, peers, workloads
-from bench.client import ROUTE_HEADER, TRANSPORT_ERRORS, HttpClient, model_name, run_closed_loop
+from bench.client import ROUTE_HEADER, TRANSPORT_ERRORS, HttpClient, model_name, run_closed_loop, run_sessions
 from bench.cost_floor import perfect_cache_ttft
 from bench.offline_bound import Fleet, TraceRequest, offline_bound
 from bench.prefix import PrefixMeter
@@ -189,7 +190,8 @@ def trace_of(results: list[RequestResult], conversations: list[Conversation], to
             continue
         messages = conv.prefix_messages(result.turn) + [{"role": "user", "content": conv.user_turns[result.turn]}]
         ids = prompt_token_ids_sync(tokenizer, {"model": model, "messages": messages}, "chat")
-        trace.append(TraceRequest(conv.system or conv.key, tuple(ids), conv.max_tokens))
+        session = conv.key if len(conv.user_turns) > 1 else ""
+        trace.append(TraceRequest(conv.system or conv.key, tuple(ids), conv.max_tokens, session))
     return trace
 
 
@@ -198,6 +200,16 @@ def bound_for(spec: FleetSpec, concurrency: int, trace: list[TraceRequest]):
     fleet = Fleet(spec.engines, spec.num_blocks, spec.block_size, get_profile(spec.profile), spec.time_scale,
                   concurrency, spec.max_num_seqs)
     return offline_bound(trace, fleet)
+
+
+@dataclass(frozen=True)
+class Load:
+    """How requests are sent: ``concurrency`` clients in a closed loop, or sessions arriving on their own at
+    ``arrival_rate`` per second (Poisson, seeded) with ``concurrency`` only describing the expected load."""
+
+    concurrency: int
+    arrival_rate: float | None = None
+    seed: int = 0
 
 
 async def measure(
@@ -211,23 +223,45 @@ async def measure(
     fleet: FleetSpec | None = None,
     run: int = 1,
 ) -> Row:
-    """Warm up, prime if the workload asks for it, then run the workload between two metric scrapes.
+    """Warm up, prime if the workload asks for it, then run the named workload (see ``measure_sent``)."""
+    convs = workloads.build(options.workload, options.seed, options.requests, capacity_tokens, options.max_tokens)
+    primed = workloads.primers(convs, options.seed) if options.workload in PRIMED_WORKLOADS else []
+    return await measure_sent(client, label, url, engine_urls, Load(concurrency), convs, options, fleet, run,
+                              primed, bounded=options.workload in BOUNDED_WORKLOADS)
+
+
+async def measure_sent(
+    client: HttpClient,
+    label: str,
+    url: str | Sequence[str],
+    engine_urls: list[str],
+    load: Load,
+    convs: list[Conversation],
+    options: MeasureOptions,
+    fleet: FleetSpec | None = None,
+    run: int = 1,
+    primed: Sequence[Conversation] = (),
+    bounded: bool = False,
+) -> Row:
+    """Warm up (and send ``primed`` first), then send ``convs`` between two metric scrapes.
 
     Several router URLs share the requests in turn. With the ``fleet`` that serves them, the row also
-    carries the cost model's perfect-cache TTFT for the same prompts, and for a bounded workload the
-    offline planner's bound for the trace as it was sent.
+    carries the cost model's perfect-cache TTFT for the same prompts, and when ``bounded`` the offline
+    planner's bound for the trace as it was sent.
     """
     urls = [url] if isinstance(url, str) else list(url)
     model = await model_name(client, urls[0])
-    convs = workloads.build(options.workload, options.seed, options.requests, capacity_tokens, options.max_tokens)
-    warm = workloads.unique_prompts(options.seed, options.warmup)
-    if options.workload in PRIMED_WORKLOADS:
-        warm += workloads.primers(convs, options.seed)
+    warm = workloads.unique_prompts(options.seed, options.warmup) + list(primed)
     await run_closed_loop(client, urls, warm, max(1, len(engine_urls)), model, True, options.timeout)
     before = await engine_stats.scrape(client, engine_urls)
-    results, wall = await run_closed_loop(
-        client, urls, convs, concurrency, model, True, options.timeout, options.route_header
-    )
+    if load.arrival_rate is None:
+        results, wall = await run_closed_loop(
+            client, urls, convs, load.concurrency, model, True, options.timeout, options.route_header
+        )
+    else:
+        results, wall = await run_sessions(client, urls, convs, load.arrival_rate, model,
+                                           random.Random(f"arrivals-{load.seed}"), True, options.timeout,
+                                           options.route_header)
     after = await engine_stats.scrape(client, engine_urls)
     deltas = engine_stats.deltas(before, after)
     ids = [urlsplit(u).netloc for u in engine_urls]
@@ -237,23 +271,25 @@ async def measure(
     summary = summarize(results, wall)
     prompts = [r.prompt_tokens for r in results if r.ok and r.prompt_tokens]
     bound = None
-    if fleet and options.workload in BOUNDED_WORKLOADS:
-        bound = bound_for(fleet, concurrency, trace_of(results, convs, tokenizer, model))
+    if fleet and bounded:
+        bound = bound_for(fleet, load.concurrency, trace_of(results, convs, tokenizer, model))
     routed: dict[str, float] = {}
     for route, count in summary.routes.items():
         routed[engine_of(route)] = routed.get(engine_of(route), 0) + count
     served = {i: d.get(engine_stats.SUCCESSES, 0.0) for i, d in zip(ids, deltas, strict=True)}
+    ttfts = [r.ttft for r in results if r.ok and r.ttft is not None]
     return Row(
         label=label,
         workload=options.workload,
-        concurrency=concurrency,
+        concurrency=load.concurrency,
         summary=summary,
         hit_rate=engine_stats.fleet_hit_rate(deltas),
         route_share=shares(routed, ids) if routed else [],
         engine_share=shares(served, ids),
         routers=len(urls),
         ttft_floor=ttft_floor(fleet, prompts) if fleet else math.nan,
-        ttft_p90=percentile([r.ttft for r in results if r.ok and r.ttft is not None], 90),
+        ttft_p90=percentile(ttfts, 90),
+        ttft_p99=percentile(ttfts, 99),
         bound_hit_rate=bound.hit_rate if bound else math.nan,
         bound_ttft_p50=bound.ttft_p50 if bound else math.nan,
         run=run,

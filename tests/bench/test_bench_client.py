@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -11,7 +12,7 @@ import pytest
 import trio
 
 from bench import engine_stats
-from bench.client import HttpClient, completion, model_name, run_closed_loop, run_open_loop
+from bench.client import HttpClient, completion, model_name, run_closed_loop, run_open_loop, run_sessions
 from bench.stats import RequestResult
 from bench.workloads import multi_turn, unique_prompts
 
@@ -210,6 +211,34 @@ async def test_closed_loop_takes_router_replicas_in_turn_and_names_each_turn(nur
     await client.aclose()
     assert [len(f.requests) for f in fakes] == [3, 3]
     assert sorted((r.key, r.turn) for r in results) == sorted((c.key, t) for c in convs for t in range(2))
+
+
+async def test_sessions_arrive_on_their_own_and_send_their_turns_in_order(server):
+    """Open loop: the third chat starts before the first has finished (arrivals do not wait for answers), and each
+    chat's turns go one after the other, each carrying the answers before it."""
+    fake, url = server
+    client = HttpClient()
+    convs = multi_turn(seed=6, conversations=3, turns=3, system_tokens=5)
+    fake.hold_first_token = trio.Event()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            box = []
+
+            async def drive():
+                box.append(await run_sessions(client, url, convs, 50.0, "tiny", random.Random(1)))
+
+            nursery.start_soon(drive)
+            while len(fake.requests) < 3:
+                await trio.sleep(0.01)
+            assert len({b["user"] for b in fake.requests}) == 3
+            fake.hold_first_token.set()
+    results, wall = box[0]
+    await client.aclose()
+    assert len(results) == 9 and all(r.ok for r in results) and wall > 0
+    for conv in convs:
+        sent = [b for b in fake.requests if b["user"] == conv.key]
+        assert [len(b["messages"]) for b in sent] == [2, 4, 6]
+    assert sorted((r.key, r.turn) for r in results) == sorted((c.key, t) for c in convs for t in range(3))
 
 
 async def test_open_loop_starts_at_the_rate_and_caps_in_flight(autojump_clock):

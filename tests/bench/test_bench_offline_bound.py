@@ -69,3 +69,20 @@ def test_the_workload_is_seeded_and_has_the_issue_shape():
     assert [c.key for c in convs] == [c.key for c in partitioned_prompts(3)]
     assert len(convs) == 90 and len({c.system for c in convs}) == 6
     assert [c.key for c in convs[:15]] != sorted(c.key for c in convs[:15])
+
+
+def test_a_conversations_turns_stay_where_its_history_is():
+    """Two homes for one prefix: without sessions the replay alternates a chat's turns between them and each turn
+    recomputes the history the other engine holds; with sessions every later turn finds its history."""
+    rng = random.Random(3)
+    system = tuple(rng.randrange(50_000) for _ in range(320))
+    trace = []
+    for chat in range(4):
+        history = system
+        for _turn in range(4):
+            history = history + tuple(rng.randrange(50_000) for _ in range(200))
+            trace.append(TraceRequest("sys", history, 16, f"chat{chat}"))
+    homes = {"sys": (0, 1)}
+    sticky, _ = replay(trace, homes, _fleet(2, blocks=400))
+    loose, _ = replay([TraceRequest(r.prefix, r.prompt_ids, r.max_tokens) for r in trace], homes, _fleet(2, blocks=400))
+    assert sticky > loose + 0.1

@@ -1,0 +1,125 @@
+"""``kvmesh bench routing --suite``: every policy on shapes drawn at random (bench/suite_shapes.py), each row
+against the offline planner's bound (bench/offline_bound.py) for the shape's trace as its first entry sent it.
+Bounding a trace costs about 3 s of CPU (tokenizing every request as the engines did, five replays); the entries
+send the same conversations in nearly the same order, so one bound per shape serves them all.
+
+Per shape, every (policy, replicas) entry gets its own fresh simulated fleet and routers. They are all
+started at once (starting is mostly importing and costs seconds of CPU per process, more than a run) and
+then measured one after the other, each entry's processes stopped before the next one runs, so the runs
+of one shape share the machine's state as closely as the runner's back-to-back rows do.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import trio
+
+from bench import peers
+from bench.client import HttpClient
+from bench.processes import StartFailed
+from bench.runner import FleetSpec, Load, MeasureOptions, measure_sent, routers, sim_fleet
+from bench.suite_report import ShapeRun
+from bench.suite_shapes import Shape, draw_suite, plan
+from sim.profiles import get_profile
+
+DEFAULT_SHAPES = 20
+QUICK_SHAPES = 6
+KVMESH_POLICIES = ("kv_aware", "approximate", "round_robin")
+BUDGET_S = 4.0
+"""Wall seconds one measured run of a shape is sized to."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    policy: str
+    replicas: int
+
+    @property
+    def label(self) -> str:
+        return self.policy if self.replicas == 1 else f"{self.policy} x{self.replicas}"
+
+
+def default_policies() -> list[str]:
+    """kvmesh's policies, and smg's cache-aware policy when its binary is found (bench/peers.py)."""
+    try:
+        peers.smg_binary()
+    except StartFailed:
+        return list(KVMESH_POLICIES)
+    return [*KVMESH_POLICIES, "smg:cache_aware"]
+
+
+def entries(policies: list[str], mesh_policies: list[str], mesh_replicas: int) -> list[Entry]:
+    out = [Entry(p, 1) for p in policies]
+    if mesh_replicas > 1:
+        out += [Entry(p, mesh_replicas) for p in mesh_policies]
+    return out
+
+
+def rotated(todo: list[Entry], shape: Shape) -> list[Entry]:
+    """The entries in the order shape ``shape.index`` measures them: each shape starts one entry later. While the
+    first entry runs, every other entry's routers and engines are up and idle beside it, and on a busy machine
+    that cost the first one tens of ms of TTFT (seed 0, shape 6: kv_aware measured first p50 207 ms, alone
+    148 ms); rotating spreads that over the policies instead of always charging the same one."""
+    start = (shape.index - 1) % len(todo) if todo else 0
+    return todo[start:] + todo[:start]
+
+
+async def run_shape(shape: Shape, todo: list[Entry], fleet: FleetSpec, options: MeasureOptions, budget_s: float,
+                    log_dir: Path) -> ShapeRun:
+    """Start every entry's fleet and routers at once, then measure the entries one by one (in ``rotated`` order)."""
+    todo = rotated(todo, shape)
+    profile = get_profile(fleet.profile)
+    sized = plan(shape, profile, budget_s)
+    spec = replace(fleet, engines=shape.engines, time_scale=fleet.time_scale * sized.time_scale,
+                   num_blocks=shape.num_blocks(fleet.block_size))
+    client = HttpClient()
+    started: list[tuple[list[str], list[str]] | None] = [None] * len(todo)
+    ready = [trio.Event() for _ in todo]
+    release = [trio.Event() for _ in todo]
+
+    async def hold(i: int, entry: Entry) -> None:
+        async with (sim_fleet(client, spec, log_dir) as engines,
+                    routers(client, engines, entry.policy, entry.replicas, log_dir, options.tokenizer) as urls):
+            started[i] = (engines, urls)
+            ready[i].set()
+            await release[i].wait()
+
+    rows = []
+    try:
+        async with trio.open_nursery() as nursery:
+            for i, entry in enumerate(todo):
+                nursery.start_soon(hold, i, entry)
+            for i, entry in enumerate(todo):
+                await ready[i].wait()
+                t0 = trio.current_time()
+                engines, urls = started[i]  # type: ignore[misc]
+                convs = plan(shape, profile, budget_s).conversations  # fresh: a run records answers in them
+                load = Load(shape.concurrency, sized.arrival_rate, shape.seed)
+                row = await measure_sent(client, entry.label, urls, engines, load, convs, options, spec,
+                                         bounded=not rows)
+                if rows:
+                    row.bound_hit_rate, row.bound_ttft_p50 = rows[0].bound_hit_rate, rows[0].bound_ttft_p50
+                row.workload = f"#{shape.index}"
+                rows.append(row)
+                release[i].set()
+                took = trio.current_time() - t0
+                print(f"  {shape.label} {entry.label}: {row.summary.requests} requests, {row.summary.errors} errors, "
+                      f"hit {row.hit_rate:.3f} of bound {row.bound_hit_rate:.3f} (run {row.summary.wall:.1f} s of "
+                      f"{took:.0f} s)", file=sys.stderr, flush=True)
+    finally:
+        await client.aclose()
+    return ShapeRun(shape, sized.time_scale, spec.num_blocks, rows)
+
+
+async def run_suite(seed: int, count: int, todo: list[Entry], fleet: FleetSpec, options: MeasureOptions,
+                    budget_s: float, log_dir: Path) -> list[ShapeRun]:
+    out = []
+    t0 = trio.current_time()
+    for shape in draw_suite(seed, count):
+        print(f"suite shape {shape.label} at {trio.current_time() - t0:.0f} s", file=sys.stderr, flush=True)
+        out.append(await run_shape(shape, todo, fleet, options, budget_s, log_dir))
+    print(f"suite took {trio.current_time() - t0:.0f} s", file=sys.stderr, flush=True)
+    return out
