@@ -22,7 +22,16 @@ from gateway.metrics import RouterMetrics
 from gateway.openai_errors import ApiError
 from gateway.proxy import ProxyResult
 from gateway.request_body import ParsedRequest
-from gateway.routing import Decision, EngineView, RouteRequest, make_policy, prefix_key, route_header, route_table
+from gateway.routing import (
+    Decision,
+    EngineView,
+    RouteRequest,
+    make_policy,
+    prefix_key,
+    public_engine_name,
+    route_header,
+    route_table,
+)
 from gateway.routing.cost import Knowledge
 from gateway.routing.homes import HOME_BLOCKS
 from index.block_hash import chain, root_seed
@@ -97,7 +106,7 @@ class Plan:
         """The ``x-kvmesh-route`` value; cache details only when ``detailed`` (the caller is an admin)."""
         value = route_header(self.decision, detailed)
         if self.decision.chosen != engine_id:
-            value += f"; served_by={engine_id}; attempts={attempts}"
+            value += f"; served_by={engine_id if detailed else public_engine_name(engine_id)}; attempts={attempts}"
         return value
 
     def explain(self) -> dict[str, Any]:
