@@ -239,7 +239,7 @@ class Router:
             priority = self.gate.priority(tenant, headers)
             self.gate.precheck(tenant, priority, self.engines.for_model(parsed.model))
             plan = await self.planner.plan(parsed, headers)
-            self.gate.admit(tenant, priority, parsed, plan.prompt_tokens, plan.engines)
+            self.gate.admit(tenant, priority, parsed, plan.charged_tokens, plan.engines)
             await http_app.send_json(send, 200, plan.explain())
             return 200
         if method == "HEAD" and path in HEAD_PATHS:
@@ -297,7 +297,7 @@ class Router:
             self.gate.precheck(tenant, priority, self.engines.for_model(parsed.model))
             plan = await self.planner.plan(parsed, headers)
             span.set_attribute("gen_ai.usage.input_tokens", plan.prompt_tokens)
-            self.gate.admit(tenant, priority, parsed, plan.prompt_tokens, plan.engines)
+            self.gate.admit(tenant, priority, parsed, plan.charged_tokens, plan.engines)
             self.planner.dispatched(plan)
             upstream_headers = [*forwarded_headers(headers), ("x-request-id", request_id)]
             detailed = self.gate.sees_cache_state(headers)

@@ -269,3 +269,19 @@ async def test_a_tenant_over_its_rate_limit_is_refused_before_its_body_is_parsed
     refused = await call(router, "POST", "/v1/chat/completions", malformed, headers)
     assert assert_openai_error(refused, 429)["code"] == "rate_limit_exceeded"
     assert parsed == [] and refused.unread == 0
+
+
+async def test_every_prompt_of_a_completions_batch_is_charged_to_the_tenant(monkeypatch):
+    """Routing reads the first prompt; the tenant's token budget paid for that one only."""
+    key = "kvm-batcher"
+    tenant = TenantConfig("batcher", keys=[hash_key(key)], prompt_tokens_per_minute=60)
+    router = make_router(monkeypatch, auth=AuthConfig(enabled=True), tenants=[tenant])
+    headers = {"content-type": "application/json", "authorization": f"Bearer {key}"}
+    prompt = "one two three four five six seven eight nine ten"
+    tokens = len(InlineTokenizers().tokenizer.hf.encode(prompt))
+    assert 4 <= tokens <= 30
+    batch = json.dumps({"model": MODEL, "prompt": [prompt] * 8, "max_tokens": 1}).encode()
+    refused = await call(router, "POST", "/v1/completions", batch, headers)
+    assert assert_openai_error(refused, 429)["code"] == "rate_limit_exceeded", "8 prompts fit a 60-token budget"
+    single = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 1}).encode()
+    assert (await call(router, "POST", "/v1/completions", single, headers)).status == 200

@@ -100,6 +100,32 @@ async def test_a_request_of_thousands_of_messages_renders_off_the_event_loop(mon
     assert rendered_on == [False, True] and svc.stats.thread_renders == 1
 
 
+async def test_a_completions_batch_of_short_prompts_is_encoded_off_the_event_loop(monkeypatch) -> None:
+    """Encoded prompt by prompt on the loop (each short enough to go inline), an 8 MiB batch held the loop
+    for ~7 s: a batch is encoded in one call, in a thread, with the same ids."""
+    import threading
+
+    from tokenization import service
+
+    encoded_on: list[bool] = []
+    encode = service.encode_plain
+
+    def recording(*args):
+        encoded_on.append(threading.current_thread() is threading.main_thread())
+        return encode(*args)
+
+    monkeypatch.setattr(service, "encode_plain", recording)
+    rnd = random.Random(5)
+    batch = {"prompt": [excerpt(rnd, 30) for _ in range(2_000)] + [[5, 6, 7]], "truncate_prompt_tokens": 6}
+    async with TokenizerService.open(TokenizerRegistry(default=SPEC)) as svc:
+        assert await svc.all_token_ids(None, batch, "completion") == all_prompt_token_ids_sync(HF, batch,
+                                                                                              "completion")
+        assert await svc.all_token_ids(None, {"prompt": ["a b", "c"]}, "completion") == [HF.encode("a b"),
+                                                                                         HF.encode("c")]
+    assert encoded_on and not any(encoded_on), "a batch was encoded on the event loop"
+    assert svc.stats.batch_encodes == 2
+
+
 async def test_unknown_model_without_default_is_a_render_error() -> None:
     async with TokenizerService.open(TokenizerRegistry({"m": SPEC})) as svc:
         assert await svc.token_ids("m", {"prompt": "hi"}, "completion") == HF.encode("hi")
