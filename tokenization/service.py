@@ -38,6 +38,9 @@ RENDER_INLINE_MAX_MESSAGES = 256
 """Chat templates run Python per message, ~5 us each here (256: 1.4 ms; 20k: 0.1 s). A larger request renders
 in a thread: it still holds the GIL, but hands it to the event loop every switch interval (5 ms), so the
 loop's stall is bounded by that instead of by the whole render."""
+BATCH_SLICE_PROMPTS = 4_096
+"""Prompts of a batch per tokenizer call: the call returns its results under the GIL, and one call for half a
+million prompts held it (and the event loop) for seconds."""
 RENDER_INLINE_MAX_CHARS = 1 << 20
 """Text beyond this (1 MiB renders in ~1 ms, 8 MiB in ~10 ms) also renders in a thread."""
 
@@ -249,8 +252,10 @@ def _batch_ids(tok: LoadedTokenizer, rendered: Sequence[Prompt]) -> list[list[in
     if affixes is None:
         encoded = iter([tok.hf.encode(p.text, add_special_tokens=True) for p in texts])
     else:
-        encoded = iter([[*affixes[0], *ids, *affixes[1]] for ids in encode_plain(tok.hf, [p.text for p in texts],
-                                                                                  True)])
+        encoded = iter([[*affixes[0], *ids, *affixes[1]]
+                        for start in range(0, len(texts), BATCH_SLICE_PROMPTS)
+                        for ids in encode_plain(tok.hf, [p.text for p in texts[start:start + BATCH_SLICE_PROMPTS]],
+                                                True)])
     out = []
     for prompt in rendered:
         ids = prompt.ids if isinstance(prompt, TokenPrompt) else next(encoded)
