@@ -18,6 +18,7 @@ from gateway.config import ConfigError, EngineConfig, _build
 from gateway.fleet import Fleet, SettingError, check_engine_settings
 from gateway.openai_errors import ApiError
 from gateway.request_body import load_json_object
+from gateway.routing import public_engine_name
 from index.digest import block_set_digest
 
 ADMIN_BODY_BYTES = 1024 * 1024
@@ -38,7 +39,8 @@ def engine_row(fleet: Fleet, engine_id: str) -> dict[str, Any]:
     engine = fleet.engines.get(engine_id)
     assert engine is not None
     return {
-        "id": engine.id, "url": engine.url, "models": sorted(engine.models), "island": engine.config.island,
+        "id": engine.id, "public_name": public_engine_name(engine.id), "url": engine.url,
+        "models": sorted(engine.models), "island": engine.config.island,
         "zone": engine.zone, "healthy": engine.healthy, "draining": engine.draining,
         "maintenance": engine.maintenance, "in_flight": engine.in_flight,
         "running": engine.load.running, "waiting": engine.load.waiting, "kv_usage": engine.load.kv_usage,

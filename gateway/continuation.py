@@ -165,7 +165,8 @@ class StreamSplicer:
     text: list[str] = field(default_factory=list)
     """Text of the continuation legs (the first leg's is kept JSON-escaped in ``_escaped``)."""
     tokens: int = 0
-    """Tokens the client has received: one per event that carried text."""
+    """Tokens the client has received: one per event that carried text, until the relay counts them
+    exactly at a break (an event may carry several)."""
     finished: bool = False
     done: bool = False
     engine_error: str | None = None
@@ -180,8 +181,13 @@ class StreamSplicer:
     """Tokens sent by the engines before the current one (its own usage counts only its own)."""
 
     @property
-    def generated(self) -> str:
-        first = json.loads(b'"' + b"".join(self._escaped) + b'"') if self._escaped else ""
+    def generated(self) -> str | None:
+        """The text the client has received; None when the first engine's could not be decoded (it passed
+        through as the engine sent it, an invalid JSON escape included, and nothing can continue it)."""
+        try:
+            first = json.loads(b'"' + b"".join(self._escaped) + b'"') if self._escaped else ""
+        except ValueError:
+            return None
         return first + "".join(self.text)
 
     @property

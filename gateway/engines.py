@@ -105,6 +105,27 @@ class EngineState:
         return model in self.models or (not self.models and self.config.model == model)
 
 
+class InFlight:
+    """One attempt's share of its engine's ``in_flight`` (what peers and autoscaler drains see), given back
+    exactly once by whoever ends the attempt first: a continued stream gives its broken engine's share back
+    at the break, the attempt's owner at its end, a cancellation (the client left) on its way out."""
+
+    __slots__ = ("_generation", "_held", "engine")
+
+    def __init__(self, engine: EngineState) -> None:
+        self.engine = engine
+        self._generation = engine.load.poll_generation
+        self._held = True
+        engine.in_flight += 1
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self.engine.in_flight -= 1
+            if self.engine.load.poll_generation != self._generation:
+                self.engine.load.finished_since_poll += 1
+
+
 def engine_id_for(config: EngineConfig) -> str:
     """A readable, stable id: the configured one, else host:port of the URL."""
     if config.id:

@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 
 from gateway.openai_errors import ApiError
 
+QUERY_OF_DEATH_LOSSES = 2
+"""Engines that may die on one request (the connection lost while it generated) before it is sent to no
+other: a request that kills engines (a query of death) would otherwise take a third engine down with it.
+The two that died are charged (their health polls tell whether they are back); no third is touched."""
 RATE_LIMITED = 429
 DEFAULT_RETRY_AFTER_S = 1.0
 _MESSAGE_CHARS = 2000

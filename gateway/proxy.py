@@ -6,8 +6,9 @@ two exceptions. A server error that a second engine repeats is the request's fau
 (``gateway.failover``). A non-streamed request whose engine took it but has not answered in time is not
 sent elsewhere: vLLM answers it only when generation ends, so the engine is still working on it; the
 client gets a 504 and no breaker moves. But a non-streamed request whose engine dies before the router
-answered (the connection closed, or the answer broke off) is sent again in full to another engine, at
-most ``MAX_CONTINUATIONS`` more times; the answer is read whole before the client gets any of it.
+answered (the connection closed, or the answer broke off) is sent again in full to another engine; the
+answer is read whole before the client gets any of it. Once two engines died on one request, streamed or
+not, it goes to no third (``gateway.failover.QUERY_OF_DEATH_LOSSES``).
 When every engine answers 429, so does the router.
 After the first byte, a stream that breaks (engine gone, stalled, an SSE error event, drained) is
 continued on the next engine in cost order and spliced into the client's (``gateway.continuation``),
@@ -27,9 +28,9 @@ from typing import Any
 import trio
 
 from gateway import tracing
-from gateway.continuation import MAX_CONTINUATIONS, ContinuationSpec, StreamSplicer, continuation_body
-from gateway.engines import EngineState
-from gateway.failover import ErrorAnswer, ErrorLedger
+from gateway.continuation import ContinuationSpec, StreamSplicer, continuation_body
+from gateway.engines import EngineState, InFlight
+from gateway.failover import QUERY_OF_DEATH_LOSSES, ErrorAnswer, ErrorLedger
 from gateway.metrics import RouterMetrics
 from gateway.openai_errors import ApiError, sse_error_event
 from gateway.upstream import (
@@ -115,6 +116,8 @@ class ProxyResult:
     continuations: list[Continued] = field(default_factory=list)
     first_token_out: Callable[[], None] = field(default=lambda: None, repr=False)
     """Called once the first token has gone to the client (see ``gateway.first_tokens``)."""
+    claim: InFlight | None = field(default=None, repr=False)
+    """The current attempt's share of its engine's ``in_flight`` (a continued stream gives it back early)."""
 
     def cached_tokens(self) -> int | None:
         """``usage.prompt_tokens_details.cached_tokens`` as the engine reported it, if it did."""
@@ -246,20 +249,19 @@ async def forward(candidates: list[EngineState], exchange: Exchange, max_attempt
                 result.attempts.append(Attempt(engine.id, "circuit open"))
                 continue
             tried += 1
-            engine.in_flight += 1
-            generation = engine.load.poll_generation
+            result.claim = claim = InFlight(engine)
             try:
                 with tracing.upstream_span(engine.id, engine.url) as span:
                     outcome = await _try_engine(engine, exchange, result, start, candidates)
                     span.set_attribute("kvmesh.outcome", result.attempts[-1].outcome if result.attempts else "")
             finally:
-                engine.in_flight -= 1
-                if engine.load.poll_generation != generation:
-                    engine.load.finished_since_poll += 1
-            if outcome is False and not exchange.is_stream and result.attempts[-1].outcome.startswith(LOST):
+                claim.release()
+            if outcome is False and result.attempts[-1].outcome.startswith(LOST):
                 lost += 1
-                if lost > MAX_CONTINUATIONS:
-                    break  # generated in full that many times already: not again
+                if lost >= QUERY_OF_DEATH_LOSSES:
+                    _settle(candidates, ledger)
+                    raise UpstreamFailure(502, QUERY_OF_DEATH, code="engines_died_on_request",
+                                          attempts=result.attempts)
             if outcome is True:
                 result.total_s = trio.current_time() - start
                 _settle(candidates, ledger)
@@ -369,7 +371,8 @@ async def _attempt(engine: EngineState, exchange: Exchange, result: ProxyResult,
                     "headers": _response_headers(upstream, exchange.route_header(engine, result.attempts))})
         if exchange.continuation is not None and upstream.status == 200:
             deadline = trio.current_time() + exchange.timeouts.request - (trio.current_time() - start)
-            await _Relay(exchange, exchange.continuation, result, candidates, deadline).run(engine, first, rest)
+            await _Relay(exchange, exchange.continuation, result, candidates, deadline).run(engine, upstream, first,
+                                                                                            rest)
             return True
         if first is not None:
             _note_chunk(result, first)
@@ -394,6 +397,9 @@ async def _attempt(engine: EngineState, exchange: Exchange, result: ProxyResult,
 
 
 DRAINED = "drained"
+ENGINE_ERROR = "engine error event"
+QUERY_OF_DEATH = (f"{QUERY_OF_DEATH_LOSSES} engines died while generating this request; it is not sent to "
+                  "another one")
 _TOKENIZE_KEYS = ("model", "messages", "prompt", "add_generation_prompt", "continue_final_message",
                   "add_special_tokens", "chat_template_kwargs", "tools", "documents", "cache_salt")
 """The fields of vLLM's tokenize requests a chat or completion body shares with them."""
@@ -411,12 +417,17 @@ class _Relay:
         self.deadline = deadline
         self.splicer = StreamSplicer(spec.kind, spec.include_usage, spec.prompt_tokens)
         self.failed = {a.engine for a in result.attempts if a.outcome != "ok"}
+        self.deaths = sum(1 for a in result.attempts if a.outcome.startswith(LOST))
+        """Engines that died on this request so far (see ``QUERY_OF_DEATH_LOSSES``)."""
         self._waiting: tuple[Continued, float] | None = None
         """The continuation whose first token has not reached the client yet, and when its stream broke."""
 
-    async def run(self, engine: EngineState, first: bytes | None, body: Any) -> None:
-        upstream: UpstreamResponse | None = None
-        """The current leg's response when it is a continuation (the first leg is closed by its caller)."""
+    async def run(self, engine: EngineState, upstream: UpstreamResponse, first: bytes | None, body: Any) -> None:
+        """Relay ``upstream`` (the first leg, its share of ``in_flight`` in ``result.claim``) and whatever
+        continues it. Each leg's stream is closed and its share given back as soon as it breaks, so a drained
+        or failing engine stops generating (vLLM aborts a request whose connection closed)."""
+        claim = self.result.claim
+        assert claim is not None
         try:
             while True:
                 why = await self._pump(engine, first, body)
@@ -424,21 +435,21 @@ class _Relay:
                     engine.health.breaker.record_success(trio.current_time())
                     await self._finish(self.splicer.ending(None))
                     return
+                claim.release()
+                await upstream.aclose()
                 self._broken(engine, why)
-                if upstream is not None:
-                    await upstream.aclose()
-                    engine.in_flight -= 1
-                    upstream = None
-                refusal = self._refusal(engine, why)
+                text = self.splicer.generated
+                refusal = self._refusal(engine, why, text)
                 if refusal is not None:
                     await self._finish(refusal)
                     return
-                request = continuation_body(self.spec.body, self.spec.kind, self.splicer.generated,
-                                            self.splicer.tokens)
+                assert text is not None
+                sent = await self._count_sent(text)
+                request = continuation_body(self.spec.body, self.spec.kind, text, sent)
                 if request is None:
                     await self._finish(self.splicer.ending("length"))
                     return
-                record = Continued(engine.id, why, self.splicer.tokens)
+                record = Continued(engine.id, why, sent)
                 self.result.continuations.append(record)
                 self._waiting = (record, trio.current_time())
                 opened = await self._open(json.dumps(request).encode())
@@ -446,19 +457,18 @@ class _Relay:
                     await self._finish(sse_error_event(f"engine {engine.id} failed mid-stream ({why}) and no "
                                                        "engine could continue the answer"))
                     return
-                engine, upstream, first, body = opened
+                engine, upstream, claim, first, body = opened
                 record.to_engine = engine.id
                 await self._count_prompt(engine)
                 self.splicer.begin_continuation()
         finally:
-            if upstream is not None:
-                await upstream.aclose()
-                engine.in_flight -= 1
+            claim.release()
+            await upstream.aclose()
 
     async def _pump(self, engine: EngineState, first: bytes | None, body: Any) -> str | None:
         """Forward one engine's stream; None when it ended cleanly, else why it broke."""
         if first is not None and await self._emit(first):
-            return f"engine error event: {self.splicer.engine_error}"
+            return f"{ENGINE_ERROR}: {self.splicer.engine_error}"
         while True:
             try:
                 if engine.draining:
@@ -473,7 +483,7 @@ class _Relay:
             except UpstreamError as exc:
                 return str(exc)
             if await self._emit(chunk):
-                return f"engine error event: {self.splicer.engine_error}"
+                return f"{ENGINE_ERROR}: {self.splicer.engine_error}"
 
     async def _emit(self, chunk: bytes) -> bool:
         """Send what the splicer makes of ``chunk``; True when the engine reported an error instead."""
@@ -495,15 +505,19 @@ class _Relay:
         else:
             engine.health.breaker.record_failure(trio.current_time(), "broken stream")
             self.result.attempts.append(Attempt(engine.id, f"broken mid-stream ({why})"))
+            if not why.startswith(ENGINE_ERROR):  # it went away or stalled: it did not survive the request
+                self.deaths += 1
         self.result.broken_after_first_byte = True
         self.failed.add(engine.id)
 
-    def _refusal(self, engine: EngineState, why: str) -> bytes | None:
+    def _refusal(self, engine: EngineState, why: str, text: str | None) -> bytes | None:
         """How the stream ends when it is not continued; None when it may be."""
         splicer = self.splicer
         if splicer.finished:
             return splicer.ending(None)  # only the usage chunk or [DONE] were missing
         reason = (splicer.unsplicable
+                  or ("the engine's text so far is not valid JSON" if text is None else None)
+                  or (QUERY_OF_DEATH if self.deaths >= QUERY_OF_DEATH_LOSSES else None)
                   or ("continuation limit reached" if len(self.result.continuations) >= self.spec.max_continuations
                       else None)
                   or ("request timeout reached" if trio.current_time() >= self.deadline else None))
@@ -520,51 +534,82 @@ class _Relay:
         the prompt as the continuation's less the tokens sent before."""
         if self.splicer.prompt_tokens is not None or not self.spec.include_usage:
             return
-        request = json.dumps({k: v for k, v in self.spec.body.items() if k in _TOKENIZE_KEYS}).encode()
+        count = await self._tokenize(engine, {k: v for k, v in self.spec.body.items() if k in _TOKENIZE_KEYS})
+        if count:
+            self.splicer.prompt_tokens = count
+
+    async def _count_sent(self, text: str) -> int:
+        """Tokens the client has received, for the next engine's budget and the usage chunk: an SSE event may
+        carry several tokens (speculative decoding, vLLM's stream interval), so the text is counted by the
+        next engine's own ``/tokenize``. The events that carried text stay a floor (a text may re-tokenize
+        into fewer tokens than were generated), and are all there is when no engine counts it."""
+        engine = next((e for e in self.candidates if self._may_continue(e)), None)
+        if engine is not None and text:
+            count = await self._tokenize(engine, {"model": self.spec.body.get("model"), "prompt": text,
+                                                  "add_special_tokens": False})
+            self.splicer.tokens = max(self.splicer.tokens, count or 0)
+        return self.splicer.tokens
+
+    async def _tokenize(self, engine: EngineState, request: dict[str, Any]) -> int | None:
+        """The ``count`` of the engine's ``/tokenize`` answer to ``request``; None when it gives none."""
         timeouts = self.exchange.timeouts
         try:
             with trio.fail_after(min(timeouts.first_byte, ERROR_BODY_TIMEOUT_S)):
-                response = await engine.pool.request("POST", "/tokenize", request,
+                response = await engine.pool.request("POST", "/tokenize", json.dumps(request).encode(),
                                                      [("content-type", "application/json")], timeouts.connect)
                 try:
                     count = json.loads(await response.read(timeouts.idle, POLL_BODY_LIMIT)).get("count")
                 finally:
                     await response.aclose()
-        except (UpstreamError, trio.TooSlowError, ValueError, AttributeError):
-            return
-        if response.status == 200 and isinstance(count, int) and count > 0:
-            self.splicer.prompt_tokens = count
+        except (UpstreamError, trio.TooSlowError, ValueError, AttributeError, RecursionError):
+            return None
+        ok = response.status == 200 and type(count) is int and 0 <= count < 2**31
+        return count if ok else None
 
-    async def _open(self, body: bytes) -> tuple[EngineState, UpstreamResponse, bytes | None, Any] | None:
-        """The continuation's first chunk from the next engine in cost order that gives one in time."""
+    def _may_continue(self, engine: EngineState) -> bool:
+        return not (engine.id in self.failed or engine.draining or engine.maintenance
+                    or not engine.health.breaker.allow(trio.current_time()))
+
+    async def _open(self, body: bytes) -> tuple[EngineState, UpstreamResponse, InFlight, bytes | None, Any] | None:
+        """The continuation's first chunk from the next engine in cost order that gives one in time. An
+        engine's share of ``in_flight`` and its connection are given back whatever ends the attempt, the
+        client leaving (a cancellation) included; only a stream handed to the caller keeps them."""
         timeouts = self.exchange.timeouts
         for engine in self.candidates:
-            now = trio.current_time()
-            if (engine.id in self.failed or engine.draining or engine.maintenance
-                    or not engine.health.breaker.allow(now)):
+            if self.deaths >= QUERY_OF_DEATH_LOSSES:
+                break
+            if not self._may_continue(engine):
                 continue
-            engine.in_flight += 1
+            claim = InFlight(engine)
             upstream = None
-            with trio.move_on_at(self.deadline):
-                try:
-                    upstream = await engine.pool.request("POST", self.exchange.target, body,
-                                                         tracing.inject(self.exchange.headers), timeouts.connect,
-                                                         timeouts.first_byte, timeouts.send)
-                    if upstream.status == 200:
-                        first, rest = await _first_chunk(upstream, timeouts)
-                        self.result.attempts.append(Attempt(engine.id, "ok", 200))
-                        return engine, upstream, first, rest
-                    answer = await _error_answer(engine, upstream, timeouts)
-                    self.result.attempts.append(Attempt(engine.id, f"status {answer.status}", answer.status))
-                    if answer.status >= 500:
-                        engine.health.breaker.record_failure(trio.current_time(), f"status {answer.status}")
-                    else:
-                        engine.health.breaker.abstain(trio.current_time())
-                except (UpstreamError, trio.TooSlowError) as exc:
-                    engine.health.breaker.record_failure(trio.current_time(), "continuation failed")
-                    self.result.attempts.append(Attempt(engine.id, f"unreachable ({exc or 'timeout'})"))
-            if upstream is not None:
-                await upstream.aclose()
-            engine.in_flight -= 1
+            handed_over = False
+            try:
+                with trio.move_on_at(self.deadline):
+                    try:
+                        upstream = await engine.pool.request("POST", self.exchange.target, body,
+                                                             tracing.inject(self.exchange.headers),
+                                                             timeouts.connect, timeouts.first_byte, timeouts.send)
+                        if upstream.status == 200:
+                            first, rest = await _first_chunk(upstream, timeouts)
+                            self.result.attempts.append(Attempt(engine.id, "ok", 200))
+                            handed_over = True
+                            return engine, upstream, claim, first, rest
+                        answer = await _error_answer(engine, upstream, timeouts)
+                        self.result.attempts.append(Attempt(engine.id, f"status {answer.status}", answer.status))
+                        if answer.status >= 500:
+                            engine.health.breaker.record_failure(trio.current_time(), f"status {answer.status}")
+                        else:
+                            engine.health.breaker.abstain(trio.current_time())
+                    except (UpstreamError, trio.TooSlowError) as exc:
+                        engine.health.breaker.record_failure(trio.current_time(), "continuation failed")
+                        lost = isinstance(exc, UpstreamLost)
+                        self.deaths += lost
+                        self.result.attempts.append(Attempt(engine.id, f"{LOST if lost else 'unreachable'} "
+                                                                       f"({exc or 'timeout'})"))
+            finally:
+                if not handed_over:
+                    claim.release()
+                    if upstream is not None:
+                        await upstream.aclose()
             self.failed.add(engine.id)
         return None

@@ -27,6 +27,25 @@ INT_MIN, INT_MAX = -(2**63), 2**64 - 1
 MAX_TOKENS_LIMIT = 2**31 - 1
 TOKEN_ID_LIMIT = 2**32
 """Token ids are hashed as u32 (index.block_hash)."""
+INT64_MAX = 2**63 - 1
+MAX_N_SEQUENCES = 16_384
+"""vLLM's default ``VLLM_MAX_N_SEQUENCES``: the most choices (``n``, ``best_of``) one request may ask for."""
+SAMPLING_INT_RANGES: dict[str, tuple[int, int]] = {
+    "n": (1, MAX_N_SEQUENCES),
+    "best_of": (1, MAX_N_SEQUENCES),
+    "top_k": (-1, INT64_MAX),
+    "seed": (INT_MIN, INT64_MAX),
+    "min_tokens": (0, INT64_MAX),
+    "logprobs": (-1, INT64_MAX),
+    "top_logprobs": (-1, INT64_MAX),
+    "prompt_logprobs": (-1, INT64_MAX),
+    "truncate_prompt_tokens": (-1, INT64_MAX),
+    "thinking_token_budget": (-1, INT64_MAX),
+}
+"""The integer sampling fields and the ranges vLLM takes (``SamplingParams._verify_args``; ``seed`` is a
+torch long in its OpenAI protocol). Above 2^63 - 1 its sampler cannot hold the value and the engine answers
+500, on every engine alike (``top_k = 2**63``): such a request is refused here with a 400 before any engine
+sees it. Booleans (chat's ``logprobs``) are not integers here."""
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _JSON_MEDIA = re.compile(r"^application/(?:[\w.+-]+\+)?json$")
@@ -212,6 +231,13 @@ def _optional_int(body: dict[str, Any], key: str, maximum: int) -> int | None:
     return value
 
 
+def _check_sampling_ints(body: dict[str, Any]) -> None:
+    for key, (low, high) in SAMPLING_INT_RANGES.items():
+        value = body.get(key)
+        if type(value) is int and not low <= value <= high:
+            raise _bad(f"'{key}' must be an integer between {low} and {high}", key)
+
+
 def _optional_str(body: dict[str, Any], key: str) -> str | None:
     value = body.get(key)
     if value is not None and not isinstance(value, str):
@@ -239,6 +265,7 @@ def parse_request(raw: bytes, kind: Kind | None, limits: LimitsConfig = DEFAULT_
         stream = False
     if not isinstance(stream, bool):
         raise _bad("'stream' must be a boolean", "stream")
+    _check_sampling_ints(body)
     max_tokens = _optional_int(body, "max_tokens", MAX_TOKENS_LIMIT)
     if kind == "chat" and body.get("max_completion_tokens") is not None:
         max_tokens = _optional_int(body, "max_completion_tokens", MAX_TOKENS_LIMIT)

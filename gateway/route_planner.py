@@ -21,7 +21,16 @@ from gateway.metrics import RouterMetrics
 from gateway.openai_errors import ApiError
 from gateway.proxy import ProxyResult
 from gateway.request_body import ParsedRequest
-from gateway.routing import Decision, EngineView, RouteRequest, make_policy, prefix_key, route_header, route_table
+from gateway.routing import (
+    Decision,
+    EngineView,
+    RouteRequest,
+    make_policy,
+    prefix_key,
+    public_engine_name,
+    route_header,
+    route_table,
+)
 from gateway.routing.cost import Knowledge
 from gateway.routing.homes import HOME_BLOCKS
 from index.block_hash import chain, root_seed
@@ -83,6 +92,13 @@ class Plan:
     ``TokenizerService.token_ids_or_head``); ``chains`` cover the cached head only."""
     unencoded: DeferredIds | None = None
     """The fresh rest still to encode (``RoutePlanner.encode_rest`` starts it once)."""
+    batch_tokens: int = 0
+    """Tokens of a completions batch's other prompts: routing reads the first, the tenant pays for all."""
+
+    @property
+    def charged_tokens(self) -> int:
+        """The prompt tokens the tenant's budget is charged (0: the router did not count them)."""
+        return self.prompt_tokens + self.batch_tokens
 
     @property
     def counted_tokens(self) -> int:
@@ -96,7 +112,7 @@ class Plan:
         """The ``x-kvmesh-route`` value; cache details only when ``detailed`` (the caller is an admin)."""
         value = route_header(self.decision, detailed)
         if self.decision.chosen != engine_id:
-            value += f"; served_by={engine_id}; attempts={attempts}"
+            value += f"; served_by={engine_id if detailed else public_engine_name(engine_id)}; attempts={attempts}"
         return value
 
     def explain(self) -> dict[str, Any]:
@@ -141,6 +157,12 @@ def prompt_texts(parsed: ParsedRequest) -> tuple[list[str], int]:
     items = prompt if isinstance(prompt, list) else []
     longest = max((p for p in items if isinstance(p, str)), key=len, default="")
     return [longest], max((len(p) for p in items if isinstance(p, list)), default=0)
+
+
+def is_batch(parsed: ParsedRequest) -> bool:
+    """Whether the request is a completions batch: several prompts, each text or token ids."""
+    prompt = parsed.body.get("prompt") if parsed.kind == "completion" else None
+    return isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list))
 
 
 def bounded_key(key: str | None) -> str | None:
@@ -224,13 +246,18 @@ class RoutePlanner:
         self.cache.register(engine.id, block_size=engine.block_size, has_events=has_events,
                             capacity_blocks=engine.load.num_blocks)
 
-    async def _token_ids(self, parsed: ParsedRequest) -> list[int] | DeferredIds:
+    async def _token_ids(self, parsed: ParsedRequest) -> tuple[list[int] | DeferredIds, int]:
+        """The ids routing reads (a completions batch's first prompt), and the tokens of the batch's other
+        prompts."""
         assert self.tokenizers is not None
         try:
+            if is_batch(parsed):
+                every = await self.tokenizers.all_token_ids(parsed.model, parsed.body, parsed.kind)
+                return every[0], sum(len(ids) for ids in every[1:])
             if self._background is None:
-                return await self.tokenizers.token_ids(parsed.model, parsed.body, parsed.kind)
+                return await self.tokenizers.token_ids(parsed.model, parsed.body, parsed.kind), 0
             return await self.tokenizers.token_ids_or_head(parsed.model, parsed.body, parsed.kind,
-                                                           DEFER_IF_DECIDED_CHARS)
+                                                           DEFER_IF_DECIDED_CHARS), 0
         except RenderError as exc:
             raise ApiError(400, exc.message, param=exc.param) from None
         except TokenizerBusy as exc:
@@ -288,14 +315,14 @@ class RoutePlanner:
         started = trio.current_time()
         ids = [e.id for e in candidates]
         token_ids: list[int] = []
-        prompt_tokens = 0
+        prompt_tokens = batch_tokens = 0
         deferred: DeferredIds | None = None
         chains: dict[int, list[int]] = {}
         now = trio.current_time()
         if self.policy.name in CACHE_POLICIES:
             with tracing.step("tokenize") as span:
                 self.refuse_overlength(parsed, candidates)
-                found = await self._token_ids(parsed)
+                found, batch_tokens = await self._token_ids(parsed)
                 if isinstance(found, DeferredIds):
                     deferred, token_ids, prompt_tokens = found, found.head, found.estimated_tokens
                 else:
@@ -328,7 +355,7 @@ class RoutePlanner:
         self.metrics.decision_latency.observe(trio.current_time() - started)
         later = deferred if deferred is not None and deferred.rest_chars >= DEFER_CHARS else None
         return Plan(parsed, decision, ranked, chains, prompt_tokens, estimated=deferred is not None,
-                    unencoded=later)
+                    unencoded=later, batch_tokens=batch_tokens)
 
     def encode_rest(self, plan: Plan) -> None:
         """Start encoding a deferred prompt's fresh rest, once. The router calls this when the answer has

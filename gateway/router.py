@@ -111,7 +111,7 @@ class Router:
         except ApiError as error:
             status = error.status
             record.refused(error)
-            if error.code == "body_too_large":
+            if error.code == "body_too_large" or (error.status == 429 and not record.body_read):
                 await response.fail_then_drain(error, receive, 2 * self.config.max_body_bytes)
             elif error.status != 499:
                 await response.fail(error)
@@ -147,11 +147,12 @@ class Router:
             REQUESTER.set(tenant.name)
             self.gate.admit_debug_route(tenant, _client_host(scope))
             parsed = self.gate.isolate(tenant, await self._read_request(None, scope, receive, headers))
+            record.body_read = True
             # Scoring tokenizes like a request: it is admitted and charged like one.
             priority = self.gate.priority(tenant, headers)
             self.gate.precheck(tenant, priority, self.engines.for_model(parsed.model))
             plan = await self.planner.plan(parsed, headers)
-            self.gate.admit(tenant, priority, parsed, plan.prompt_tokens, plan.engines)
+            self.gate.admit(tenant, priority, parsed, plan.charged_tokens, plan.engines)
             await http_app.send_json(send, 200, plan.explain())
             return 200
         if method == "HEAD" and path in HEAD_PATHS:
@@ -198,8 +199,10 @@ class Router:
             tenant = self.gate.tenant(headers)
             record.tenant = tenant.name
             REQUESTER.set(tenant.name)  # long prompts queue for the tokenizer workers per tenant
-            parsed = self.gate.isolate(tenant, await self._read_request(kind, scope, receive, headers))
             priority = self.gate.priority(tenant, headers)
+            self.gate.check_rate(tenant, priority)
+            parsed = self.gate.isolate(tenant, await self._read_request(kind, scope, receive, headers))
+            record.body_read = True
         tracing.name_request(span, kind, parsed.model, parsed.max_tokens, tenant.name)
         request_id = record.request_id
         self.active_requests += 1
@@ -207,7 +210,7 @@ class Router:
             self.gate.precheck(tenant, priority, self.engines.for_model(parsed.model))
             plan = await self.planner.plan(parsed, headers)
             span.set_attribute("gen_ai.usage.input_tokens", plan.prompt_tokens)
-            self.gate.admit(tenant, priority, parsed, plan.prompt_tokens, plan.engines)
+            self.gate.admit(tenant, priority, parsed, plan.charged_tokens, plan.engines)
             self.planner.dispatched(plan)
             upstream_headers = [*forwarded_headers(headers), ("x-request-id", request_id)]
             detailed = self.gate.sees_cache_state(headers)
@@ -285,6 +288,8 @@ class RequestRecord:
     detail: str | None = None
     """Log-only detail (engine addresses, errno text) kept out of the client's answer."""
     attempts: list[dict[str, Any]] = field(default_factory=list)
+    body_read: bool = False
+    """Whether the request body was read: a 429 before that drains it after answering, as a 413 does."""
 
     def refused(self, error: ApiError) -> None:
         self.code = self.code or error.code or error_type(error.status)

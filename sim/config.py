@@ -34,6 +34,9 @@ class EngineConfig:
     keep_alive_s: float = 5.0
     keep_alive_race_s: float = 0.0
     """Requests on a reused connection arriving this close to the keep-alive close lose the race to it."""
+    stream_interval: int = 1
+    """Tokens per streamed event, as vLLM's ``--stream-interval``: the first and the last token go out at
+    once, the others in groups of this many (speculative decoding also puts several tokens in one event)."""
 
 
 @dataclass(frozen=True, slots=True)

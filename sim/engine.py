@@ -325,13 +325,18 @@ class SimEngine:
     async def _stream(self, head: ResponseHead, sreq: SimRequest, params: GenParams) -> AsyncIterator[bytes]:
         n = 0
         cached = 0
+        pending: list[str] = []
         async with aclosing(self.run_request(sreq)) as outputs:
             async for out in outputs:
                 if n == 0 and head.chat:
                     yield head.role_chunk()
                 n += 1
                 cached = out.cached_tokens
-                yield head.text_chunk(self.tok.token_text[out.token_id], out.finish_reason)
+                pending.append(self.tok.token_text[out.token_id])
+                if (n == 1 or len(pending) >= self.cfg.stream_interval or out.finish_reason is not None
+                        or n == self.faults.error_after):
+                    yield head.text_chunk("".join(pending), out.finish_reason)
+                    pending = []
                 if out.finish_reason is None and n == self.faults.error_after:
                     yield sse(json.loads(ApiError("simulated engine failure mid-stream", status=500).body()))
                     yield DONE

@@ -38,6 +38,9 @@ RENDER_INLINE_MAX_MESSAGES = 256
 """Chat templates run Python per message, ~5 us each here (256: 1.4 ms; 20k: 0.1 s). A larger request renders
 in a thread: it still holds the GIL, but hands it to the event loop every switch interval (5 ms), so the
 loop's stall is bounded by that instead of by the whole render."""
+BATCH_SLICE_PROMPTS = 4_096
+"""Prompts of a batch per tokenizer call: the call returns its results under the GIL, and one call for half a
+million prompts held it (and the event loop) for seconds."""
 RENDER_INLINE_MAX_CHARS = 1 << 20
 """Text beyond this (1 MiB renders in ~1 ms, 8 MiB in ~10 ms) also renders in a thread."""
 
@@ -70,6 +73,8 @@ class ServiceStats:
     deferred: int = 0
     """Prompts routed on their cached head while the fresh rest was still being encoded."""
     thread_renders: int = 0
+    batch_encodes: int = 0
+    """Completions batches (more than one prompt), each encoded in one call in a thread."""
 
 
 class TokenizerService:
@@ -130,6 +135,10 @@ class TokenizerService:
         return await trio.to_thread.run_sync(prompts, tok.hf, body, kind)
 
     async def _ids_of(self, tok: LoadedTokenizer, rendered: Sequence[TextPrompt | TokenPrompt]) -> list[list[int]]:
+        if len(rendered) > 1:
+            self.stats.prompts += len(rendered)
+            self.stats.batch_encodes += 1
+            return await trio.to_thread.run_sync(_batch_ids, tok, rendered)
         out = []
         for prompt in rendered:
             self.stats.prompts += 1
@@ -233,6 +242,27 @@ class TokenizerService:
         return await trio.to_thread.run_sync(lambda: tok.hf.encode(text, add_special_tokens=True))
 
 
+def _batch_ids(tok: LoadedTokenizer, rendered: Sequence[Prompt]) -> list[list[int]]:
+    """Ids of every prompt of a completions batch, its texts encoded in one call of the Rust tokenizer (that
+    releases the GIL), run in a thread: encoded prompt by prompt on the event loop, an 8 MiB batch of short
+    prompts held the loop for ~7 s. The segment cache is left out: it belongs to the loop, and a batch is
+    rarely the head of a conversation."""
+    texts = [p for p in rendered if isinstance(p, TextPrompt)]
+    affixes = tok.plan.affixes if texts and texts[0].add_special_tokens else ((), ())
+    if affixes is None:
+        encoded = iter([tok.hf.encode(p.text, add_special_tokens=True) for p in texts])
+    else:
+        encoded = iter([[*affixes[0], *ids, *affixes[1]]
+                        for start in range(0, len(texts), BATCH_SLICE_PROMPTS)
+                        for ids in encode_plain(tok.hf, [p.text for p in texts[start:start + BATCH_SLICE_PROMPTS]],
+                                                True)])
+    out = []
+    for prompt in rendered:
+        ids = prompt.ids if isinstance(prompt, TokenPrompt) else next(encoded)
+        out.append(finish(truncated(ids, prompt.truncate, prompt.keep_left)))
+    return out
+
+
 def _large(body: dict[str, Any]) -> bool:
     """Whether rendering ``body`` could hold the loop for more than a millisecond or two."""
     if not isinstance(body, dict):
@@ -245,4 +275,6 @@ def _large(body: dict[str, Any]) -> bool:
     else:
         prompt = body.get("prompt")
         texts = prompt if isinstance(prompt, list) else [prompt]
+        if len(texts) > RENDER_INLINE_MAX_MESSAGES:  # a batch of that many prompts (or token ids)
+            return True
     return sum(len(t) for t in texts if isinstance(t, str)) > RENDER_INLINE_MAX_CHARS

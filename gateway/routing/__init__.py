@@ -2,7 +2,7 @@
 
 from gateway.routing.base import Policy
 from gateway.routing.cost import CostModel, CostSettings, queue_depth
-from gateway.routing.explain import route_header, route_table
+from gateway.routing.explain import public_engine_name, route_header, route_table
 from gateway.routing.hashing import prefix_key
 from gateway.routing.learning import TTFTPrior
 from gateway.routing.registry import DEFAULT_POLICY, POLICY_NAMES, make_policy
@@ -22,6 +22,7 @@ __all__ = [
     "make_policy",
     "prefix_key",
     "queue_depth",
+    "public_engine_name",
     "route_header",
     "route_table",
 ]

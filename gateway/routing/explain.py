@@ -6,6 +6,7 @@ when the chosen engine is not one of them, which term of the estimate made the r
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Any
 
@@ -20,6 +21,13 @@ def _token(text: str) -> str:
     return _UNSAFE.sub("-", text.replace("; ", ",")).strip("-") or "-"
 
 
+def public_engine_name(engine_id: str) -> str:
+    """What a tenant is told of an engine: a stable opaque name (the same on every replica and across
+    restarts: a digest of the id), never the id itself, which defaults to the engine's host:port."""
+    return "engine-" + hashlib.blake2b(engine_id.encode("utf-8", "surrogatepass"), digest_size=6,
+                                       person=b"kvmesh-engine").hexdigest()
+
+
 def _ms(seconds: float) -> float:
     return round(seconds * 1000.0, 1)
 
@@ -27,10 +35,11 @@ def _ms(seconds: float) -> float:
 def route_header(decision: Decision, detailed: bool = True) -> str:
     """e.g. ``engine=e1; overlap=1984/2048; est_ttft_ms=42.1; reason=cache-hit-97%; policy=kv_aware``.
 
-    Without ``detailed`` only the engine and the policy: overlap, estimates and reasons say what the
-    engines hold, and a tenant must not learn block by block whether another tenant's prompt is cached."""
+    Without ``detailed`` only the engine's public name and the policy: overlap, estimates and reasons say
+    what the engines hold, and a tenant must not learn block by block whether another tenant's prompt is
+    cached, nor where the engines listen."""
     if not detailed:
-        return f"engine={_token(decision.table[0].engine) if decision.table else 'none'}; " \
+        return f"engine={public_engine_name(decision.table[0].engine) if decision.table else 'none'}; " \
                f"policy={_token(decision.policy)}"
     if not decision.table:
         return f"engine=none; reason={_token(decision.reason)}; policy={_token(decision.policy)}"

@@ -13,7 +13,7 @@ from gateway.proxy import Attempt, Exchange, ProxyResult
 from gateway.replica import build_replica
 from gateway.router import Router
 from tokenization.registry import DEFAULT_TOKENIZER_DIR, LoadedTokenizer
-from tokenization.render import prompt_token_ids_sync
+from tokenization.render import all_prompt_token_ids_sync, prompt_token_ids_sync
 
 MODEL = "m"
 
@@ -36,6 +36,10 @@ class InlineTokenizers:
     async def token_ids(self, model: object, body: dict[str, Any], kind: str) -> list[int]:
         self.calls += 1
         return prompt_token_ids_sync(self.tokenizer.hf, body, kind)
+
+    async def all_token_ids(self, model: object, body: dict[str, Any], kind: str) -> list[list[int]]:
+        self.calls += 1
+        return all_prompt_token_ids_sync(self.tokenizer.hf, body, kind)
 
 
 @dataclass

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 
-from router_inprocess import MODEL, assert_openai_error, call, make_router
+from router_inprocess import MODEL, StubUpstream, assert_openai_error, call, make_router
 
+from gateway.proxy import Attempt, ProxyResult
+from gateway.routing import public_engine_name
 from gateway.security.config import AuthConfig, TenantConfig
 from gateway.security.keys import hash_key
 
@@ -14,11 +16,11 @@ ADMIN, OPS, SHARED, ISOLATED = "kvm-admin", "kvm-ops", "kvm-shared", "kvm-isolat
 BODY = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "what is cached?"}]}).encode()
 
 
-def router(monkeypatch):
+def router(monkeypatch, upstream: StubUpstream | None = None):
     tenants = [TenantConfig("public", [hash_key(SHARED)], cache="shared"),
                TenantConfig("acme", [hash_key(ISOLATED)]), TenantConfig("ops", [hash_key(OPS)])]
     admins = [hash_key(ADMIN), hash_key(OPS)]
-    return make_router(auth=AuthConfig(enabled=True, admin_keys=admins), tenants=tenants)
+    return make_router(upstream, auth=AuthConfig(enabled=True, admin_keys=admins), tenants=tenants)
 
 
 def as_(key: str) -> dict[str, str]:
@@ -67,3 +69,28 @@ async def test_debug_route_is_rate_limited_per_client(monkeypatch):
     refused = await call(app, "POST", "/debug/route", BODY)
     assert assert_openai_error(refused, 429)["code"] == "rate_limit_exceeded" and "retry-after" in refused.headers
     assert (await call(app, "POST", "/v1/chat/completions", BODY)).status == 200
+
+
+class SecondEngineAnswers(StubUpstream):
+    """The first choice failed; the second engine served (the header then names both)."""
+
+    async def __call__(self, engines, exchange, max_attempts: int) -> ProxyResult:
+        attempts = [Attempt(engines[0].id, "status 503", 503), Attempt(engines[1].id, "ok", 200)]
+        await exchange.send({"type": "http.response.start", "status": 200,
+                             "headers": exchange.route_header(engines[1], attempts)})
+        await exchange.send({"type": "http.response.body", "body": b"{}", "more_body": False})
+        return ProxyResult(engine=engines[1], status=200, ttft_s=0.001, attempts=attempts)
+
+
+async def test_a_tenant_is_told_stable_engine_names_never_addresses(monkeypatch):
+    app = router(monkeypatch, SecondEngineAnswers())
+    ids = [e.id for e in app.engines.all()]
+    assert all(id_.startswith("127.0.0.1:") for id_ in ids)
+    names = {public_engine_name(id_) for id_ in ids}
+    for key in (SHARED, ISOLATED):
+        header = (await call(app, "POST", "/v1/chat/completions", BODY, as_(key))).headers["x-kvmesh-route"]
+        fields = dict(part.strip().split("=", 1) for part in header.split(";"))
+        assert {fields["engine"], fields["served_by"]} == names and "127.0.0.1" not in header, header
+    assert names == {public_engine_name(id_) for id_ in ids}, "the same name every time"
+    admin_header = (await call(app, "POST", "/v1/chat/completions", BODY, as_(OPS))).headers["x-kvmesh-route"]
+    assert "served_by=127.0.0.1:" in admin_header, "an admin keeps the engine's id"

@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from router_inprocess import MODEL, InlineTokenizers, StubUpstream, assert_openai_error, call, make_router
 
+from gateway import router as router_module
 from gateway.body_limits import LimitsConfig
 from gateway.request_body import parse_request
 from gateway.route_planner import (
@@ -251,3 +252,36 @@ async def test_a_refused_background_encode_is_counted_and_the_router_keeps_servi
             assert (await call(router, "POST", "/v1/chat/completions", STREAMED_CHAT)).status == 200
     assert log.count("refused") == 12
     assert failures._value.get() == 12
+
+
+async def test_a_tenant_over_its_rate_limit_is_refused_before_its_body_is_parsed(monkeypatch):
+    """An 8 MiB body costs the loop a parse: a tenant over its limit gets its 429 first (it got the body's
+    400 before), and the rest of its body is still read so that the client sees the answer."""
+    key = "kvm-flooder"
+    tenant = TenantConfig("flooder", keys=[hash_key(key)], requests_per_second=1.0)
+    router = make_router(auth=AuthConfig(enabled=True), tenants=[tenant])
+    headers = {"content-type": "application/json", "authorization": f"Bearer {key}"}
+    malformed = [b'{"model": "m", "messages": [', b"x" * 1024]
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    assert (await call(router, "POST", "/v1/chat/completions", body, headers)).status == 200
+    parsed = []
+    monkeypatch.setattr(router_module, "parse_request", lambda *args: parsed.append(args) or None)
+    refused = await call(router, "POST", "/v1/chat/completions", malformed, headers)
+    assert assert_openai_error(refused, 429)["code"] == "rate_limit_exceeded"
+    assert parsed == [] and refused.unread == 0
+
+
+async def test_every_prompt_of_a_completions_batch_is_charged_to_the_tenant(monkeypatch):
+    """Routing reads the first prompt; the tenant's token budget paid for that one only."""
+    key = "kvm-batcher"
+    tenant = TenantConfig("batcher", keys=[hash_key(key)], prompt_tokens_per_minute=60)
+    router = make_router(auth=AuthConfig(enabled=True), tenants=[tenant])
+    headers = {"content-type": "application/json", "authorization": f"Bearer {key}"}
+    prompt = "one two three four five six seven eight nine ten"
+    tokens = len(InlineTokenizers().tokenizer.hf.encode(prompt))
+    assert 4 <= tokens <= 30
+    batch = json.dumps({"model": MODEL, "prompt": [prompt] * 8, "max_tokens": 1}).encode()
+    refused = await call(router, "POST", "/v1/completions", batch, headers)
+    assert assert_openai_error(refused, 429)["code"] == "rate_limit_exceeded", "8 prompts fit a 60-token budget"
+    single = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 1}).encode()
+    assert (await call(router, "POST", "/v1/completions", single, headers)).status == 200

@@ -6,6 +6,7 @@ import os
 import random
 import signal
 import sysconfig
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -16,6 +17,7 @@ import trio.testing
 from tokenizers import AddedToken, Tokenizer
 from transformers import PreTrainedTokenizerFast
 
+from tokenization import service
 from tokenization.build_default import CHATML_TEMPLATE
 from tokenization.messages import RenderError
 from tokenization.registry import DEFAULT_TOKENIZER_DIR, LoadedTokenizer, TokenizerRegistry, load_tokenizer
@@ -77,27 +79,44 @@ async def test_a_middling_fresh_turn_is_encoded_in_a_thread_not_a_worker_process
         assert (svc.stats.thread_encodes, svc.stats.worker_encodes) == (1, 0)
 
 
+def on_the_loop(monkeypatch, name: str) -> list[bool]:
+    """Whether each call of the service's ``name`` ran on the event loop's thread (True) or another one."""
+    calls: list[bool] = []
+    original = getattr(service, name)
+
+    def recording(*args):
+        calls.append(threading.current_thread() is threading.main_thread())
+        return original(*args)
+
+    monkeypatch.setattr(service, name, recording)
+    return calls
+
+
 async def test_a_request_of_thousands_of_messages_renders_off_the_event_loop(monkeypatch) -> None:
     """A chat template runs Python per message: 20k messages held the loop ~0.1 s (0.5 s on a busy machine)
     while every other request and health poll waited. Large requests render in a thread; small ones inline."""
-    import threading
-
-    from tokenization import service
-
-    rendered_on: list[bool] = []
-    render = service.prompts
-
-    def recording(*args):
-        rendered_on.append(threading.current_thread() is threading.main_thread())
-        return render(*args)
-
-    monkeypatch.setattr(service, "prompts", recording)
+    rendered_on = on_the_loop(monkeypatch, "prompts")
     many = {"messages": [{"role": ("user", "assistant")[i % 2], "content": f"m{i}"} for i in range(2_000)]}
     few = {"messages": [{"role": "user", "content": "hello"}]}
     async with TokenizerService.open(TokenizerRegistry(default=SPEC)) as svc:
         assert await svc.token_ids(None, many, "chat") == all_prompt_token_ids_sync(HF, many, "chat")[0]
         assert await svc.token_ids_or_head(None, few, "chat", 16_000) == all_prompt_token_ids_sync(HF, few, "chat")[0]
     assert rendered_on == [False, True] and svc.stats.thread_renders == 1
+
+
+async def test_a_completions_batch_of_short_prompts_is_encoded_off_the_event_loop(monkeypatch) -> None:
+    """Encoded prompt by prompt on the loop (each short enough to go inline), an 8 MiB batch held the loop
+    for ~7 s: a batch is encoded in one call, in a thread, with the same ids."""
+    encoded_on = on_the_loop(monkeypatch, "encode_plain")
+    rnd = random.Random(5)
+    batch = {"prompt": [excerpt(rnd, 30) for _ in range(2_000)] + [[5, 6, 7]], "truncate_prompt_tokens": 6}
+    async with TokenizerService.open(TokenizerRegistry(default=SPEC)) as svc:
+        assert await svc.all_token_ids(None, batch, "completion") == all_prompt_token_ids_sync(HF, batch,
+                                                                                              "completion")
+        assert await svc.all_token_ids(None, {"prompt": ["a b", "c"]}, "completion") == [HF.encode("a b"),
+                                                                                         HF.encode("c")]
+    assert encoded_on and not any(encoded_on), "a batch was encoded on the event loop"
+    assert svc.stats.batch_encodes == 2
 
 
 async def test_unknown_model_without_default_is_a_render_error() -> None:
