@@ -6,7 +6,8 @@ Namespaces (flat maps of string keys to string values, see mesh/crdt_doc.py):
 - ``approx``:   ``"<engine>\\x1f<own_key>"`` -> expiry (unix seconds) of a block some replica sent there
                 (approximate entries of engines without events, speculative entries of the others)
 - ``limits``:   ``"<replica>"`` -> JSON of that replica's windowed request/token counts per tenant
-- ``autoscaler``: ``"lease"`` -> JSON lease (holder, expiry, term: autoscale/lease.py); ``"state"``,
+- ``autoscaler``: ``"lease"`` -> JSON lease (holder, expiry, term) and ``"members"`` -> JSON list of the
+                replica ids quorum is counted against (autoscale/lease.py); ``"state"``,
                 ``"pending:<request>"`` and ``"engine:<id>"`` -> JSON written by the lease holder
 
 The block index itself is not here: every replica ingests every engine's KV events itself and a starting
@@ -150,6 +151,13 @@ class MeshState:
 
     def write_lease(self, text: str) -> None:
         self.node.write([("autoscaler", "lease", text)])
+
+    def members(self) -> str | None:
+        """The autoscaler's member list as written (parse with autoscale.lease.parse_members)."""
+        return self.content["autoscaler"].get("members")
+
+    def write_members(self, members: list[str]) -> None:
+        self.node.write([("autoscaler", "members", json.dumps(members))])
 
     def autoscaler_entries(self, prefix: str) -> dict[str, dict[str, Any]]:
         """The autoscaler's JSON objects whose keys start with ``prefix`` (malformed ones are counted)."""
