@@ -159,7 +159,7 @@ class AutoscaleLoop:
             update = self.keeper.members_update(now, alive, members, node.departed_members())
             if update is not None:
                 self.state.write_members(update)
-            if not self.acting or current.term != self.term:
+            if current.term != self.term:
                 self.term = current.term
                 self._took_over(current)
         self.acting = acting
@@ -345,15 +345,17 @@ class AutoscaleLoop:
         """``GET /admin/autoscaler``: the same on every replica (the holder's shared state)."""
         shared = self._entries("state").get("state", {})
         lease = self.lease()
-        decisions = list(self.decisions) if self.acting else shared.get("decisions", [])
+        acting = self.may_act(time.time())
+        decisions = list(self.decisions) if acting else shared.get("decisions", [])
         return {
-            "enabled": True, "me": self.me, "acting": self.acting, "dry_run": self.config.dry_run,
+            "enabled": True, "me": self.me, "acting": acting, "dry_run": self.config.dry_run,
+            "term": self.term,
             "provider": self.config.provider,
             "lease": dataclasses.asdict(lease) if lease else None,
-            "holder": lease.holder if lease else (self.me if self.acting else None),
+            "holder": lease.holder if lease else (self.me if acting else None),
             "pending": sorted(self._entries("pending:")),
             "managed": sorted(k.removeprefix("engine:") for k in self._entries("engine:")),
-            "draining": sorted(self.draining) if self.acting else shared.get("draining", []),
+            "draining": sorted(self.draining) if acting else shared.get("draining", []),
             "last_change": shared.get("last_change"),
             "triggers": decisions[-1]["triggers"] if decisions else {},
             "decisions": decisions,
