@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from gateway import http_app
-from gateway.config import ConfigError, EngineConfig, _build
+from gateway.config import ConfigError, EngineConfig, _build, check_engine_label
 from gateway.openai_errors import ApiError
 from gateway.request_body import load_json_object
 from index.digest import block_set_digest
@@ -150,8 +150,8 @@ def check_engine_setting(key: str, value: Any) -> None:
     if key in BOOLEAN_STATE_KEYS:
         if not isinstance(value, bool):
             raise ValueError(f"'{key}' must be true or false")
-    elif value is not None and not (isinstance(value, str) and 0 < len(value) <= 64 and value.isprintable()):
-        raise ValueError(f"'{key}' must be null or a printable string of up to 64 characters")
+    else:
+        check_engine_label(key, value)
 
 
 def _check_state(body: dict[str, Any]) -> None:
