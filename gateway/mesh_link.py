@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from gateway.admin import ADMIN_STATE_KEYS, check_engine_setting
-from gateway.config import ConfigError, EngineConfig, RouterConfig, validate_engine_url
+from gateway.config import ConfigError, EngineConfig, RouterConfig, _build
 from gateway.engines import EngineState
 from gateway.mesh_state import NAMESPACES, MeshState
 from mesh.auth import load_secret
@@ -67,9 +67,27 @@ def _advertise_for(bind: str) -> str | None:
         return None
 
 
+ENGINE_FIELDS = ("url", "model", "events", "replay", "topic", "block_size", "curve_server_key")
+"""What an engine's registry entry carries beside its admin state: all of its EngineConfig, so an engine
+added on one replica is read the same way on every other (its event endpoints, topic, model, block size
+and CURVE server key; before, only the URL travelled and CURVE was silently off elsewhere). None of it is
+a secret: the server key is the publisher's public key, and each replica reads events with the key pair in
+its own ``events_curve_secret_file`` (a secret by reference: a replica without one refuses the channel)."""
+
+
 def registry_state(engine: EngineState) -> dict[str, Any]:
-    return {"draining": engine.draining, "maintenance": engine.maintenance, "island": engine.config.island,
-            "zone": engine.zone}
+    """The registry entry this replica writes for ``engine``: admin state and the whole engine config."""
+    config = {key: getattr(engine.config, key) for key in ENGINE_FIELDS}
+    return {**config, "url": engine.url, "draining": engine.draining, "maintenance": engine.maintenance,
+            "island": engine.config.island, "zone": engine.zone}
+
+
+def replicated_engine(engine_id: str, entry: dict[str, Any], island: str | None) -> EngineConfig:
+    """The EngineConfig of a peer's registry entry, checked like a configured engine; ConfigError if not."""
+    table = {key: entry[key] for key in ENGINE_FIELDS if entry.get(key) is not None}
+    config = _build(EngineConfig, {**table, "id": engine_id, "island": island}, "replicated engine")
+    config.validate("replicated engine")
+    return config
 
 
 async def sweep_dispatches(state: MeshState) -> None:
@@ -102,8 +120,7 @@ def follow_mesh(router: Router, state: MeshState) -> None:
         try:
             settings = registry_settings(entry)
             if router.engines.get(engine_id) is None and "url" in entry:
-                router.add_engine(EngineConfig(url=validate_engine_url(entry["url"]), id=engine_id,
-                                               island=settings.get("island")), replicate=False)
+                router.add_engine(replicated_engine(engine_id, entry, settings.get("island")), replicate=False)
         except (ValueError, TypeError) as exc:
             state.malformed["registry"] += 1
             log.warning("refused a replicated engine entry", extra={"engine": engine_id[:200], "reason": str(exc)})

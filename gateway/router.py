@@ -113,7 +113,7 @@ class Router:
         if engine.id not in self._watches:
             self._watch(engine)
         if replicate and self.mesh_state is not None:
-            self.mesh_state.set_registry(engine.id, {**registry_state(engine), "url": engine.url})
+            self.mesh_state.set_registry(engine.id, registry_state(engine))
         return engine.id
 
     def remove_engine(self, engine_id: str, replicate: bool = True) -> None:
@@ -136,7 +136,7 @@ class Router:
             elif key in ADMIN_STATE_KEYS:
                 setattr(engine, key, value)
         if replicate and self.mesh_state is not None:
-            self.mesh_state.set_registry(engine_id, {**registry_state(engine), "url": engine.url})
+            self.mesh_state.set_registry(engine_id, registry_state(engine))
 
     def _export_gauges(self, metrics: RouterMetrics) -> None:
         now, clock = time.monotonic(), trio.current_time()
