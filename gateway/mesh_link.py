@@ -26,6 +26,10 @@ from mesh.node import MeshNode
 from mesh.settings import MeshSettings
 
 DISPATCH_SWEEP_S = 5.0
+TOMBSTONE_SWEEP_S = 60.0
+TOMBSTONE_TTL_S = 3600.0
+"""A removed engine's tombstone is kept this long: a replica cut off for less learns of the removal from it
+(one cut off for longer still holds the live entry, which a merge re-adds as a registry value)."""
 log = logging.getLogger("kvmesh.mesh")
 
 if TYPE_CHECKING:
@@ -96,6 +100,15 @@ async def sweep_dispatches(state: MeshState) -> None:
         await trio.sleep(DISPATCH_SWEEP_S)
         if state.node.is_leader():
             state.sweep_dispatches(time.time())
+
+
+async def sweep_tombstones(state: MeshState) -> None:
+    """The mesh's leader deletes registry entries of engines removed more than TOMBSTONE_TTL_S ago, so
+    autoscaler churn does not grow the document (and every snapshot) by one entry per engine ever run."""
+    while True:
+        await trio.sleep(TOMBSTONE_SWEEP_S)
+        if state.node.is_leader():
+            state.sweep_tombstones(time.time() - TOMBSTONE_TTL_S)
 
 
 def registry_settings(state: dict[str, Any]) -> dict[str, Any]:

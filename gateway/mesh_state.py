@@ -2,7 +2,8 @@
 
 Namespaces (flat maps of string keys to string values, see mesh/crdt_doc.py):
 
-- ``registry``: ``"<engine>"`` -> JSON admin state (url, drain, maintenance, island), or ``{"removed": true}``
+- ``registry``: ``"<engine>"`` -> JSON engine config and admin state (url, events, drain, island, ...), or
+                ``{"removed": true, "removed_at"}`` (deleted by the leader an hour later)
 - ``approx``:   ``"<engine>\\x1f<own_key>"`` -> expiry (unix seconds) of a block some replica sent there
                 (approximate entries of engines without events, speculative entries of the others)
 - ``limits``:   ``"<replica>"`` -> JSON of that replica's windowed request/token counts per tenant
@@ -98,6 +99,18 @@ class MeshState:
 
     def registry(self) -> dict[str, dict[str, Any]]:
         return self._decoded("registry", self.content["registry"].items())
+
+    def sweep_tombstones(self, removed_before: float) -> int:
+        """Delete the entries of engines removed before ``removed_before`` (unix seconds); a tombstone
+        without a valid time (an older writer's) counts as removed long ago."""
+        old = []
+        for engine, state in self.registry().items():
+            if state.get("removed") is True:
+                at = state.get("removed_at")
+                valid = isinstance(at, int | float) and not isinstance(at, bool) and at == at
+                if not valid or at < removed_before:
+                    old.append(engine)
+        return len(self.node.write(("registry", engine, None) for engine in old)) if old else 0
 
     def on_registry(self, callback: RegistryCallback) -> None:
         """Call ``callback(engine_id, state or None)`` whenever an engine's admin state changes anywhere."""

@@ -26,7 +26,7 @@ from gateway.engines import EngineRegistry, EngineState
 from gateway.event_ingest import EventIngest
 from gateway.gatekeeper import Gatekeeper
 from gateway.loop_lag import watch_loop_lag
-from gateway.mesh_link import build_mesh_node, follow_mesh, registry_state, sweep_dispatches
+from gateway.mesh_link import build_mesh_node, follow_mesh, registry_state, sweep_dispatches, sweep_tombstones
 from gateway.mesh_state import MeshState
 from gateway.metrics import RouterMetrics
 from gateway.openai_errors import ApiError, error_type, sse_error_event
@@ -86,6 +86,7 @@ class Router:
                 await nursery.start(self.mesh.run)
                 follow_mesh(self, self.mesh_state)
                 nursery.start_soon(sweep_dispatches, self.mesh_state)
+                nursery.start_soon(sweep_tombstones, self.mesh_state)
                 if self.gate.has_limits:
                     nursery.start_soon(self.gate.share_limits, self.mesh_state)
             await nursery.start(self.planner.run)
@@ -123,8 +124,9 @@ class Router:
         self.ingest.remove(engine_id)
         self.engines.remove(engine_id)
         self.planner.cache.unregister(engine_id)
+        self.metrics.forget_engine(engine_id)
         if replicate and self.mesh_state is not None:
-            self.mesh_state.set_registry(engine_id, {"removed": True})
+            self.mesh_state.set_registry(engine_id, {"removed": True, "removed_at": round(time.time(), 3)})
 
     def set_engine_state(self, engine_id: str, state: dict[str, Any], replicate: bool = True) -> None:
         engine = self.engines.get(engine_id)

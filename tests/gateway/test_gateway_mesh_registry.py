@@ -1,5 +1,6 @@
 """An engine added on one replica is the same engine on every other: the registry entry carries its whole
-config (event endpoints, topic, model, block size, CURVE server key), checked like a configured engine."""
+config (event endpoints, topic, model, block size, CURVE server key), checked like a configured engine. A
+removed engine leaves neither a tombstone for ever nor metric series."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ from types import SimpleNamespace
 import trio
 from router_inprocess import make_router
 
+from events.counters import ENGINE_TASK_FAILURES, EVENTS_DROPPED
 from gateway.config import EngineConfig
 from gateway.mesh_link import follow_mesh
+from gateway.mesh_state import NAMESPACES, MeshState
+from mesh.crdt_doc import ReplicatedDoc
 
 SERVER_KEY = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"
 
@@ -64,3 +68,27 @@ async def test_an_engine_added_on_one_replica_keeps_its_events_and_curve_key_on_
         assert second.engines.get("bad") is None and second.engines.get("bad2") is None
         assert feed.malformed["registry"] == 2
         nursery.cancel_scope.cancel()
+
+
+def test_tombstones_of_removed_engines_expire():
+    """Autoscaler churn wrote one tombstone per engine ever removed, kept for ever in the document."""
+    doc = ReplicatedDoc("a", NAMESPACES)
+    state = MeshState(SimpleNamespace(doc=doc, write=doc.write, subscribe=doc.subscribe, member_id="a"))
+    state.set_registry("live", {"url": "http://127.0.0.1:9"})
+    state.set_registry("old", {"removed": True, "removed_at": 1000.0})
+    state.set_registry("recent", {"removed": True, "removed_at": 5000.0})
+    state.set_registry("undated", {"removed": True})
+    assert state.sweep_tombstones(removed_before=2000.0) == 2
+    assert sorted(state.registry()) == ["live", "recent"]
+
+
+async def test_a_removed_engine_leaves_no_metric_series_behind(monkeypatch):
+    router = make_router(monkeypatch)
+    engine = router.engines.all()[0].id
+    router.metrics.ttft.labels(engine).observe(0.1)
+    router.metrics.upstream_errors.labels(engine, "timeout").inc()
+    EVENTS_DROPPED.labels(engine, "malformed").inc()
+    ENGINE_TASK_FAILURES.labels(engine, "health", "OSError").inc()
+    assert f'engine="{engine}"' in router.metrics.render().decode()
+    router.remove_engine(engine)
+    assert f'engine="{engine}"' not in router.metrics.render().decode()
