@@ -92,7 +92,8 @@ class AutoscaleLoop:
                                   join_s=self.config.join_s, forget_s=self.config.member_forget_s,
                                   started_at=started)
         self.metrics = AutoscalerMetrics(router.metrics.registry)
-        self.faults = TaskFaults(self.metrics.task_failures)
+        self.faults = TaskFaults(lambda task, reason: self.metrics.task_failures.labels(task, reason).inc(), log,
+                                 "autoscaler")
         self.acting = self.state is None
         self.term = int(started * 1000) if self.state is None else 0
         """The fencing token of this replica's calls: the lease term (without a mesh, the start time in ms,

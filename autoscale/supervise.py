@@ -1,11 +1,11 @@
-"""Every autoscaler task has an owner that catches, logs once, counts and goes on.
+"""Every long-lived task has an owner that catches, logs once, counts and goes on.
 
-A provider is untrusted (a user's executable, a cloud API) and the replicated document is written by
-peers: an exception that left one of the autoscaler's tasks would end its nursery and the router with
-it, and after a takeover the next holder's too. ``TaskFaults`` is the sans-IO part (one episode per
-task: the first failure is logged with its traceback, every failure is counted by task and exception
-type, the retry delay doubles); :func:`supervise` reruns a loop after the delay, :func:`guarded` runs a
-one-shot task once and reports whether it finished.
+Engines, providers and peers are untrusted: an exception that left one of the tasks that talk to them
+would end its nursery and the router with it (for the autoscaler, after a takeover, the next holder's
+too). ``TaskFaults`` is the sans-IO part (one episode per task: the first failure is logged with its
+traceback, every failure is counted by task and exception type, the retry delay doubles up to a cap);
+:func:`supervise` reruns a loop after the delay, :func:`guarded` runs a one-shot task once and reports
+whether it finished. gateway/engine_faults.py specialises it for engine watchers.
 """
 
 from __future__ import annotations
@@ -16,18 +16,21 @@ from typing import Any
 
 import trio
 
-log = logging.getLogger("kvmesh.autoscaler")
-
 BACKOFF_BASE_S = 0.25
 BACKOFF_MAX_S = 30.0
 
 
 class TaskFaults:
-    """Consecutive failures per task since its last success; ``counter`` is a Prometheus counter labelled
-    ``task`` and ``reason``."""
+    """Consecutive failures per task since its last success. ``count(task, reason)`` counts one failure
+    (a Prometheus counter); ``what`` names the tasks' owner in log lines, ``extra`` is added to them."""
 
-    def __init__(self, counter: Any, base_s: float = BACKOFF_BASE_S, max_s: float = BACKOFF_MAX_S) -> None:
-        self.counter = counter
+    def __init__(self, count: Callable[[str, str], None], log: logging.Logger, what: str,
+                 extra: dict[str, Any] | None = None, base_s: float = BACKOFF_BASE_S,
+                 max_s: float = BACKOFF_MAX_S) -> None:
+        self.count = count
+        self.log = log
+        self.what = what
+        self.extra = extra or {}
         self.base_s = base_s
         self.max_s = max_s
         self.failing: dict[str, int] = {}
@@ -37,24 +40,34 @@ class TaskFaults:
         count = self.failing.get(task, 0)
         self.failing[task] = count + 1
         reason = type(exc).__name__
-        self.counter.labels(task, reason).inc()
+        self.count(task, reason)
+        self.on_failure(task, reason, exc)
         if count == 0:
-            log.error("autoscaler task failed; going on", exc_info=exc, extra={"task": task, "reason": reason})
+            self.log.error(f"{self.what} task failed; retrying with backoff", exc_info=exc,
+                           extra={**self.extra, "task": task, "reason": reason})
         return min(self.max_s, self.base_s * 2 ** min(count, 32))
 
     def succeeded(self, task: str) -> None:
+        """The task did its job once: the episode (if any) is over."""
         if self.failing.pop(task, 0):
-            log.info("autoscaler task recovered", extra={"task": task})
+            self.on_recovery(task)
+            self.log.info(f"{self.what} task recovered", extra={**self.extra, "task": task})
+
+    def on_failure(self, task: str, reason: str, exc: BaseException) -> None:
+        """What else a failure means to the owner (nothing here)."""
+
+    def on_recovery(self, task: str) -> None:
+        """What else a recovery means to the owner (nothing here)."""
 
 
 async def supervise(faults: TaskFaults, task: str, run: Callable[[], Awaitable[None]]) -> None:
-    """Run ``run()`` until it returns; whatever it raises (but cancellation) is counted and it is rerun
-    after the backoff."""
+    """Run ``run()`` until it returns; whatever it raises (but cancellation) is counted and it is rerun after
+    the backoff. ``run`` reports its own progress with ``faults.succeeded(task)``."""
     while True:
         try:
             await run()
             return
-        except Exception as exc:  # a provider or a peer's value must never end the router
+        except Exception as exc:  # the other side is untrusted: nothing it causes may end the router
             delay = faults.failed(task, exc)
         await trio.sleep(delay)
 
