@@ -18,6 +18,9 @@ class AutoscaleConfig:
     command: list[str] = field(default_factory=list)
     """``command`` provider: the executable and its first arguments (the action is appended)."""
     command_timeout_s: float = 600.0
+    command_env: list[str] = field(default_factory=list)
+    """``command`` provider: environment variables passed on to the executable, beside PATH, HOME, LANG,
+    LC_ALL, TZ and TMPDIR (the router's other variables, its secrets among them, are not)."""
     sim_args: list[str] = field(default_factory=list)
     """``local`` provider: extra ``kvmesh sim`` flags for every engine it starts."""
     provisioning_scale: float = 1.0
@@ -25,6 +28,12 @@ class AutoscaleConfig:
     interval_s: float = 5.0
     drain_deadline_s: float = 120.0
     lease_ttl_s: float = 3.0
+    replicas: int = 0
+    """The mesh's size, for the lease's quorum; 0: the member list the lease holder keeps (autoscale/lease.py)."""
+    join_s: float = 10.0
+    """Without a member list in the document, a replica waits this long after its start before it claims."""
+    member_forget_s: float = 60.0
+    """A member unseen this long leaves the member list (one that left gracefully leaves at once)."""
     min_engines: int = 1
     max_engines: int = 8
     queue_up: float = 4.0
@@ -60,9 +69,11 @@ class AutoscaleConfig:
             raise ValueError(f"{where}.command: the command provider needs an executable")
         if not self.offers:
             raise ValueError(f"{where}.offers: at least one offer is needed")
-        for key in ("interval_s", "drain_deadline_s", "lease_ttl_s", "command_timeout_s"):
+        for key in ("interval_s", "drain_deadline_s", "lease_ttl_s", "command_timeout_s", "member_forget_s"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{where}.{key}: must be positive")
+        if self.replicas < 0 or self.join_s < 0:
+            raise ValueError(f"{where}.replicas, join_s: must not be negative")
         for i, offer in enumerate(self.offers):
             offer.validate(f"{where}.offers[{i}]")
         self.policy().validate(where)

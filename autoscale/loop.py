@@ -1,10 +1,15 @@
 """The autoscaler at the edge: one trio task per router replica, acting only while it holds the lease.
 
 AutoscaleLoop.run
- +- lease loop      (renew or claim the lease in the replicated document; autoscale/lease.py)
+ +- lease loop      (renew or claim the lease, keep the member list; autoscale/lease.py)
  +- decision loop   (every interval: signals -> Autoscaler.decide -> log, gauges, shared state, act)
  +- provider tasks  (provisioning; a ready engine is registered with every router through FleetControl)
- +- drains          (no new requests; wait until idle or the deadline; terminate; remove)
+ +- adoption, drains (no new requests; wait until idle or the deadline; terminate; remove)
+
+Every one of them runs under autoscale/supervise.py: whatever a provider or a peer's value raises is
+logged once, counted (``kvmesh_autoscaler_task_failures``) and the task goes on or ends alone. Whether
+this replica may act is checked again (on the wall clock) right before each decision and each release,
+and every provider call carries the lease term as a fencing token.
 
 Provisions in flight (``pending:``) and the engines the autoscaler started (``engine:``) live in the
 document, so a replica that takes the lease over counts them and never provisions twice; without a mesh
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections import deque
 from typing import Any
@@ -24,11 +30,12 @@ from prometheus_client import Counter, Gauge
 
 from autoscale.config import AutoscaleConfig
 from autoscale.decision import Autoscaler, Decision
-from autoscale.lease import Lease, LeaseKeeper
+from autoscale.lease import ACT_MARGIN, Lease, LeaseKeeper, parse_members
 from autoscale.ports import FleetControl, SignalSource
 from autoscale.providers.base import Provider, ProviderError, ProvisionResult
 from autoscale.providers.command import CommandProvider
 from autoscale.providers.local import LocalProvider
+from autoscale.supervise import TaskFaults, guarded, supervise
 
 log = logging.getLogger("kvmesh.autoscaler")
 KEPT_DECISIONS = 20
@@ -40,8 +47,15 @@ STREAM_HANDOVER_S = 2.0
 
 def make_provider(config: AutoscaleConfig) -> Provider:
     if config.provider == "command":
-        return CommandProvider(config.command, config.command_timeout_s)
+        return CommandProvider(config.command, config.command_timeout_s, config.command_env)
     return LocalProvider(config.sim_args, provisioning_scale=config.provisioning_scale)
+
+
+def number(value: Any) -> float:
+    """A number from a document value a peer wrote: 0.0 unless it is a finite int or float."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return 0.0
 
 
 class AutoscalerMetrics:
@@ -56,6 +70,8 @@ class AutoscalerMetrics:
                                  ["action"], registry=registry)
         self.errors = Counter("kvmesh_autoscaler_provider_errors", "Failed provider calls", ["op"],
                               registry=registry)
+        self.task_failures = Counter("kvmesh_autoscaler_task_failures", "Autoscaler task failures caught and "
+                                     "survived", ["task", "reason"], registry=registry)
 
 
 class AutoscaleLoop:
@@ -70,9 +86,17 @@ class AutoscaleLoop:
         self.provider = provider or make_provider(self.config)
         self.state = state
         self.me = me
-        self.keeper = LeaseKeeper(self.me, self.config.lease_ttl_s)
+        started = time.time()
+        self.keeper = LeaseKeeper(self.me, self.config.lease_ttl_s, replicas=self.config.replicas,
+                                  join_s=self.config.join_s, forget_s=self.config.member_forget_s,
+                                  started_at=started)
         self.metrics = AutoscalerMetrics(registry)
+        self.faults = TaskFaults(lambda task, reason: self.metrics.task_failures.labels(task, reason).inc(), log,
+                                 "autoscaler")
         self.acting = self.state is None
+        self.term = int(started * 1000) if self.state is None else 0
+        """The fencing token of this replica's calls: the lease term (without a mesh, the start time in ms,
+        so a restarted router's requests still outrank its predecessor's)."""
         self.decisions: deque[dict[str, Any]] = deque(maxlen=KEPT_DECISIONS)
         self.draining: set[str] = set()
         self._local: dict[str, dict[str, Any]] = {}
@@ -103,47 +127,69 @@ class AutoscaleLoop:
             self._nursery = nursery
             self.provider.attach(nursery)
             if self.state is not None:
-                nursery.start_soon(self._lease_loop)
+                nursery.start_soon(supervise, self.faults, "lease", self._lease_loop)
             task_status.started()
-            while True:
-                await trio.sleep(self.config.interval_s)
-                try:
-                    self.tick(time.time())
-                except Exception:  # a bug or a surprise from a provider must not take the router down
-                    self.metrics.errors.labels("tick").inc()
-                    log.exception("autoscaler decision failed")
+            await supervise(self.faults, "decide", self._decision_loop)
+
+    async def _decision_loop(self) -> None:
+        while True:
+            await trio.sleep(self.config.interval_s)
+            self.tick(time.time())
+            self.faults.succeeded("decide")
 
     async def _lease_loop(self) -> None:
-        assert self.state is not None
-        node = self.state.node
         while True:
-            now = time.time()
-            current = self.lease()
-            claim = self.keeper.claim(current, now, set(node.live_members()), node.alive_members())
-            if claim is not None and not node.isolated:
-                self.state.write_lease(claim.to_json())
-                current = claim
-            acting = self.keeper.acting(current, now, node.isolated)
-            if acting and not self.acting:
-                self._took_over(current)
-            self.acting = acting
-            self.metrics.holder.set(1 if acting else 0)
+            self.lease_step(time.time())
+            self.faults.succeeded("lease")
             await trio.sleep(self.config.lease_ttl_s / 6)
 
-    def _took_over(self, lease: Lease | None) -> None:
+    def lease_step(self, now: float) -> None:
+        """Renew or claim the lease, keep the member list while acting, take over when just acquired."""
+        assert self.state is not None
+        node = self.state.node
+        current = self.lease()
+        members = parse_members(self.state.members())
+        alive = node.alive_members()
+        claim = self.keeper.claim(current, now, alive, members)
+        if claim is not None and not node.isolated:
+            self.state.write_lease(claim.to_json())
+            current = claim
+        acting = self.keeper.acting(current, now, alive, members, node.isolated)
+        if acting and current is not None:
+            update = self.keeper.members_update(now, alive, members, node.departed_members())
+            if update is not None:
+                self.state.write_members(update)
+            if current.term != self.term:
+                self.term = current.term
+                self._took_over(current)
+        self.acting = acting
+        self.metrics.holder.set(1 if acting else 0)
+
+    def may_act(self, now: float) -> bool:
+        """Checked right before acting: the lease this replica acts under is still in the document with more
+        than ACT_MARGIN of its TTL left (a loop that stalled past that must not act on the old verdict)."""
+        if not self.acting:
+            return False
+        if self.state is None:
+            return True
+        lease = self.lease()
+        return (lease is not None and lease.holder == self.me and lease.term == self.term
+                and lease.expires_at - now > self.config.lease_ttl_s * ACT_MARGIN)
+
+    def _took_over(self, lease: Lease) -> None:
         """Continue from the shared state: the last change (for cooldowns) and engines nobody registered."""
         shared = self._entries("state").get("state", {})
         last = shared.get("last_change")
         if isinstance(last, list) and len(last) == 2 and last[1] in ("up", "down"):
-            self.core.last_change = (float(last[0]), last[1])
-        log.info("autoscaler lease taken", extra={"holder": self.me, "term": lease.term if lease else None})
+            self.core.last_change = (number(last[0]), last[1])
+        log.info("autoscaler lease taken", extra={"holder": self.me, "term": lease.term})
         assert self._nursery is not None
-        self._nursery.start_soon(self._adopt)
+        self._nursery.start_soon(guarded, self.faults, "adopt", self._adopt)
 
     async def _adopt(self) -> None:
         """Register engines the provider lists but no router knows (a holder died before registering)."""
         try:
-            listed = await self.provider.list()
+            listed = await self.provider.list(self.term)
         except ProviderError as exc:
             self.metrics.errors.labels("list").inc()
             log.warning("autoscaler provider list failed", extra={"error": str(exc)})
@@ -155,12 +201,12 @@ class AutoscaleLoop:
     # ----- one decision -----------------------------------------------------------------------------
 
     def tick(self, now: float) -> Decision | None:
-        if not self.acting:
+        if not self.may_act(now):
             self._export_shared()
             return None
         started = time.perf_counter()
         pending = self._live_pending(now)
-        managed = {key.removeprefix("engine:"): float(v.get("price_per_hour", 0.0))
+        managed = {key.removeprefix("engine:"): number(v.get("price_per_hour"))
                    for key, v in self._entries("engine:").items()}
         signals = self.signals.read(managed, self.draining, len(pending))
         decision = self.core.decide(signals, now)
@@ -182,7 +228,7 @@ class AutoscaleLoop:
         """Provisions in flight; one past its deadline is dropped (its holder died, or the cloud lost it)."""
         pending = self._entries("pending:")
         for key, value in list(pending.items()):
-            if float(value.get("deadline", 0)) < now:
+            if number(value.get("deadline")) < now:
                 self._set(key, None)
                 del pending[key]
         return pending
@@ -192,7 +238,7 @@ class AutoscaleLoop:
             offer = decision.offer
             deadline = now + 2 * offer.provisioning_s * self.config.provisioning_scale + 60
             for _ in range(decision.count):
-                request_id = self.provider.provision(offer, self._on_ready)
+                request_id = self.provider.provision(offer, self._on_ready, self.term)
                 self._set(f"pending:{self.me}:{request_id}", {"offer": offer.name, "holder": self.me,
                                                               "deadline": deadline})
         elif decision.action == "down":
@@ -200,9 +246,16 @@ class AutoscaleLoop:
             for engine_id in decision.release:
                 self.draining.add(engine_id)
                 self.fleet.drain(engine_id, self.config.drain_deadline_s - STREAM_HANDOVER_S)
-                self._nursery.start_soon(self._drain, engine_id)
+                self._nursery.start_soon(self._guarded_drain, engine_id)
 
     def _on_ready(self, result: ProvisionResult) -> None:
+        """The provider's callback: whatever goes wrong here is counted, never raised into its task."""
+        try:
+            self._ready(result)
+        except Exception as exc:  # an engine the provider returned must not end the router
+            self.faults.failed("ready", exc)
+
+    def _ready(self, result: ProvisionResult) -> None:
         self._set(f"pending:{self.me}:{result.request_id}", None)
         if result.engine is None:
             self.metrics.errors.labels("provision").inc()
@@ -224,6 +277,11 @@ class AutoscaleLoop:
         self._set(f"engine:{engine_id}", {"url": url, "offer": offer_name,
                                           "price_per_hour": offer.price_per_hour if offer else 0.0})
 
+    async def _guarded_drain(self, engine_id: str) -> None:
+        """A drain that failed leaves the engine drained and forgotten here; the router goes on."""
+        if not await guarded(self.faults, "drain", lambda: self._drain(engine_id)):
+            self.draining.discard(engine_id)
+
     async def _drain(self, engine_id: str) -> None:
         """No new requests reach it (draining); release it once idle for a while, or at the deadline. Streams
         still running on it shortly before the deadline are continued on other engines (gateway/proxy.py),
@@ -234,8 +292,14 @@ class AutoscaleLoop:
         while trio.current_time() < deadline and idle_looks < IDLE_CHECKS:
             await trio.sleep(0.5)
             idle_looks = idle_looks + 1 if self.fleet.idle(engine_id, started) else 0
+        if not self.may_act(time.time()):
+            log.warning("autoscaler lease lost during a drain; the engine is left to the next holder",
+                        extra={"engine": engine_id})
+            self.fleet.undrain(engine_id)
+            self.draining.discard(engine_id)
+            return
         try:
-            await self.provider.terminate(engine_id)
+            await self.provider.terminate(engine_id, self.term)
         except ProviderError as exc:
             self.metrics.errors.labels("terminate").inc()
             log.warning("autoscaler terminate failed; the engine stays drained", extra={"engine": engine_id,
@@ -262,21 +326,23 @@ class AutoscaleLoop:
         shared = self._entries("state").get("state", {})
         decisions = shared.get("decisions") or []
         if decisions and isinstance(decisions[-1], dict):
-            self._export(decisions[-1], int(shared.get("pending", 0)), int(shared.get("fleet", 0)))
+            self._export(decisions[-1], int(number(shared.get("pending"))), int(number(shared.get("fleet"))))
 
     def report(self) -> dict[str, Any]:
         """``GET /admin/autoscaler``: the same on every replica (the holder's shared state)."""
         shared = self._entries("state").get("state", {})
         lease = self.lease()
-        decisions = list(self.decisions) if self.acting else shared.get("decisions", [])
+        acting = self.may_act(time.time())
+        decisions = list(self.decisions) if acting else shared.get("decisions", [])
         return {
-            "enabled": True, "me": self.me, "acting": self.acting, "dry_run": self.config.dry_run,
+            "enabled": True, "me": self.me, "acting": acting, "dry_run": self.config.dry_run,
+            "term": self.term,
             "provider": self.config.provider,
             "lease": dataclasses.asdict(lease) if lease else None,
-            "holder": lease.holder if lease else (self.me if self.acting else None),
+            "holder": lease.holder if lease else (self.me if acting else None),
             "pending": sorted(self._entries("pending:")),
             "managed": sorted(k.removeprefix("engine:") for k in self._entries("engine:")),
-            "draining": sorted(self.draining) if self.acting else shared.get("draining", []),
+            "draining": sorted(self.draining) if acting else shared.get("draining", []),
             "last_change": shared.get("last_change"),
             "triggers": decisions[-1]["triggers"] if decisions else {},
             "decisions": decisions,

@@ -24,6 +24,9 @@ class FleetControl(Protocol):
     def drain(self, engine_id: str, handover_in_s: float) -> None:
         """No new requests; streams still running ``handover_in_s`` from now move to other engines."""
 
+    def undrain(self, engine_id: str) -> None:
+        """Back into rotation (a drain this replica may no longer finish)."""
+
     def idle(self, engine_id: str, since: float) -> bool:
         """Nothing runs on the engine, as seen after ``since`` (trio time)."""
 

@@ -176,7 +176,7 @@ async def local_engines(nursery: trio.Nursery, sim_args: list[str], count: int) 
     ready: list[ProvisionResult] = []
     offer = Offer("fixed", provisioning_s=0)
     for _ in range(count):
-        provider.provision(offer, ready.append)
+        provider.provision(offer, ready.append, term=0)
     with trio.fail_after(120):
         while len(ready) < count:
             await trio.sleep(0.05)

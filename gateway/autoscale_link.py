@@ -43,6 +43,9 @@ class FleetAutoscaleControl:
     def drain(self, engine_id: str, handover_in_s: float) -> None:
         self.fleet.drain(engine_id, True, handover_in_s)
 
+    def undrain(self, engine_id: str) -> None:
+        self.fleet.drain(engine_id, False)
+
     def idle(self, engine_id: str, since: float) -> bool:
         return self.fleet.idle(engine_id, since)
 

@@ -56,6 +56,18 @@ def validate_engine_url(url: str) -> str:
     return url
 
 
+MAX_LABEL_CHARS = 64
+
+
+def check_engine_label(key: str, value: Any) -> None:
+    """ValueError unless ``value`` is null or a printable string of 1-64 characters: the one rule for an
+    engine's island and zone, wherever they come from (the config file, the admin API, a provider, a peer's
+    replicated entry), so a label one replica accepts is never refused by the others."""
+    if value is not None and not (isinstance(value, str) and 0 < len(value) <= MAX_LABEL_CHARS
+                                  and value.isprintable()):
+        raise ValueError(f"'{key}' must be null or a printable string of up to {MAX_LABEL_CHARS} characters")
+
+
 @dataclass
 class EngineConfig:
     url: str
@@ -89,6 +101,10 @@ class EngineConfig:
                 raise ConfigError(f"{where}.{key}: expected a tcp:// or ipc:// ZeroMQ endpoint, got {value!r}")
         if self.block_size is not None and self.block_size <= 0:
             raise ConfigError(f"{where}.block_size: must be positive")
+        try:
+            check_engine_label("island", self.island)
+        except ValueError as exc:
+            raise ConfigError(f"{where}.island: {exc}") from None
 
 
 @dataclass

@@ -161,7 +161,8 @@ async def _watch(engine: EngineState, planner, ingest: EventIngest, interval_s: 
         nursery.start_soon(supervise, faults, "metrics",
                            lambda: poll_metrics(engine.id, "/metrics", fetch, on_load, interval_s=interval_s))
         if sources:
-            ingest.add(engine.id, model, sources, engine.first_tokens.let_first_tokens_pass)
+            ingest.add(engine.id, model, sources, engine.first_tokens.let_first_tokens_pass,
+                       lambda: engine.load.num_blocks)
         faults.succeeded("watch")
         log.info("engine discovered", extra={"engine": engine.id, "models": sorted(engine.models),
                                              "event_sources": engine.event_sources})

@@ -33,6 +33,9 @@ from mesh.node import MeshNode
 log = logging.getLogger("kvmesh.ingest")
 
 WARM_TIMEOUT_S = 2.0
+MAX_WARM_BLOCKS = 4_000_000
+"""Bound on a peer's snapshot of an engine whose capacity (num_gpu_blocks) is not known yet: several times
+the blocks of the largest GPU's KV cache at vLLM's smallest block size."""
 SUBSCRIBER_BACKOFF_MAX_S = 30.0
 LOAD_SLICE = 20_000
 """Blocks loaded from a peer's snapshot between two yields to the scheduler."""
@@ -43,6 +46,7 @@ class _Stream:
     model: str
     sources: list[EventSource]
     before_ingest: Callable[[], Awaitable[None]] = go_ahead
+    capacity_blocks: Callable[[], int | None] = lambda: None
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     feeds: list[EngineFeed] = field(default_factory=list)
 
@@ -94,11 +98,13 @@ class EventIngest:
                 nursery.start_soon(self._ingest, engine, stream)
 
     def add(self, engine: str, model: str, sources: list[EventSource],
-            before_ingest: Callable[[], Awaitable[None]] = go_ahead) -> None:
-        """The engine's event endpoints are known: warm up from a peer, then subscribe (awaiting
+            before_ingest: Callable[[], Awaitable[None]] = go_ahead,
+            capacity_blocks: Callable[[], int | None] = lambda: None) -> None:
+        """The engine's event endpoints are known: warm up from a peer (no more blocks than
+        ``capacity_blocks()``, the engine's KV capacity when known), then subscribe (awaiting
         ``before_ingest`` before each pass over its queued events)."""
         self.remove(engine)
-        stream = self._streams[engine] = _Stream(model, sources, before_ingest)
+        self._streams[engine] = stream = _Stream(model, sources, before_ingest, capacity_blocks)
         self._send.send_nowait((engine, stream))
 
     def remove(self, engine: str) -> None:
@@ -113,7 +119,7 @@ class EventIngest:
         with stream.scope:
             holders = holder_keys(engine, [source.rank for source in stream.sources])
             self.cache.set_holders(engine, holders)
-            resume = await self._warm(engine, holders)
+            resume = await self._warm(engine, holders, stream.capacity_blocks() or MAX_WARM_BLOCKS)
             stream.feeds = [EngineFeed(engine, stream.model, self.cache, resume_seq=seq, holder=holder)
                             for seq, holder in zip(resume, holders, strict=True)]
             log.info("ingesting events", extra={"engine": engine, "resume_seq": list(resume)})
@@ -122,9 +128,10 @@ class EventIngest:
                     nursery.start_soon(_supervised, feed, source, self.budget, self.subscriber,
                                        stream.before_ingest)
 
-    async def _warm(self, engine: str, holders: tuple[str, ...]) -> tuple[int | None, ...]:
-        """Load the freshest peer's index of ``engine`` (each source's blocks into its holder); the seqs to
-        resume each source from."""
+    async def _warm(self, engine: str, holders: tuple[str, ...], capacity: int) -> tuple[int | None, ...]:
+        """Load the freshest peer's index of ``engine`` (each source's blocks into its holder) unless it holds
+        more than ``capacity`` blocks; the seqs to resume each source from. The engine's confidence stays
+        reduced by the peer's lag until its own events confirm the snapshot."""
         sources = len(holders)
         cold = (None,) * sources
         if self.mesh is None:
@@ -135,7 +142,10 @@ class EventIngest:
             if blob is None:
                 continue
             try:
-                snapshots.append(index_transfer.decode(blob, sources))
+                snapshot = index_transfer.decode(blob, sources)
+                if snapshot.blocks > capacity:
+                    raise ValueError(f"{snapshot.blocks} blocks, more than the engine's {capacity}")
+                snapshots.append(snapshot)
             except ValueError as exc:
                 self.stats["bad_snapshot"] += 1
                 log.warning("refused a peer's index snapshot", extra={"engine": engine, "peer": peer,
@@ -150,9 +160,12 @@ class EventIngest:
                 end = start + LOAD_SLICE
                 self.cache.store.store(holder, list(zip(hashes[start:end], own_keys[start:end], strict=True)))
                 await trio.sleep(0)
+        info = self.cache.info(engine)
+        if info is not None:
+            info.freshness.on_warm(best.lag_s)
         self.stats["warm_starts"] += 1
         log.info("index warmed from a peer", extra={"engine": engine, "blocks": best.blocks,
-                                                    "resume_seq": list(best.seqs)})
+                                                    "resume_seq": list(best.seqs), "peer_lag_s": best.lag_s})
         return best.seqs
 
     def _snapshot(self, engine: str) -> bytes | None:
@@ -164,4 +177,6 @@ class EventIngest:
         if all(seq is None for seq in seqs):
             return None
         exported = [self.cache.store.export(feed.holder) for feed in stream.feeds]
-        return index_transfer.encode(seqs, [e[0] for e in exported], [e[1] for e in exported])
+        lag = stream.feeds[0].freshness.lag(trio.current_time())
+        return index_transfer.encode(seqs, [e[0] for e in exported], [e[1] for e in exported],
+                                     min(lag, index_transfer.MAX_LAG_S))

@@ -9,16 +9,18 @@ channel, and that one nursery owns every watcher, as ``EventIngest.run`` owns ev
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
-from gateway.config import EngineConfig
+from gateway.config import EngineConfig, check_engine_label
 from gateway.engine_watch import watch_engine
 from gateway.engines import EngineRegistry, EngineState
 from gateway.event_ingest import EventIngest
+from gateway.metrics import RouterMetrics
 from gateway.route_planner import RoutePlanner
 
 ADMIN_STATE_KEYS = ("draining", "maintenance", "island", "zone")
@@ -35,8 +37,8 @@ def check_engine_setting(key: str, value: Any) -> None:
     if key in BOOLEAN_STATE_KEYS:
         if not isinstance(value, bool):
             raise ValueError(f"'{key}' must be true or false")
-    elif value is not None and not (isinstance(value, str) and 0 < len(value) <= 64 and value.isprintable()):
-        raise ValueError(f"'{key}' must be null or a printable string of up to 64 characters")
+    else:
+        check_engine_label(key, value)
 
 
 class SettingError(ValueError):
@@ -67,10 +69,19 @@ def registry_settings(entry: dict[str, Any]) -> dict[str, Any]:
     return settings
 
 
+ENGINE_FIELDS = ("url", "model", "events", "replay", "topic", "block_size", "curve_server_key")
+"""What an engine's registry entry carries beside its admin state: all of its EngineConfig, so an engine
+added on one replica is read the same way on every other (its event endpoints, topic, model, block size
+and CURVE server key; before, only the URL travelled and CURVE was silently off elsewhere). None of it is
+a secret: the server key is the publisher's public key, and each replica reads events with the key pair in
+its own ``events_curve_secret_file`` (a secret by reference: a replica without one refuses the channel)."""
+
+
 def registry_entry(engine: EngineState) -> dict[str, Any]:
-    """What the other replicas learn of an engine: its URL and admin settings."""
-    return {"draining": engine.draining, "maintenance": engine.maintenance, "island": engine.config.island,
-            "zone": engine.zone, "url": engine.url}
+    """The registry entry this replica writes for ``engine``: admin state and the whole engine config."""
+    config = {key: getattr(engine.config, key) for key in ENGINE_FIELDS}
+    return {**config, "url": engine.url, "draining": engine.draining, "maintenance": engine.maintenance,
+            "island": engine.config.island, "zone": engine.zone}
 
 
 @dataclass
@@ -82,9 +93,10 @@ class _Watcher:
 class Fleet:
     """The engines of this replica and what may be done to them; :meth:`run` owns their watchers."""
 
-    def __init__(self, engines: EngineRegistry, planner: RoutePlanner, ingest: EventIngest,
+    def __init__(self, engines: EngineRegistry, planner: RoutePlanner, ingest: EventIngest, metrics: RouterMetrics,
                  metrics_interval_s: float, watch: Watch = watch_engine) -> None:
         self.engines = engines
+        self.metrics = metrics
         self.watch = watch
         self.planner = planner
         self.ingest = ingest
@@ -130,8 +142,9 @@ class Fleet:
         self.ingest.remove(engine_id)
         self.engines.remove(engine_id)
         self.planner.cache.unregister(engine_id)
+        self.metrics.forget_engine(engine_id)
         if replicate:
-            self._replicate(engine_id, {"removed": True})
+            self._replicate(engine_id, {"removed": True, "removed_at": round(time.time(), 3)})
 
     def set_state(self, engine_id: str, state: dict[str, Any], replicate: bool = True) -> None:
         engine = self.engines.get(engine_id)

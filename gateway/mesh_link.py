@@ -17,8 +17,8 @@ from typing import Any
 
 import trio
 
-from gateway.config import ConfigError, EngineConfig, RouterConfig, validate_engine_url
-from gateway.fleet import Fleet, registry_settings
+from gateway.config import ConfigError, EngineConfig, RouterConfig, _build
+from gateway.fleet import ENGINE_FIELDS, Fleet, registry_settings
 from gateway.mesh_state import NAMESPACES, MeshState
 from gateway.openai_errors import ApiError
 from mesh.auth import load_secret
@@ -26,6 +26,10 @@ from mesh.node import MeshNode
 from mesh.settings import MeshSettings
 
 DISPATCH_SWEEP_S = 5.0
+TOMBSTONE_SWEEP_S = 60.0
+TOMBSTONE_TTL_S = 3600.0
+"""A removed engine's tombstone is kept this long: a replica cut off for less learns of the removal from it
+(one cut off for longer still holds the live entry, which a merge re-adds as a registry value)."""
 log = logging.getLogger("kvmesh.mesh")
 
 
@@ -85,12 +89,29 @@ def _advertise_for(bind: str) -> str | None:
         return None
 
 
+def replicated_engine(engine_id: str, entry: dict[str, Any], island: str | None) -> EngineConfig:
+    """The EngineConfig of a peer's registry entry, checked like a configured engine; ConfigError if not."""
+    table = {key: entry[key] for key in ENGINE_FIELDS if entry.get(key) is not None}
+    config = _build(EngineConfig, {**table, "id": engine_id, "island": island}, "replicated engine")
+    config.validate("replicated engine")
+    return config
+
+
 async def sweep_dispatches(state: MeshState) -> None:
     """The mesh's leader deletes expired dispatch entries, so the document does not keep them."""
     while True:
         await trio.sleep(DISPATCH_SWEEP_S)
         if state.node.is_leader():
             state.sweep_dispatches(time.time())
+
+
+async def sweep_tombstones(state: MeshState) -> None:
+    """The mesh's leader deletes registry entries of engines removed more than TOMBSTONE_TTL_S ago, so
+    autoscaler churn does not grow the document (and every snapshot) by one entry per engine ever run."""
+    while True:
+        await trio.sleep(TOMBSTONE_SWEEP_S)
+        if state.node.is_leader():
+            state.sweep_tombstones(time.time() - TOMBSTONE_TTL_S)
 
 
 def follow_mesh(fleet: Fleet, state: MeshState) -> None:
@@ -109,8 +130,7 @@ def follow_mesh(fleet: Fleet, state: MeshState) -> None:
         try:
             settings = registry_settings(entry)
             if fleet.engines.get(engine_id) is None and "url" in entry:
-                fleet.add(EngineConfig(url=validate_engine_url(entry["url"]), id=engine_id,
-                                       island=settings.get("island")), replicate=False)
+                fleet.add(replicated_engine(engine_id, entry, settings.get("island")), replicate=False)
         except (ValueError, TypeError) as exc:
             state.malformed["registry"] += 1
             log.warning("refused a replicated engine entry", extra={"engine": engine_id[:200], "reason": str(exc)})

@@ -2,11 +2,13 @@
 
 Namespaces (flat maps of string keys to string values, see mesh/crdt_doc.py):
 
-- ``registry``: ``"<engine>"`` -> JSON admin state (url, drain, maintenance, island), or ``{"removed": true}``
+- ``registry``: ``"<engine>"`` -> JSON engine config and admin state (url, events, drain, island, ...), or
+                ``{"removed": true, "removed_at"}`` (deleted by the leader an hour later)
 - ``approx``:   ``"<engine>\\x1f<own_key>"`` -> expiry (unix seconds) of a block some replica sent there
                 (approximate entries of engines without events, speculative entries of the others)
 - ``limits``:   ``"<replica>"`` -> JSON of that replica's windowed request/token counts per tenant
-- ``autoscaler``: ``"lease"`` -> JSON lease (holder, expiry, term: autoscale/lease.py); ``"state"``,
+- ``autoscaler``: ``"lease"`` -> JSON lease (holder, expiry, term) and ``"members"`` -> JSON list of the
+                replica ids quorum is counted against (autoscale/lease.py); ``"state"``,
                 ``"pending:<request>"`` and ``"engine:<id>"`` -> JSON written by the lease holder
 
 The block index itself is not here: every replica ingests every engine's KV events itself and a starting
@@ -98,6 +100,18 @@ class MeshState:
     def registry(self) -> dict[str, dict[str, Any]]:
         return self._decoded("registry", self.content["registry"].items())
 
+    def sweep_tombstones(self, removed_before: float) -> int:
+        """Delete the entries of engines removed before ``removed_before`` (unix seconds); a tombstone
+        without a valid time (an older writer's) counts as removed long ago."""
+        old = []
+        for engine, state in self.registry().items():
+            if state.get("removed") is True:
+                at = state.get("removed_at")
+                valid = isinstance(at, int | float) and not isinstance(at, bool) and at == at
+                if not valid or at < removed_before:
+                    old.append(engine)
+        return len(self.node.write(("registry", engine, None) for engine in old)) if old else 0
+
     def on_registry(self, callback: RegistryCallback) -> None:
         """Call ``callback(engine_id, state or None)`` whenever an engine's admin state changes anywhere."""
         self._registry.append(callback)
@@ -150,6 +164,13 @@ class MeshState:
 
     def write_lease(self, text: str) -> None:
         self.node.write([("autoscaler", "lease", text)])
+
+    def members(self) -> str | None:
+        """The autoscaler's member list as written (parse with autoscale.lease.parse_members)."""
+        return self.content["autoscaler"].get("members")
+
+    def write_members(self, members: list[str]) -> None:
+        self.node.write([("autoscaler", "members", json.dumps(members))])
 
     def autoscaler_entries(self, prefix: str) -> dict[str, dict[str, Any]]:
         """The autoscaler's JSON objects whose keys start with ``prefix`` (malformed ones are counted)."""

@@ -6,8 +6,17 @@ from collections.abc import Callable
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from events import counters as event_counters
+
 LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+ENGINE_COUNTERS = (event_counters.EVENTS_DROPPED, event_counters.EVENT_BATCHES, event_counters.BLOCK_OPS,
+                   event_counters.REPLAYS, event_counters.METRICS_POLLS, event_counters.SUBSCRIBER_RESTARTS,
+                   event_counters.INGEST_DEFERRED, event_counters.ENGINE_TASK_FAILURES,
+                   event_counters.ENGINE_VALUES_REJECTED)
+"""The process-wide counters with an ``engine`` label."""
 
 
 class RouterMetrics:
@@ -59,6 +68,15 @@ class RouterMetrics:
                                                   "the request went out (the next turn misses that rest)",
                                                   ["reason"], registry=r)
         self._refresh: Callable[[RouterMetrics], None] = lambda metrics: None
+
+    def forget_engine(self, engine_id: str) -> None:
+        """Drop every series labelled with a removed engine, here and in the process-wide event counters:
+        with an autoscaler adding and removing engines all day, series of engines long gone would otherwise
+        grow the scrape (and this process) without bound."""
+        per_engine = (self.ttft, self.upstream_errors, self.in_flight, self.engine_healthy, self.breaker_state,
+                      self.index_blocks, self.confidence)
+        for metric in (*per_engine, *ENGINE_COUNTERS):
+            metric.remove_by_labels({"engine": engine_id})
 
     def on_scrape(self, refresh: Callable[[RouterMetrics], None]) -> None:
         """Gauges of live state are set at scrape time rather than on every request."""

@@ -5,6 +5,7 @@ run_replica
  +- event ingest          (one subscriber scope per engine; gateway/event_ingest.py)
  +- mesh                  (gossip, replication; with a mesh only)
  |   +- dispatch sweep    (the leader drops expired dispatch entries)
+ |   +- tombstone sweep   (the leader drops removed engines' entries after an hour)
  |   +- limit sharing     (tenants' rate-limit counts; with limits only)
  +- planner               (tokenizer workers, deferred encodes; gateway/route_planner.py)
  +- fleet                 (one watcher per engine: health, discovery, metrics; gateway/fleet.py)
@@ -36,7 +37,15 @@ from gateway.event_ingest import EventIngest
 from gateway.fleet import Fleet, Watch
 from gateway.gatekeeper import Gatekeeper
 from gateway.loop_lag import watch_loop_lag
-from gateway.mesh_link import build_mesh_node, follow_mesh, isolate, leave_mesh, mesh_report, sweep_dispatches
+from gateway.mesh_link import (
+    build_mesh_node,
+    follow_mesh,
+    isolate,
+    leave_mesh,
+    mesh_report,
+    sweep_dispatches,
+    sweep_tombstones,
+)
 from gateway.mesh_state import MeshState
 from gateway.metrics import RouterMetrics
 from gateway.proxy import Forward, forward
@@ -80,7 +89,7 @@ def build_replica(config: RouterConfig, *, forward: Forward = forward, watch: Wa
     curve = CurveClient.load(config.events_curve_secret_file) if config.events_curve_secret_file else None
     ingest = EventIngest(planner.cache, mesh, budget=IngestBudget(serving=lambda: router.active_requests > 0),
                          subscriber=SubscriberConfig(curve_client=curve))
-    fleet = Fleet(engines, planner, ingest, config.metrics_interval_s, watch)
+    fleet = Fleet(engines, planner, ingest, metrics, config.metrics_interval_s, watch)
     autoscaler = None
     if config.autoscaler.enabled:
         autoscaler = build_autoscaler(config.autoscaler, fleet, metrics.ttft, config.island, mesh_state, member_id,
@@ -106,6 +115,7 @@ async def run_replica(replica: Replica, task_status: trio.TaskStatus = trio.TASK
             await nursery.start(replica.mesh.run)
             follow_mesh(replica.fleet, replica.mesh_state)
             nursery.start_soon(sweep_dispatches, replica.mesh_state)
+            nursery.start_soon(sweep_tombstones, replica.mesh_state)
             if replica.gate.has_limits:
                 nursery.start_soon(replica.gate.share_limits, replica.mesh_state)
         await nursery.start(replica.planner.run)

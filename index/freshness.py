@@ -4,7 +4,8 @@ An idle engine publishes nothing, so silence only counts against an engine that 
 poll showed busy; silence is measured from when it became busy, not from its last event. Lost
 batches (unfillable gaps) make the state partly unknown for a while; so does ingest that falls behind
 the engine's stream (the router deferring event work to keep serving, events/ingest_budget.py): while
-behind, knowledge decays like silence does.
+behind, knowledge decays like silence does. An index loaded from a peer's snapshot (a warm start) is
+trusted less until this replica's own events confirm it, and the less the further the peer lagged.
 """
 
 from __future__ import annotations
@@ -39,10 +40,23 @@ class EngineFreshness:
         self.busy_since: float | None = None
         self.behind_since: float | None = None
         """When ingest last started deferring this engine's events (None: caught up)."""
+        self.warm_lag_s: float | None = None
+        """While the index holds a peer's snapshot no own event has confirmed yet: how far that peer lagged."""
 
     def on_events(self, now: float, seq: int) -> None:
         self.last_event_at = now
         self.last_seq = seq
+        self.warm_lag_s = None
+
+    def on_warm(self, lag_s: float) -> None:
+        """The index was loaded from a peer's snapshot that lagged the engine's stream by ``lag_s``."""
+        self.warm_lag_s = max(0.0, lag_s)
+
+    def lag(self, now: float) -> float:
+        """How far this replica's index of the engine is behind the engine's stream, as far as it knows:
+        the time its ingest has been deferring, plus the lag of a peer snapshot not yet confirmed."""
+        behind = now - self.behind_since if self.behind_since is not None else 0.0
+        return behind + (self.warm_lag_s or 0.0)
 
     def on_gap(self) -> None:
         self.gaps += 1
@@ -86,6 +100,8 @@ class EngineFreshness:
             value *= 1.0 - p.loss_penalty * remaining
         if self.behind_since is not None:
             value *= 0.5 ** (1 + max(0.0, now - self.behind_since) / p.silence_half_life_s)
+        if self.warm_lag_s is not None:
+            value *= 0.5 ** (1 + self.warm_lag_s / p.silence_half_life_s)
         return min(1.0, max(0.0, value))
 
     def _suspicious_silence(self, now: float) -> float:

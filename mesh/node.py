@@ -131,6 +131,10 @@ class MeshNode:
         records = self._running().members()
         return {self.member_id, *(m for m, r in records.items() if r.state == State.ALIVE)}
 
+    def departed_members(self) -> set[str]:
+        """Ids of the members known to have left gracefully (retained for a while after they left)."""
+        return {m for m, r in self._running().members().items() if r.state == State.LEFT}
+
     def is_leader(self) -> bool:
         """True on exactly one connected replica: the lowest live member id (snapshots, sweeps)."""
         return not self._isolated and self._membership is not None and self.member_id == min(self.live_members())

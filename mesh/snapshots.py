@@ -15,15 +15,19 @@ worker thread with short socket timeouts.
 
 Redis is not trusted: whoever can write it could otherwise hand every starting replica engine URLs
 (prompts flow to them) or numbers that break replication. Each snapshot is sealed with the mesh secret
-(HMAC-SHA256, domain ``kvmesh-snapshot-v1``, bound to the cluster's key), its numbers are bounded, and a
-snapshot that fails to verify, parse or load is ignored with a counted, logged reason
-(``kvmesh_mesh_snapshots_rejected_total{reason}``): the replica starts cold.
+(HMAC-SHA256, domain ``kvmesh-snapshot-v1``, bound to the cluster's key; every field is sealed, the base
+epoch included), its numbers are bounded, one written more than ``MAX_AGE_S`` ago (or in the future) is
+stale, and a snapshot that fails to verify, parse or load is ignored with a counted, logged reason
+(``kvmesh_mesh_snapshots_rejected_total{reason}``): the replica starts cold. The age bound is what keeps a
+genuine but old sealed snapshot (copied aside and written back by whoever can write Redis) from
+resurrecting engines and blocks of an earlier life of the mesh.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -38,12 +42,18 @@ from mesh.sync_protocol import SyncProtocol
 
 log = logging.getLogger(__name__)
 
-FORMAT = b"2"
+FORMAT = b"3"
 KEY_PREFIX = "kvmesh:snapshot:"
 LOAD_TIMEOUT_S = 1.0
 
 SEAL_DOMAIN = b"kvmesh-snapshot-v1"
-SEALED_FIELDS = ("format", "epoch_number", "epoch_owner", "base", "full", "writer", "written_at")
+SEALED_FIELDS = ("format", "epoch_number", "epoch_owner", "base_epoch_number", "base_epoch_owner", "base", "full",
+                 "writer", "written_at")
+MAX_AGE_S = 3600.0
+"""A snapshot older than this is not loaded: a mesh that was down for over an hour starts cold (its engines'
+caches are long cold too), and an old snapshot written back into Redis is refused."""
+MAX_FUTURE_S = 60.0
+"""Clock skew tolerated on ``written_at``."""
 MAX_EPOCH = 2**63 - 1
 """Epoch numbers travel in msgpack frames: beyond a signed 64-bit integer every later frame would fail."""
 
@@ -116,8 +126,9 @@ def seal_fields(secret: bytes, key: str, fields: Mapping[str, bytes]) -> bytes:
     return record_mac(secret, SEAL_DOMAIN, [key.encode(), *(fields[name] for name in SEALED_FIELDS)])
 
 
-def open_fields(secret: bytes | None, key: str, stored: Mapping[bytes, bytes]) -> Snapshot:
-    """Verify (when a secret is given) and decode a stored hash; SnapshotRejected says why it is unusable."""
+def open_fields(secret: bytes | None, key: str, stored: Mapping[bytes, bytes], now: float | None = None) -> Snapshot:
+    """Verify (when a secret is given), decode and (given ``now``, unix seconds) age-check a stored hash;
+    SnapshotRejected says why it is unusable."""
     if secret is not None:
         mac = stored.get(b"mac")
         if mac is None:
@@ -129,9 +140,12 @@ def open_fields(secret: bytes | None, key: str, stored: Mapping[bytes, bytes]) -
         if not record_mac_ok(secret, SEAL_DOMAIN, [key.encode(), *sealed.values()], mac):
             raise SnapshotRejected("mac", "the MAC does not match this cluster's secret")
     try:
-        return Snapshot.from_fields(stored)
+        snapshot = Snapshot.from_fields(stored)
     except ValueError as exc:
         raise SnapshotRejected("malformed", str(exc)) from None
+    if now is not None and not now - MAX_AGE_S <= snapshot.written_at <= now + MAX_FUTURE_S:
+        raise SnapshotRejected("stale", f"written {now - snapshot.written_at:.0f} s ago")
+    return snapshot
 
 
 class RedisSnapshotStore:
@@ -141,12 +155,14 @@ class RedisSnapshotStore:
     are neither, and Redis can rewrite this replica's start: a warning says so.
     """
 
-    def __init__(self, url: str, cluster: str, socket_timeout: float = 0.5, *, secret: bytes | None = None) -> None:
+    def __init__(self, url: str, cluster: str, socket_timeout: float = 0.5, *, secret: bytes | None = None,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         self._client = redis.Redis.from_url(
             url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout
         )
         self.key = KEY_PREFIX + cluster
         self._secret = secret
+        self._wall_clock = wall_clock
         if secret is None:
             log.warning("Redis snapshots are not sealed: no mesh secret was given to the snapshot store")
 
@@ -160,7 +176,7 @@ class RedisSnapshotStore:
     def load(self) -> Snapshot | None:
         """The stored snapshot, or None if there is none; SnapshotRejected if it is unsealed, forged or malformed."""
         fields = self._client.hgetall(self.key)
-        return open_fields(self._secret, self.key, fields) if fields else None
+        return open_fields(self._secret, self.key, fields, self._wall_clock()) if fields else None
 
     def close(self) -> None:
         self._client.close()

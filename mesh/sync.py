@@ -9,10 +9,11 @@ are dropped (anti-entropy repairs them). Frames are sealed with mesh/auth.py (HM
 secret); a connection that sends one bad MAC is closed.
 
 The listener is reachable by anyone who can reach the port, so an inbound connection costs little
-until it authenticates: its first frame must arrive within HELLO_TIMEOUT_S and be at most
-HELLO_MAX_BYTES (a dialer's first frame is a state vector of a few bytes per replica); only then are
-frames up to the transport limit read. Inbound connections are capped, and one silent for
-IDLE_TIMEOUT_S is closed (its dialer reconnects).
+until it authenticates: its whole first frame must arrive within HELLO_TIMEOUT_S of the accept (one
+deadline, not one per read: a byte every 1.9 s would otherwise hold a slot forever, and MAX_INBOUND such
+connections would lock the real peers out) and be at most HELLO_MAX_BYTES (a dialer's first frame is a
+state vector of a few bytes per replica); only then are frames up to the transport limit read. Inbound
+connections are capped, and one silent for IDLE_TIMEOUT_S is closed (its dialer reconnects).
 """
 
 from __future__ import annotations
@@ -266,8 +267,10 @@ class SyncService:
     async def _read_loop(self, conn: _Connection, inbound: bool) -> None:
         reader = FrameReader(MAX_PACKET_BYTES, first_frame_max=HELLO_MAX_BYTES if inbound else None)
         authenticated = not inbound
+        hello_deadline = trio.current_time() + HELLO_TIMEOUT_S
         while True:
-            with trio.fail_after(IDLE_TIMEOUT_S if authenticated else HELLO_TIMEOUT_S):
+            deadline = trio.current_time() + IDLE_TIMEOUT_S if authenticated else hello_deadline
+            with trio.fail_at(deadline):
                 data = await conn.stream.receive_some(65536)
             if not data:
                 return

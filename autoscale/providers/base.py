@@ -1,7 +1,10 @@
 """The provider interface: provision (asynchronously, with a callback when ready), terminate, list.
 
 A provider is attached to a trio nursery by the loop that owns it; ``provision`` returns at once with a
-request id and the work runs in that nursery, so a slow cloud never blocks a decision.
+request id and the work runs in that nursery, so a slow cloud never blocks a decision. Every call carries
+``term``, the caller's lease term (autoscale/lease.py): it only grows, so a provider can refuse a caller
+older than one it has seen, and ``<name>-<term>-<n>`` request ids are unique across the mesh and its
+restarts (the Kubernetes example names pods after them).
 """
 
 from __future__ import annotations
@@ -66,16 +69,16 @@ class Provider(ABC):
     def attach(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
 
-    def provision(self, offer: Offer, on_ready: ReadyCallback) -> str:
+    def provision(self, offer: Offer, on_ready: ReadyCallback, term: int) -> str:
         """Start one engine of ``offer``; ``on_ready`` gets the engine (or the error) once it is known."""
         if self._nursery is None:
             raise RuntimeError("attach the provider to a nursery first")
         self._requests += 1
-        request_id = f"{self.name}-{self._requests}"
+        request_id = f"{self.name}-{term}-{self._requests}"
 
         async def run() -> None:
             try:
-                engine = await self._provision(request_id, offer)
+                engine = await self._provision(request_id, offer, term)
             except ProviderError as exc:
                 on_ready(ProvisionResult(request_id, offer, error=str(exc)))
                 return
@@ -88,13 +91,13 @@ class Provider(ABC):
         return request_id
 
     @abstractmethod
-    async def _provision(self, request_id: str, offer: Offer) -> ProvisionedEngine:
+    async def _provision(self, request_id: str, offer: Offer, term: int) -> ProvisionedEngine:
         """Start an engine for ``offer`` and return it once it answers; ProviderError when it cannot."""
 
     @abstractmethod
-    async def terminate(self, engine_id: str) -> None:
+    async def terminate(self, engine_id: str, term: int) -> None:
         """Release the engine (after the loop drained it)."""
 
     @abstractmethod
-    async def list(self) -> list[ProvisionedEngine]:
+    async def list(self, term: int) -> list[ProvisionedEngine]:
         """The engines this provider runs now."""

@@ -76,7 +76,7 @@ class LocalProvider(Provider):
         self._context: Any = None
         self._children: dict[str, _Child] = {}
 
-    async def _provision(self, request_id: str, offer: Offer) -> ProvisionedEngine:
+    async def _provision(self, request_id: str, offer: Offer, term: int) -> ProvisionedEngine:
         await trio.sleep(offer.provisioning_s * self.provisioning_scale)
         if self._context is None:
             self._context = _fork_context()
@@ -112,7 +112,7 @@ class LocalProvider(Provider):
             with trio.CancelScope(shield=True):
                 await _stop(child.process)
 
-    async def terminate(self, engine_id: str) -> None:
+    async def terminate(self, engine_id: str, term: int) -> None:
         child = self._children.get(engine_id)
         if child is None:
             raise ProviderError(f"no local engine {engine_id!r}")
@@ -121,7 +121,7 @@ class LocalProvider(Provider):
             while child.process.exitcode is None:
                 await trio.sleep(0.05)
 
-    async def list(self) -> list[ProvisionedEngine]:
+    async def list(self, term: int) -> list[ProvisionedEngine]:
         return [c.engine for c in self._children.values() if c.process.exitcode is None]
 
 

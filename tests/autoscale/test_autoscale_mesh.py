@@ -1,6 +1,7 @@
 """One actor in a mesh of real router processes: the lease moves within 5 s of its holder's death, and the
 engine the dead holder provisioned is not provisioned again."""
 
+import contextlib
 import json
 import os
 import signal
@@ -44,33 +45,42 @@ def free_udp_port() -> int:
         return s.getsockname()[1]
 
 
-def test_killing_the_lease_holder_hands_the_loop_over_without_double_provisioning(tmp_path):
+@contextlib.contextmanager
+def meshed_routers(tmp_path: Path, static: list[str], spares: list[str], pool: Path, settings: str):
+    """Three meshed router processes whose autoscaler hands out ``spares`` through the standby pool script."""
     secret = tmp_path / "mesh.secret"
     secret.write_text(os.urandom(24).hex())
-    state = tmp_path / "pool.json"
-    with SimFleetProcess(engines=3, profile="fast") as fleet:
-        static, spare = fleet.urls[:2], fleet.urls[2]
-        config = tmp_path / "kvmesh.toml"
-        config.write_text(f"""
+    config = tmp_path / "kvmesh.toml"
+    config.write_text(f"""
 [autoscaler]
 enabled = true
 provider = "command"
-command = {json.dumps([sys.executable, str(POOL), str(state), spare])}
+command = {json.dumps([sys.executable, str(POOL), str(pool), *spares])}
 interval_s = 0.5
 lease_ttl_s = 3.0
-min_engines = 3
-max_engines = 3
+{settings}
 [[autoscaler.offers]]
 name = "spare"
 provisioning_s = 0
 """)
-        ports = [free_udp_port() for _ in range(3)]
-        routers = []
-        try:
-            for port in ports:
-                seeds = ",".join(f"127.0.0.1:{p}" for p in ports if p != port)
-                routers.append(RouterProcess(static, config=str(config), mesh_bind=f"127.0.0.1:{port}", seeds=seeds,
-                                             mesh_secret_file=str(secret), metrics_interval=0.2).start())
+    ports = [free_udp_port() for _ in range(3)]
+    routers = []
+    try:
+        for port in ports:
+            seeds = ",".join(f"127.0.0.1:{p}" for p in ports if p != port)
+            routers.append(RouterProcess(static, config=str(config), mesh_bind=f"127.0.0.1:{port}", seeds=seeds,
+                                         mesh_secret_file=str(secret), metrics_interval=0.2).start())
+        yield routers
+    finally:
+        for router in routers:
+            router.stop()
+
+
+def test_killing_the_lease_holder_hands_the_loop_over_without_double_provisioning(tmp_path):
+    state = tmp_path / "pool.json"
+    with SimFleetProcess(engines=3, profile="fast") as fleet:
+        static, spare = fleet.urls[:2], fleet.urls[2]
+        with meshed_routers(tmp_path, static, [spare], state, "min_engines = 3\nmax_engines = 3") as routers:
             urls = [r.url for r in routers]
 
             def holder_everywhere():
@@ -108,6 +118,49 @@ provisioning_s = 0
             decisions = get(survivors[0] + "/admin/autoscaler")["decisions"]
             assert decisions and all(d["action"] == "hold" for d in decisions[-4:])
             print(f"lease handed over in {took:.2f} s")
-        finally:
-            for router in routers:
-                router.stop()
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=5) as response:
+        return json.loads(response.read())
+
+
+@pytest.mark.parametrize("cut", ["holder", "other"])
+def test_a_partition_longer_than_a_minute_keeps_one_actor_and_one_provision(tmp_path, cut):
+    """Three real routers; one (the lease holder, or another) is cut off from the mesh for 65 s, longer
+    than the minute after which the old rule let a lone replica count itself a majority. Sampled every
+    0.2 s on every replica: never two actors; the provider sees one provision in all, and after the
+    partition heals one actor remains."""
+    state = tmp_path / "pool.json"
+    with SimFleetProcess(engines=4, profile="fast") as fleet:
+        static, spares = fleet.urls[:2], fleet.urls[2:]
+        with meshed_routers(tmp_path, static, spares, state, "join_s = 3.0\nmin_engines = 3\nmax_engines = 4") \
+                as routers:
+            urls = [r.url for r in routers]
+
+            def actors() -> list[int]:
+                reports = [get(u + "/admin/autoscaler") for u in urls]
+                return [i for i, r in enumerate(reports) if r["acting"]]
+
+            assert wait_until(lambda: len(actors()) == 1 and json.loads(state.read_text())["provisions"] == 1, 30)
+            holder = actors()[0]
+            victim = holder if cut == "holder" else (holder + 1) % 3
+            post(urls[victim] + "/admin/mesh/isolate", {"isolated": True})
+            started = time.monotonic()
+            seen: set[int] = set()
+            while time.monotonic() - started < 65:
+                now_acting = actors()
+                assert len(now_acting) <= 1, (time.monotonic() - started, now_acting)
+                seen.update(now_acting)
+                time.sleep(0.2)
+            assert victim not in actors()
+            assert seen - {victim}, "the majority kept no actor"
+            post(urls[victim] + "/admin/mesh/isolate", {"isolated": False})
+            healed = time.monotonic()
+            while time.monotonic() - healed < 10:
+                assert len(actors()) <= 1
+                time.sleep(0.2)
+            assert wait_until(lambda: len(actors()) == 1, 10)
+            pool = json.loads(state.read_text())
+            assert pool["provisions"] == 1, pool

@@ -6,9 +6,11 @@ import json
 import logging
 
 import pytest
+import trio
 from router_inprocess import assert_openai_error, call, make_router
 
 from gateway.config import MeshConfig, RouterConfig
+from gateway.mesh_link import registry_settings
 from gateway.security.config import AuthConfig
 from gateway.security.posture import log_posture
 
@@ -21,6 +23,29 @@ async def test_engine_settings_of_the_wrong_type_are_refused(monkeypatch, body):
     answer = await call(router, "PATCH", f"/admin/engines/{engine.id}", json.dumps(body).encode())
     assert assert_openai_error(answer, 400)["param"] == next(iter(body))
     assert engine.draining is False and engine.maintenance is False and engine.config.island is None
+
+
+@pytest.mark.parametrize("island", ["x" * 64, "x" * 65, "rack a", "a\tb", "", None])
+async def test_an_added_engine_carries_only_an_island_every_peer_accepts(monkeypatch, island):
+    """The island of an engine added through the admin API is checked with the rule peers apply to the
+    replicated entry: before, a 65-character island was accepted here and refused by every peer."""
+    router = make_router(monkeypatch)
+    before = {e.id for e in router.engines.all()}
+    async with trio.open_nursery() as nursery:
+        router._nursery = nursery  # where the added engine's watcher runs
+        answer = await call(router, "POST", "/admin/engines",
+                            json.dumps({"url": "http://127.0.0.1:9", "id": "added", "island": island}).encode())
+        nursery.cancel_scope.cancel()
+    try:
+        registry_settings({"island": island})
+        peers_accept = True
+    except ValueError:
+        peers_accept = False
+    if peers_accept:
+        assert answer.status == 201 and router.engines.get("added").config.island == island
+    else:
+        assert assert_openai_error(answer, 400)["param"] == "engine.island"
+        assert {e.id for e in router.engines.all()} == before
 
 
 @pytest.mark.parametrize("path", ["drain", "maintenance"])

@@ -65,15 +65,15 @@ class InMemoryProvider(Provider):
         self.engines = engines
         self.started: list[str] = []
 
-    async def _provision(self, request_id, offer):
+    async def _provision(self, request_id, offer, term):
         name = f"sim-auto-{len(self.started)}"
         self.started.append(name)
         return ProvisionedEngine(name, await self.engines.start(name), offer.name)
 
-    async def terminate(self, engine_id):
+    async def terminate(self, engine_id, term):
         self.engines.engines.pop(engine_id, None)
 
-    async def list(self):
+    async def list(self, term):
         return []
 
 

@@ -4,6 +4,7 @@ fails to verify, parse or load is skipped with a counted reason; the replica sta
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 
 import pytest
@@ -51,6 +52,9 @@ def test_a_sealed_snapshot_opens_and_any_change_to_it_is_refused():
     assert open_fields(SECRET, KEY, sealed_snapshot()).epoch == Epoch(0, "")
     assert reason(lambda: open_fields(SECRET, KEY, sealed_snapshot(epoch_number=b"7"))) == "mac"
     assert reason(lambda: open_fields(SECRET, KEY, sealed_snapshot(full=b"other"))) == "mac"
+    # the base epoch decides how the snapshot merges: it was outside the seal before
+    assert reason(lambda: open_fields(SECRET, KEY, sealed_snapshot(base_epoch_number=b"7"))) == "mac"
+    assert reason(lambda: open_fields(SECRET, KEY, sealed_snapshot(base_epoch_owner=b"x"))) == "mac"
     assert reason(lambda: open_fields(SECRET, KEY, sealed_snapshot(key=KEY_PREFIX + "c2"))) == "mac"
     assert reason(lambda: open_fields(SECRET, KEY, sealed_snapshot(secret=b"another-secret-0123456789"))) == "mac"
     unsealed = sealed_snapshot()
@@ -65,6 +69,14 @@ def test_epoch_numbers_that_would_not_fit_a_frame_are_refused(number):
     with pytest.raises(ValueError):
         Snapshot.from_fields(fields)
     assert reason(lambda: open_fields(None, KEY, fields)) == "malformed"
+
+
+def test_a_sealed_snapshot_ages():
+    """Before, a genuine sealed snapshot stayed loadable forever: written back into Redis a day later it
+    brought back the engines and blocks of an earlier life of the mesh."""
+    assert open_fields(SECRET, KEY, sealed_snapshot(), now=123.0 + 60).written_at == 123.0
+    assert reason(lambda: open_fields(SECRET, KEY, sealed_snapshot(), now=123.0 + 86400)) == "stale"
+    assert reason(lambda: open_fields(SECRET, KEY, sealed_snapshot(), now=123.0 - 3600)) == "stale"
 
 
 def test_a_non_finite_write_time_is_refused():
@@ -167,7 +179,7 @@ async def test_sealed_snapshots_round_trip_through_a_real_redis_and_forgeries_st
     store = RedisSnapshotStore(url, "c1", secret=SECRET)
     source = Replica("a")
     source.store("engine-1", [(1, 7), (2, 9)])
-    store.save(Snapshot.of(source.doc, 5.0))
+    store.save(Snapshot.of(source.doc, time.time()))
     fresh = Replica("b")
     assert await load_into(store, SyncProtocol(fresh.doc), Counter())
     assert fresh.pairs("engine-1") == source.pairs("engine-1")

@@ -138,3 +138,28 @@ async def test_mesh_sync_unauthenticated_connections_cost_little_and_are_closed(
         a.set_registry("e", {"island": "x"})
         await wait_until(lambda: b.registry() == {"e": {"island": "x"}})
         nursery.cancel_scope.cancel()
+
+
+async def test_mesh_sync_hello_has_one_deadline_not_one_per_read() -> None:
+    """A stranger trickling its first frame a byte every 0.5 s is closed HELLO_TIMEOUT_S after it connected.
+    Before, the hello timeout applied to each read: a byte every 1.9 s kept the connection forever."""
+    from mesh import sync
+
+    async with trio.open_nursery() as nursery:
+        mesh = Mesh(nursery)
+        await mesh.add("a")
+        trickler = await trio.open_tcp_stream(*mesh.addresses["a"])
+        opened = trio.current_time()
+        await trickler.send_all((1000).to_bytes(4, "big"))
+        with trio.fail_after(sync.HELLO_TIMEOUT_S + 3):
+            while True:
+                with trio.move_on_after(0.5):
+                    if await trickler.receive_some(10) == b"":
+                        break
+                try:
+                    await trickler.send_all(b"x")
+                except trio.BrokenResourceError:
+                    break
+        assert trio.current_time() - opened < sync.HELLO_TIMEOUT_S + 1
+        assert mesh.services["a"].counters["closed_TooSlowError"] == 1
+        nursery.cancel_scope.cancel()

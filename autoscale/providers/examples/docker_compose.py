@@ -9,7 +9,11 @@ UNTESTED against a real Docker daemon: it is validated only against a fake `dock
 
 Environment: KVMESH_COMPOSE_FILE (default docker-compose.yml), KVMESH_COMPOSE_SERVICE (default engine),
 KVMESH_COMPOSE_PORT (the engine's port inside the container, default 8000), KVMESH_ENGINE_HOST (where the
-published ports are reachable, default 127.0.0.1). The service must publish its port to a random host port.
+published ports are reachable, default 127.0.0.1), KVMESH_FENCE_FILE (where the newest lease term seen is
+kept, default .kvmesh-autoscaler-term; every replica's calls must reach the same file, as they reach the same
+Docker host). The service must publish its port to a random host port. Pass them on with ``command_env``.
+
+Every request's lease term is checked first (fence.py): a router replica that lost the lease is refused.
 
 provision scales the service up by one with `docker compose up --scale` and reports the new container;
 terminate stops and removes exactly the named container (compose's own scale-down would pick for itself).
@@ -20,10 +24,13 @@ import os
 import subprocess
 import sys
 
+from fence import admit
+
 COMPOSE = ["docker", "compose", "-f", os.environ.get("KVMESH_COMPOSE_FILE", "docker-compose.yml")]
 SERVICE = os.environ.get("KVMESH_COMPOSE_SERVICE", "engine")
 PORT = os.environ.get("KVMESH_COMPOSE_PORT", "8000")
 HOST = os.environ.get("KVMESH_ENGINE_HOST", "127.0.0.1")
+FENCE = os.environ.get("KVMESH_FENCE_FILE", ".kvmesh-autoscaler-term")
 
 
 def run(*argv: str) -> str:
@@ -41,6 +48,7 @@ def engine(container: str) -> dict:
 
 def main(action: str) -> dict:
     request = json.load(sys.stdin)
+    admit(FENCE, request)
     if action == "provision":
         before = containers()
         run(*COMPOSE, "up", "-d", "--no-recreate", "--scale", f"{SERVICE}={len(before) + 1}", SERVICE)

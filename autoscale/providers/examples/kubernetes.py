@@ -13,7 +13,10 @@ KVMESH_K8S_READY_TIMEOUT (default 600s).
 
 Pods rather than `kubectl scale` on a Deployment: the autoscaler chooses which engine to release (the one
 whose cache costs least), and a Deployment's scale-down would pick for itself. Pods carry the label
-app.kubernetes.io/managed-by=kvmesh-autoscaler, which `list` selects on.
+app.kubernetes.io/managed-by=kvmesh-autoscaler, which `list` selects on, and kvmesh.term, the lease term of
+the replica that created them: provision and terminate are refused when a managed pod carries a newer
+term than the request's (a replica that lost the lease, once the new holder has provisioned). Pod names
+come from the request id, which is unique across the mesh and its restarts.
 """
 
 import json
@@ -37,8 +40,24 @@ def engine(pod: dict) -> dict:
             "offer": labels.get("kvmesh.offer", "")}
 
 
+def managed_pods() -> list[dict]:
+    return json.loads(run(*KUBECTL, "get", "pods", "-l", LABEL, "-o", "json"))["items"]
+
+
+def fence(request: dict) -> None:
+    """Exit non-zero when a managed pod was created under a newer lease term than the request's."""
+    term = request.get("term")
+    if not isinstance(term, int):
+        raise SystemExit("request without a lease term")
+    terms = [int(p["metadata"].get("labels", {}).get("kvmesh.term", "0")) for p in managed_pods()]
+    if terms and max(terms) > term:
+        raise SystemExit(f"stale lease term {term}: a pod of term {max(terms)} exists")
+
+
 def main(action: str) -> dict:
     request = json.load(sys.stdin)
+    if action in ("provision", "terminate"):
+        fence(request)
     if action == "provision":
         name = f"kvmesh-engine-{request['request_id']}".lower().replace("_", "-")
         with open(os.environ["KVMESH_K8S_TEMPLATE"]) as f:
@@ -46,6 +65,7 @@ def main(action: str) -> dict:
         labels = manifest.setdefault("metadata", {}).setdefault("labels", {})
         labels["app.kubernetes.io/managed-by"] = "kvmesh-autoscaler"
         labels["kvmesh.offer"] = request["offer"]["name"]
+        labels["kvmesh.term"] = str(request["term"])
         run(*KUBECTL, "apply", "-f", "-", stdin=json.dumps(manifest))
         timeout = os.environ.get("KVMESH_K8S_READY_TIMEOUT", "600")
         run(*KUBECTL, "wait", "--for=condition=Ready", f"pod/{name}", f"--timeout={timeout}s")
@@ -54,8 +74,7 @@ def main(action: str) -> dict:
         run(*KUBECTL, "delete", "pod", request["id"], "--wait=false")
         return {}
     if action == "list":
-        pods = json.loads(run(*KUBECTL, "get", "pods", "-l", LABEL, "-o", "json"))["items"]
-        return {"engines": [engine(p) for p in pods if p.get("status", {}).get("podIP")]}
+        return {"engines": [engine(p) for p in managed_pods() if p.get("status", {}).get("podIP")]}
     raise SystemExit(f"unknown action {action!r}")
 
 

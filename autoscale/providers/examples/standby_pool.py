@@ -6,7 +6,9 @@
 
 The state file records which standby engines are in use and how many provisions were made (several router
 replicas may share it: each call holds an exclusive lock on it). provision takes the first free URL,
-terminate gives it back, list names those in use. Used by the tests and `kvmesh bench autoscale`.
+terminate gives it back, list names those in use. A request whose lease term is older than the newest one
+seen is refused, so a replica that lost the lease cannot take or give back engines. Used by the tests and
+`kvmesh bench autoscale`.
 """
 
 import fcntl
@@ -23,6 +25,10 @@ def main(state_path: str, urls: list[str], action: str) -> dict:
         fcntl.flock(f, fcntl.LOCK_EX)
         text = f.read()
         state = json.loads(text) if text else {"provisions": 0, "in_use": {}}
+        term = request.get("term")
+        if not isinstance(term, int) or term < state.get("term", -1):
+            raise SystemExit(f"stale lease term {term}: term {state.get('term')} has been seen")
+        state["term"] = term
         if action == "provision":
             free = [u for u in urls if u not in state["in_use"].values()]
             if not free:

@@ -1,0 +1,94 @@
+"""An engine added on one replica is the same engine on every other: the registry entry carries its whole
+config (event endpoints, topic, model, block size, CURVE server key), checked like a configured engine. A
+removed engine leaves neither a tombstone for ever nor metric series."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from types import SimpleNamespace
+
+import trio
+from router_inprocess import make_router
+
+from events.counters import ENGINE_TASK_FAILURES, EVENTS_DROPPED
+from gateway.config import EngineConfig
+from gateway.mesh_link import follow_mesh
+from gateway.mesh_state import NAMESPACES, MeshState
+from mesh.crdt_doc import ReplicatedDoc
+
+SERVER_KEY = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"
+
+
+class Recorder:
+    """The writing side of gateway/mesh_state.py: keeps what the replica replicates."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, str] = {}
+
+    def set_registry(self, engine: str, state: dict | None) -> None:
+        self.entries[engine] = json.dumps(state, sort_keys=True)
+
+
+class Feed:
+    """The reading side: hands the router's registry callback a peer's entries."""
+
+    def __init__(self) -> None:
+        self.node = SimpleNamespace(share_load=lambda source: None, peer_in_flight=dict)
+        self.malformed: Counter[str] = Counter()
+        self.on_registry_change = None
+
+    def on_registry(self, callback) -> None:
+        self.on_registry_change = callback
+
+    def on_dispatch(self, callback) -> None:
+        pass
+
+    def registry(self) -> dict:
+        return {}
+
+
+async def test_an_engine_added_on_one_replica_keeps_its_events_and_curve_key_on_another(monkeypatch):
+    added = EngineConfig(url="http://127.0.0.1:9", id="added", model="m", events="tcp://127.0.0.1:5557",
+                         replay="tcp://127.0.0.1:5558", topic="kv@added", island="rack-a", block_size=32,
+                         curve_server_key=SERVER_KEY)
+    first, second, feed = make_router(monkeypatch), make_router(monkeypatch), Feed()
+    first.mesh_state = Recorder()
+    follow_mesh(second, feed)
+    async with trio.open_nursery() as nursery:
+        first._nursery = second._nursery = nursery  # where the engines' watchers run
+        first.add_engine(added)
+        entry = json.loads(first.mesh_state.entries["added"])
+        feed.on_registry_change("added", entry)
+        replica = second.engines.get("added")
+        assert replica is not None and replica.config == added
+        # an entry whose fields would not pass as configuration is refused, never half-added
+        feed.on_registry_change("bad", {**entry, "curve_server_key": "not-a-key"})
+        feed.on_registry_change("bad2", {**entry, "events": "http://x"})
+        assert second.engines.get("bad") is None and second.engines.get("bad2") is None
+        assert feed.malformed["registry"] == 2
+        nursery.cancel_scope.cancel()
+
+
+def test_tombstones_of_removed_engines_expire():
+    """Autoscaler churn wrote one tombstone per engine ever removed, kept for ever in the document."""
+    doc = ReplicatedDoc("a", NAMESPACES)
+    state = MeshState(SimpleNamespace(doc=doc, write=doc.write, subscribe=doc.subscribe, member_id="a"))
+    state.set_registry("live", {"url": "http://127.0.0.1:9"})
+    state.set_registry("old", {"removed": True, "removed_at": 1000.0})
+    state.set_registry("recent", {"removed": True, "removed_at": 5000.0})
+    state.set_registry("undated", {"removed": True})
+    assert state.sweep_tombstones(removed_before=2000.0) == 2
+    assert sorted(state.registry()) == ["live", "recent"]
+
+
+async def test_a_removed_engine_leaves_no_metric_series_behind(monkeypatch):
+    router = make_router(monkeypatch)
+    engine = router.engines.all()[0].id
+    router.metrics.ttft.labels(engine).observe(0.1)
+    router.metrics.upstream_errors.labels(engine, "timeout").inc()
+    EVENTS_DROPPED.labels(engine, "malformed").inc()
+    ENGINE_TASK_FAILURES.labels(engine, "health", "OSError").inc()
+    assert f'engine="{engine}"' in router.metrics.render().decode()
+    router.remove_engine(engine)
+    assert f'engine="{engine}"' not in router.metrics.render().decode()
