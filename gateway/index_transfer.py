@@ -8,7 +8,7 @@ snapshot and the live stream, exactly as after a reconnect. Without an answer it
 backfills from the replay buffer.
 
 Blob: msgpack ``[FORMAT, seqs, hashes, own_keys]``, one entry per event source in each list (a
-data-parallel engine has one source per rank, each with its own blocks: index/view.py ``holder_keys``):
+data-parallel engine has one source per rank, each with its own blocks: index/holders.py):
 ``seqs`` an int or nil, ``hashes`` and ``own_keys`` little-endian u64 arrays of equal length. The mesh
 sends it in 1 MiB chunks (mesh/sync_protocol.py). Everything from a peer is checked: a blob that does not
 decode, has unequal arrays or hashes out of the index's range is refused (counted by the caller), never
