@@ -12,8 +12,6 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from autoscale.decision import EngineSignal, FleetSignals
 
 if TYPE_CHECKING:
@@ -58,16 +56,9 @@ class SignalReader:
         return histogram_quantile(0.99, before, buckets)
 
     def unique_blocks(self) -> dict[str, int]:
-        """Per engine, its blocks no other engine holds (vectorised: this runs on the event loop)."""
-        cache = self.router.planner.cache
-        ids = [engine.id for engine in self.router.engines.all()]
-        keys = [np.unique(cache.export(engine_id)[1]) for engine_id in ids]
-        if not keys:
-            return {}
-        values, counts = np.unique(np.concatenate(keys), return_counts=True)
-        singles = values[counts == 1]
-        return {engine_id: int(np.isin(own, singles, assume_unique=True).sum())
-                for engine_id, own in zip(ids, keys, strict=True)}
+        """Per engine, its blocks no other engine holds: kept by the index as blocks change (a scan of the
+        index here held the event loop 0.67 s at 2M indexed blocks, every interval)."""
+        return self.router.planner.cache.store.unique_blocks()
 
     def read(self, managed: Mapping[str, float], draining: set[str], pending: int) -> FleetSignals:
         """``managed``: engines the autoscaler may release, with their price per hour."""
