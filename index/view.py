@@ -144,10 +144,10 @@ class CacheView:
         self.approximate.record(engine, chain, now, ttl)
         return chain, ttl
 
-    def record_remote_dispatch(self, engine: str, own_key: int, now: float, remaining_s: float) -> None:
-        """Another replica sent this block to `engine` (shared through the mesh)."""
+    def record_remote_dispatch(self, engine: str, own_keys: Sequence[int], now: float, remaining_s: float) -> None:
+        """Another replica sent these blocks to `engine` (shared through the mesh)."""
         if remaining_s > 0 and engine in self._engines:
-            self.approximate.record(engine, (own_key,), now, remaining_s)
+            self.approximate.record(engine, own_keys, now, remaining_s)
 
     def on_ingest(self, engine: str, stats: IngestStats) -> None:
         """Real events arrived: speculative entries for those blocks are no longer needed."""
