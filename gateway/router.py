@@ -61,8 +61,7 @@ class Router:
         self.mesh_state = MeshState(self.mesh) if self.mesh is not None else None
         self.planner = RoutePlanner(config, self.engines, self.metrics)
         curve = CurveClient.load(config.events_curve_secret_file) if config.events_curve_secret_file else None
-        self.ingest = EventIngest(self.planner.cache, self.mesh,
-                                  budget=IngestBudget(serving=lambda: self.active_requests > 0),
+        self.ingest = EventIngest(self.planner.cache, self.mesh, budget=IngestBudget(),
                                   subscriber=SubscriberConfig(curve_client=curve))
         self.gate = Gatekeeper(config, self.metrics, self.mesh.member_id if self.mesh is not None else "local")
         self.timeouts = Timeouts(config.connect_timeout_s, config.first_byte_timeout_s, config.idle_timeout_s)
@@ -76,11 +75,16 @@ class Router:
         self._exported_peers: set[str] = set()
         """Label values exported at the last scrape, so gauges of removed engines and gone peers are dropped."""
 
+    def _observe_loop_lag(self, lag_s: float) -> None:
+        """The loop's lag is both a metric and ingest's headroom signal (events/ingest_budget.py)."""
+        self.metrics.loop_lag.observe(lag_s)
+        self.ingest.budget.observe_lag(trio.current_time(), lag_s)
+
     async def run_background(self, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         """Mesh, tokenizers, event ingestion and engine watchers; owned by the process nursery."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            nursery.start_soon(watch_loop_lag, self.metrics.loop_lag.observe)
+            nursery.start_soon(watch_loop_lag, self._observe_loop_lag)
             await nursery.start(self.ingest.run)
             if self.mesh is not None and self.mesh_state is not None:
                 await nursery.start(self.mesh.run)
