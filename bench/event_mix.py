@@ -28,7 +28,7 @@ VOCAB = 151_000
 MAX_PREFILL_BLOCKS = 500
 PARETO_ALPHA = 1.1
 """Prefill sizes: ``min(500, ceil(4 * pareto(1.1)))`` blocks gives a median near 8, a mean near 25 and
-about 2% of prefills at the 500-block cap."""
+about 2% of prefills at the 500-block cap (a quarter of the rank's cache, if smaller)."""
 RUNNING = 16
 """Requests decoding at once on one rank."""
 DECODE_SHARE = 0.3
@@ -63,8 +63,9 @@ class MixEngine:
 
     def __init__(self, index: int, cap: int, model: str, encoding: Encoding = "map", seed: int = 0,
                  rank: int = 0) -> None:
-        if cap < 2 * MAX_PREFILL_BLOCKS:
-            raise ValueError(f"the cap must hold at least {2 * MAX_PREFILL_BLOCKS} blocks")
+        if cap < 4 * RUNNING:
+            raise ValueError(f"the cap must hold at least {4 * RUNNING} blocks")
+        self._max_prefill = min(MAX_PREFILL_BLOCKS, cap // 4)
         self.index = index
         self.rank = rank
         self.cap = cap
@@ -84,10 +85,10 @@ class MixEngine:
     @property
     def full(self) -> bool:
         """Evictions have started (a rank stays at its cap from then on, until a reset)."""
-        return self.live + MAX_PREFILL_BLOCKS > self.cap
+        return self.live + self._max_prefill > self.cap
 
     def _prefill_blocks(self) -> int:
-        return min(MAX_PREFILL_BLOCKS, int(4 * self._rng.paretovariate(PARETO_ALPHA)) or 1)
+        return min(self._max_prefill, int(4 * self._rng.paretovariate(PARETO_ALPHA)) or 1)
 
     def _tokens(self, blocks: int) -> list[int]:
         """Tokens unique to this request (its first block differs from every other request's)."""
