@@ -29,7 +29,8 @@ replica only knows the requests it sent itself."""
 
 # Measurements that live beside the code they measure: name -> module with main(argv) -> int.
 DELEGATED = {"tokenize": "tokenization.measure", "index": "index.measure", "admission": "bench.admission",
-             "tenants": "bench.tenants", "decide": "gateway.routing.measure", "autoscale": "bench.autoscale"}
+             "tenants": "bench.tenants", "decide": "gateway.routing.measure", "autoscale": "bench.autoscale",
+             "ingest": "bench.ingest_cost"}
 
 SMALL_CACHE_BLOCKS = 256
 """Blocks per engine for workload d, so its working set is a few times the fleet's capacity."""

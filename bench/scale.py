@@ -28,6 +28,7 @@ from pathlib import Path
 
 import trio
 
+from bench import ingest_cost
 from bench.client import HttpClient
 from bench.replica_stats import (
     EngineGauges,
@@ -79,6 +80,7 @@ class ScaleOptions:
     engines: int
     cap: int
     encoding: str
+    mix: str
     steady_s: float
     burst_s: float
     probe_s: float
@@ -97,6 +99,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-s", type=float, help=f"seconds of idle latency probes (default {DEFAULTS['probe_s']:.0f})")
     p.add_argument("--converge-timeout-s", type=float, help=f"default {DEFAULTS['converge_timeout_s']:.0f}")
     p.add_argument("--encoding", choices=["map", "array"], default="map", help="vLLM's event encoding")
+    p.add_argument("--mix", choices=["realistic", "chains"], default="realistic",
+                   help="realistic: prefills of 1-500 blocks, decode blocks, evictions (bench/event_mix.py); "
+                        "chains: 32-block chains")
     p.add_argument("--fill-rate", type=float, default=50_000.0, help="ops/s while filling every engine to its cap")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", type=Path, help="PNG path (default: scale.png in the log folder)")
@@ -109,7 +114,7 @@ def options(args: argparse.Namespace) -> ScaleOptions:
     return ScaleOptions(
         [int(x) for x in str(values["replicas"]).split(",") if x],
         [float(x) for x in str(values["rates"]).split(",") if x],
-        int(values["engines"]), int(values["cap"]), args.encoding, float(values["steady_s"]),
+        int(values["engines"]), int(values["cap"]), args.encoding, args.mix, float(values["steady_s"]),
         float(values["burst_s"]), float(values["probe_s"]), args.fill_rate, float(values["converge_timeout_s"]),
         args.seed,
     )  # fmt: skip
@@ -132,7 +137,7 @@ async def measure_cell(client: HttpClient, opts: ScaleOptions, count: int, rate:
                        redis_url: str, log_dir: Path) -> list[ReplicaResult]:
     """One (R, rate) cell on a fresh publisher and fresh replicas; one result per replica."""
     pub_args = ["--engines", str(opts.engines), "--cap", str(opts.cap), "--model", MODEL,
-                "--encoding", opts.encoding, "--seed", str(opts.seed)]
+                "--encoding", opts.encoding, "--seed", str(opts.seed), "--mix", opts.mix]
     async with publisher(pub_args, log_dir) as (pub, endpoints):
         engines = [EngineEndpoints(f"e{i}", url, ep["events"], ep["replay"], ep["topic"])
                    for i, (url, ep) in enumerate(zip(engine_urls, endpoints, strict=True))]
@@ -318,10 +323,13 @@ def run(args: argparse.Namespace, log_dir: Path) -> int:
     """Entry of ``kvmesh bench scale``; exits 1 when a target fails."""
     opts = options(args)
     load = os.getloadavg()
+    shape = "the realistic mix (bench/event_mix.py)" if opts.mix == "realistic" else "chains of 32x16 tokens"
     print(f"kvmesh bench scale: {opts.engines} engines, cap {opts.cap} blocks each "
-          f"({opts.engines * opts.cap:,} live), chains of 32x16 tokens, {opts.encoding} encoding; "
+          f"({opts.engines * opts.cap:,} live), {shape}, {opts.encoding} encoding; "
           f"steady {opts.steady_s:.0f} s, burst {opts.burst_s:.0f} s; {os.cpu_count()} cores, "
           f"load average {load[0]:.2f} at start")
+    if opts.mix == "realistic":
+        print(ingest_cost.measure(opts.engines, min(opts.cap, 20_000), 50, opts.seed).line(), flush=True)
     results = trio.run(sweep, opts, log_dir)
     print(format_tables(results))
     print()

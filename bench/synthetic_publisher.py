@@ -25,6 +25,7 @@ from typing import Any
 import trio
 import zmq
 
+from bench.event_mix import MixEngine
 from bench.synthetic_engines import Pacer, SyntheticEngine
 from sim.publisher import EventPublisher
 
@@ -38,7 +39,7 @@ CHECKPOINT_BATCHES = 64
 class Fleet:
     """The engines and their publishers; publishes paced phases and reports what it sent."""
 
-    def __init__(self, engines: list[SyntheticEngine], publishers: list[EventPublisher]) -> None:
+    def __init__(self, engines: list[SyntheticEngine] | list[MixEngine], publishers: list[EventPublisher]) -> None:
         self.engines = engines
         self.publishers = publishers
         self._next = 0
@@ -115,7 +116,8 @@ async def _answer(fleet: Fleet, words: list[str]) -> dict[str, Any]:
 
 async def serve(args: argparse.Namespace) -> None:
     ctx = zmq.Context.instance()
-    engines = [SyntheticEngine(i, args.cap, args.model, args.encoding, args.seed) for i in range(args.engines)]
+    kind = MixEngine if args.mix == "realistic" else SyntheticEngine
+    engines = [kind(i, args.cap, args.model, args.encoding, args.seed) for i in range(args.engines)]
     publishers = [EventPublisher(ctx, HOST, 0, 0, TOPIC, buffer_steps=REPLAY_BUFFER_STEPS)
                   for _ in range(args.engines)]
     fleet = Fleet(engines, publishers)
@@ -138,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="kvmesh-tiny", help="the model the routers key the engines' blocks under")
     p.add_argument("--encoding", choices=["map", "array"], default="map")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mix", choices=["realistic", "chains"], default="realistic",
+                   help="bench/event_mix.py, or chains of 32 blocks with one removal per evicted block")
     args = p.parse_args(argv)
     trio.run(serve, args)
     return 0

@@ -76,21 +76,55 @@ def decode_payload(seq: int, payload: bytes) -> EventBatch:
         raise DecodeError("batch_shape")
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
         raise DecodeError("batch_shape")
-    events: list[Event] = []
-    unknown = 0
-    for raw_event in raw_events:
-        event = _event(raw_event)
-        if event is None:
-            unknown += 1
-        else:
-            events.append(event)
+    events, unknown = _events(raw_events)
     return EventBatch(seq=seq, ts=float(ts), events=tuple(events), data_parallel_rank=rank,
                       unknown_events=unknown)
 
 
+def _events(raw_events: list[Any]) -> tuple[list[Event], int]:
+    """Typed events and the count of unknown ones. Consecutive BlockRemoved events of one medium and group
+    become one event: vLLM sends one event per evicted block, and a per-event object, check and index call
+    cost ~5 us per removed block (a third of ingest on the realistic mix); applying the run at once removes
+    the same blocks in the same order."""
+    events: list[Event] = []
+    unknown = 0
+    run: list[Any] = []
+    run_where: tuple[str | None, int | None] | None = None
+    for raw in raw_events:
+        if type(raw) is dict and raw.get("type") == "BlockRemoved":
+            hashes, where = raw.get("block_hashes"), (_opt_str(raw.get("medium")), _opt_int(raw.get("group_idx")))
+        elif type(raw) is list and raw and raw[0] == "BlockRemoved":
+            hashes = raw[1] if len(raw) > 1 else None
+            where = (_opt_str(raw[2] if len(raw) > 2 else None), _opt_int(raw[3] if len(raw) > 3 else None))
+        else:
+            if run:
+                events.append(_removed(run, run_where))
+                run = []
+            event = _event(raw)
+            if event is None:
+                unknown += 1
+            else:
+                events.append(event)
+            continue
+        if type(hashes) is not list or not hashes:
+            raise DecodeError("block_hashes")
+        if run and where != run_where:
+            events.append(_removed(run, run_where))
+            run = []
+        run_where = where
+        run.extend(hashes)
+    if run:
+        events.append(_removed(run, run_where))
+    return events, unknown
+
+
+def _removed(hashes: list[Any], where: tuple[str | None, int | None] | None) -> BlockRemoved:
+    medium, group = where or (None, None)
+    return BlockRemoved(_hashes(hashes), medium, group)
+
+
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
                   "lora_name", "extra_keys", "group_idx")
-_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 
 
 def _event(raw: Any) -> Event | None:
@@ -99,15 +133,11 @@ def _event(raw: Any) -> Event | None:
         fields = raw
     elif isinstance(raw, list) and raw:
         kind = raw[0]
-        names = _STORED_FIELDS if kind == "BlockStored" else _REMOVED_FIELDS
-        fields = dict(zip(names, raw[1:], strict=False))
+        fields = dict(zip(_STORED_FIELDS, raw[1:], strict=False))
     else:
         raise DecodeError("event_shape")
     if kind == "BlockStored":
         return _stored(fields)
-    if kind == "BlockRemoved":
-        return BlockRemoved(_hashes(fields.get("block_hashes")), _opt_str(fields.get("medium")),
-                            _opt_int(fields.get("group_idx")))
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
     if isinstance(kind, str):
@@ -150,7 +180,7 @@ def _hashes(value: Any) -> tuple[int, ...]:
     if not isinstance(value, list) or not value:
         raise DecodeError("block_hashes")
     if set(map(type, value)) == _INT_ONLY and min(value) >= 0 and max(value) <= U64_MASK:
-        return tuple(item & KEY_MASK for item in value)  # the u64 form vLLM sends by default, checked in C
+        return tuple([item & KEY_MASK for item in value])  # the u64 form vLLM sends by default, checked in C
     return tuple(_hash(item) for item in value)
 
 

@@ -16,7 +16,9 @@ from index.events import EventBatch
 from index.ingest import EngineIngest, IngestStats
 from index.view import CacheView
 
-DEFAULT_MAX_PAYLOAD = 16 * 1024 * 1024
+DEFAULT_MAX_PAYLOAD = 4 * 1024 * 1024
+"""One engine step's batch: a step computes at most its token budget (8-16k tokens, ~100 KB of events);
+a prompt of 128k tokens re-announced whole (kv_cache_report_mode "full") is ~700 KB."""
 log = logging.getLogger("kvmesh.events")
 
 

@@ -17,7 +17,7 @@ import zmq
 from events.counters import INGEST_DEFERRED, SUBSCRIBER_RESTARTS
 from events.curve import CurveClient
 from events.discovery import EventSource
-from events.feed import EngineFeed
+from events.feed import DEFAULT_MAX_PAYLOAD, EngineFeed
 from events.ingest_budget import IngestBudget
 
 
@@ -27,9 +27,14 @@ class PublisherDisconnected(Exception):
 
 @dataclass(frozen=True, slots=True)
 class SubscriberConfig:
-    rcvhwm: int = 100_000
-    max_message_bytes: int = 16 * 1024 * 1024
-    """As large as the feed accepts (events/feed.py DEFAULT_MAX_PAYLOAD): bigger is cut off by libzmq."""
+    rcvhwm: int = 1_000
+    """Messages (one engine step each) queued per socket while ingest is behind; past it libzmq drops live
+    batches, which the seq tracker sees as a gap and fills from the engine's replay buffer once ingest has
+    time again. With vLLM's own 100,000 and 16 MiB messages a lagging replica's queue grew without a useful
+    bound (700 MB in 40 s at twice the sustainable rate); 1,000 steps are ~10 s of a busy engine and about
+    20 MB at the realistic mix's ~20 KB per step (the hard bound is 1,000 x ``max_message_bytes`` per socket)."""
+    max_message_bytes: int = DEFAULT_MAX_PAYLOAD
+    """As large as the feed accepts: bigger is cut off by libzmq."""
     replay_timeout_s: float = 5.0
     backoff_initial_s: float = 0.2
     backoff_max_s: float = 10.0

@@ -7,7 +7,6 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
 from prometheus_client import Histogram
 
 from autoscale.config import AutoscaleConfig
@@ -75,15 +74,9 @@ class RouterSignals:
         return histogram_quantile(0.99, before, buckets)
 
     def unique_blocks(self) -> dict[str, int]:
-        """Per engine, its blocks no other engine holds (vectorised: this runs on the event loop)."""
-        ids = [engine.id for engine in self.engines.all()]
-        keys = [np.unique(self.cache.export(engine_id)[1]) for engine_id in ids]
-        if not keys:
-            return {}
-        values, counts = np.unique(np.concatenate(keys), return_counts=True)
-        singles = values[counts == 1]
-        return {engine_id: int(np.isin(own, singles, assume_unique=True).sum())
-                for engine_id, own in zip(ids, keys, strict=True)}
+        """Per engine, its blocks no other engine holds: kept by the index as blocks change (a scan of the
+        index here held the event loop 0.67 s at 2M indexed blocks, every interval)."""
+        return self.cache.store.unique_blocks()
 
     def read(self, managed: Mapping[str, float], draining: set[str], pending: int) -> FleetSignals:
         peers = self.peer_in_flight()

@@ -27,7 +27,8 @@ from events.feed import EngineFeed
 from events.ingest_budget import IngestBudget
 from events.subscriber import SubscriberConfig, go_ahead, run_subscriber
 from gateway import index_transfer
-from index.view import CacheView, holder_keys
+from index.holders import holder_keys
+from index.view import CacheView
 from mesh.node import MeshNode
 
 log = logging.getLogger("kvmesh.ingest")
@@ -158,7 +159,7 @@ class EventIngest:
             hashes, own_keys = hash_array.tolist(), own_array.tolist()
             for start in range(0, len(hashes), LOAD_SLICE):
                 end = start + LOAD_SLICE
-                self.cache.store.store(holder, list(zip(hashes[start:end], own_keys[start:end], strict=True)))
+                self.cache.store.store_many(holder, hashes[start:end], own_keys[start:end])
                 await trio.sleep(0)
         info = self.cache.info(engine)
         if info is not None:

@@ -9,7 +9,7 @@ a reconnect; the engine's confidence stays reduced (by the peer's lag) until its
 snapshot (index/freshness.py). Without an answer it starts cold and backfills from the replay buffer.
 
 Blob: msgpack ``[FORMAT, seqs, hashes, own_keys, lag_s]``, one entry per event source in each of the lists
-(a data-parallel engine has one source per rank, each with its own blocks: index/view.py ``holder_keys``):
+(a data-parallel engine has one source per rank, each with its own blocks: index/holders.py):
 ``seqs`` an int or nil, ``hashes`` and ``own_keys`` little-endian u64 arrays of equal length; ``lag_s`` a
 finite number of seconds. The mesh sends it in 1 MiB chunks (mesh/sync_protocol.py). Everything from a
 peer is checked: a blob that does not decode, has unequal arrays, hashes out of the index's range or more

@@ -26,6 +26,8 @@ from mesh.node import MeshNode
 from mesh.settings import MeshSettings
 
 DISPATCH_SWEEP_S = 5.0
+DISPATCH_FLUSH_S = 0.25
+"""A bucket is rewritten whole, so writes are batched: a write per request re-sent the growing bucket."""
 TOMBSTONE_SWEEP_S = 60.0
 TOMBSTONE_TTL_S = 3600.0
 """A removed engine's tombstone is kept this long: a replica cut off for less learns of the removal from it
@@ -98,11 +100,16 @@ def replicated_engine(engine_id: str, entry: dict[str, Any], island: str | None)
 
 
 async def sweep_dispatches(state: MeshState) -> None:
-    """The mesh's leader deletes expired dispatch entries, so the document does not keep them."""
+    """Every replica writes its dispatch buckets that changed; the mesh's leader also deletes expired ones
+    (a departed replica's too), so the document does not keep them."""
+    swept_at = 0.0
     while True:
-        await trio.sleep(DISPATCH_SWEEP_S)
-        if state.node.is_leader():
-            state.sweep_dispatches(time.time())
+        await trio.sleep(DISPATCH_FLUSH_S)
+        now = time.time()
+        state.flush_dispatches(now)
+        if now - swept_at >= DISPATCH_SWEEP_S and state.node.is_leader():
+            state.sweep_dispatches(now)
+            swept_at = now
 
 
 async def sweep_tombstones(state: MeshState) -> None:
@@ -137,13 +144,12 @@ def follow_mesh(fleet: Fleet, state: MeshState) -> None:
             return
         fleet.set_state(engine_id, settings, replicate=False)
 
-    def on_dispatch(engine_id: str, own_key: int, expires_at: float) -> None:
-        planner.cache.record_remote_dispatch(engine_id, own_key, trio.current_time(),
+    def on_dispatch(engine_id: str, own_keys: list[int], expires_at: float) -> None:
+        planner.cache.record_remote_dispatch(engine_id, own_keys, trio.current_time(),
                                                     expires_at - time.time())
 
     def share_dispatch(engine_id: str, own_keys: Sequence[int], ttl_s: float) -> None:
-        now = time.time()
-        state.publish_dispatch(engine_id, own_keys, now + ttl_s, now + ttl_s / 2)
+        state.publish_dispatch(engine_id, own_keys, time.time(), ttl_s)
 
     fleet.replicate = state.set_registry
     state.on_registry(on_registry)

@@ -4,8 +4,9 @@ Namespaces (flat maps of string keys to string values, see mesh/crdt_doc.py):
 
 - ``registry``: ``"<engine>"`` -> JSON engine config and admin state (url, events, drain, island, ...), or
                 ``{"removed": true, "removed_at"}`` (deleted by the leader an hour later)
-- ``approx``:   ``"<engine>\\x1f<own_key>"`` -> expiry (unix seconds) of a block some replica sent there
-                (approximate entries of engines without events, speculative entries of the others)
+- ``approx``:   ``"<engine>\\x1f<replica>\\x1f<bucket>"`` -> ``"<expiry>:<base64 of u64 own keys>"``: the
+                blocks that replica sent to that engine, packed per expiry bucket (approximate entries of
+                engines without events, speculative entries of the others); see ``DispatchBuckets``
 - ``limits``:   ``"<replica>"`` -> JSON of that replica's windowed request/token counts per tenant
 - ``autoscaler``: ``"lease"`` -> JSON lease (holder, expiry, term) and ``"members"`` -> JSON list of the
                 replica ids quorum is counted against (autoscale/lease.py); ``"state"``,
@@ -19,11 +20,16 @@ writes to one key are rare.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import logging
+import math
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
+
+import numpy as np
 
 from mesh.crdt_doc import SEP, Change
 from mesh.node import MeshNode
@@ -35,29 +41,86 @@ MAX_JSON_BYTES = 64 * 1024
 """A registry or limits value larger than this is refused (a replica writes a few hundred bytes)."""
 
 RegistryCallback = Callable[[str, dict[str, Any] | None], None]
-DispatchCallback = Callable[[str, int, float], None]
+DispatchCallback = Callable[[str, list[int], float], None]
+BUCKETS_PER_TTL = 4
+"""Dispatched blocks are grouped by expiry into buckets a quarter of the TTL wide: a block stays shared at
+most a quarter TTL longer than asked, and a (engine, replica) pair has at most five buckets live."""
+MAX_BUCKET_KEYS = 1024
+"""Blocks one bucket holds (11 KB of document); further blocks of that bucket are not shared. With one
+document key per block, ~280k dispatched blocks took the document past the 16 MiB frame limit; packed and
+capped, the document holds at most ~60 KB per (engine, replica) whatever the traffic."""
 LimitsCallback = Callable[[str, Any], None]
 
 
-def _expiry(text: str) -> float:
+def parse_dispatch(key: str, text: str | None) -> tuple[str, list[int], float] | None:
+    """(engine, own keys, expiry) of an ``approx`` bucket, or None when malformed or deleted."""
+    engine, _, rest = key.partition(SEP)
+    if not engine or text is None or rest.count(SEP) != 1:
+        return None
+    expiry_text, _, packed = text.partition(":")
     try:
-        return float(text)
-    except ValueError:
-        return 0.0
+        expiry = float(expiry_text)
+        raw = base64.b64decode(packed, validate=True)
+    except (ValueError, binascii.Error):
+        return None
+    if expiry != expiry or len(raw) % 8 or len(raw) > 8 * MAX_BUCKET_KEYS:
+        return None
+    return engine, np.frombuffer(raw, dtype="<u8").tolist(), expiry
 
 
-def parse_dispatch(key: str, text: str | None) -> tuple[str, int, float] | None:
-    """(engine, own key, expiry) of an ``approx`` entry, or None when malformed or deleted."""
-    engine, _, own = key.rpartition(SEP)
-    if not engine or text is None or len(own) > 20:
-        return None
-    try:
-        own_key, expiry = int(own), float(text)
-    except ValueError:
-        return None
-    if not 0 <= own_key < 2**64 or expiry != expiry:
-        return None
-    return engine, own_key, expiry
+def pack_dispatch(own_keys: Iterable[int], expires_at: float) -> str:
+    return f"{expires_at:.3f}:" + base64.b64encode(np.fromiter(own_keys, dtype="<u8").tobytes()).decode("ascii")
+
+
+class DispatchBuckets:
+    """This replica's dispatched blocks per engine, packed by expiry bucket until the next flush (sans-IO)."""
+
+    def __init__(self) -> None:
+        self._buckets: dict[tuple[str, int], tuple[float, dict[int, None]]] = {}
+        self._expiry: dict[str, dict[int, float]] = {}
+        """Per engine, the expiry each shared block has (to skip blocks shared recently enough)."""
+        self._dirty: set[tuple[str, int]] = set()
+        self.dropped = 0
+
+    def add(self, engine: str, own_keys: Iterable[int], now: float, ttl_s: float) -> int:
+        """Blocks sent to ``engine`` now, shared for ``ttl_s``; returns how many were added (blocks whose
+        shared entry outlives half the TTL are skipped: a hot prefix costs one entry per half TTL)."""
+        width = ttl_s / BUCKETS_PER_TTL
+        bucket = math.ceil((now + ttl_s) / width)
+        expires_at = bucket * width
+        expiry = self._expiry.setdefault(engine, {})
+        keys = self._buckets.setdefault((engine, bucket), (expires_at, {}))[1]
+        added = 0
+        for own_key in own_keys:
+            if expiry.get(own_key, 0.0) >= now + ttl_s / 2 or own_key in keys:
+                continue
+            if len(keys) >= MAX_BUCKET_KEYS:
+                self.dropped += 1
+                continue
+            keys[own_key] = None
+            expiry[own_key] = expires_at
+            added += 1
+        if added:
+            self._dirty.add((engine, bucket))
+        return added
+
+    def flush(self, now: float) -> list[tuple[str, int, str | None]]:
+        """(engine, bucket, packed value or None to delete) of every bucket that changed or expired."""
+        out: list[tuple[str, int, str | None]] = []
+        for (engine, bucket), (expires_at, keys) in list(self._buckets.items()):
+            if expires_at <= now:
+                del self._buckets[engine, bucket]
+                self._dirty.discard((engine, bucket))
+                out.append((engine, bucket, None))
+                expiry = self._expiry.get(engine, {})
+                for own_key in keys:
+                    if expiry.get(own_key) == expires_at:
+                        del expiry[own_key]
+        for engine, bucket in sorted(self._dirty):
+            expires_at, keys = self._buckets[engine, bucket]
+            out.append((engine, bucket, pack_dispatch(keys, expires_at)))
+        self._dirty.clear()
+        return out
 
 
 def parse_json(text: str) -> Any:
@@ -84,6 +147,7 @@ class MeshState:
         self._registry: list[RegistryCallback] = []
         self._dispatch: list[DispatchCallback] = []
         self._limits: list[LimitsCallback] = []
+        self._outbox = DispatchBuckets()
         node.subscribe(self._on_changes)
 
     @property
@@ -118,29 +182,26 @@ class MeshState:
 
     # ----- dispatch entries ------------------------------------------------------------------------
 
-    def publish_dispatch(self, engine: str, own_keys: Iterable[int], expires_at: float,
-                         refresh_before: float) -> int:
-        """Share blocks this replica just sent to ``engine`` (until ``expires_at``, unix seconds).
-
-        Only keys missing from the document, or due to expire before ``refresh_before``, are written, so
-        a hot prefix costs one write per half TTL rather than one per request."""
+    def publish_dispatch(self, engine: str, own_keys: Iterable[int], now: float, ttl_s: float) -> int:
+        """Share blocks this replica just sent to ``engine`` (``now`` in unix seconds) at the next
+        :meth:`flush_dispatches`; returns how many are new."""
         _check_engine(engine)
-        current = self.content["approx"]
-        ops = []
-        for own_key in own_keys:
-            key = f"{engine}{SEP}{own_key}"
-            old = current.get(key)
-            if old is None or _expiry(old) < refresh_before:
-                ops.append(("approx", key, f"{expires_at:.3f}"))
+        return self._outbox.add(engine, own_keys, now, ttl_s)
+
+    def flush_dispatches(self, now: float) -> int:
+        """Write this replica's changed buckets (one document key each) and delete its expired ones."""
+        ops = [("approx", f"{engine}{SEP}{self.node.member_id}{SEP}{bucket}", value)
+               for engine, bucket, value in self._outbox.flush(now)]
         return len(self.node.write(ops)) if ops else 0
 
     def sweep_dispatches(self, now: float) -> int:
-        """Delete expired dispatch entries (the mesh's leader does this)."""
-        expired = [key for key, text in self.content["approx"].items() if _expiry(text) <= now]
+        """Delete expired buckets of any replica, a departed one's too (the mesh's leader does this)."""
+        expired = [key for key, text in self.content["approx"].items()
+                   if (parsed := parse_dispatch(key, text)) is None or parsed[2] <= now]
         return len(self.node.write(("approx", key, None) for key in expired)) if expired else 0
 
     def on_dispatch(self, callback: DispatchCallback) -> None:
-        """Call ``callback(engine, own_key, expires_at)`` for every dispatch entry any replica shares."""
+        """Call ``callback(engine, own_keys, expires_at)`` for every dispatch bucket any replica shares."""
         self._dispatch.append(callback)
 
     # ----- rate-limit counts -----------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """One router replica, built in one place and run in one nursery: the process's composition root.
 
 run_replica
- +- loop-lag watch        (how late the event loop wakes tasks; gateway/loop_lag.py)
+ +- loop-lag watch        (how late the loop wakes tasks: a metric, and ingest's headroom; gateway/loop_lag.py)
  +- event ingest          (one subscriber scope per engine; gateway/event_ingest.py)
  +- mesh                  (gossip, replication; with a mesh only)
  |   +- dispatch sweep    (the leader drops expired dispatch entries)
@@ -71,6 +71,11 @@ class Replica:
     router: Router
     autoscaler: AutoscaleLoop | None
 
+    def observe_loop_lag(self, lag_s: float) -> None:
+        """The loop's lag is both a metric and ingest's headroom signal (events/ingest_budget.py)."""
+        self.metrics.loop_lag.observe(lag_s)
+        self.ingest.budget.observe_lag(trio.current_time(), lag_s)
+
     async def leave(self) -> None:
         await leave_mesh(self.mesh)
 
@@ -87,8 +92,7 @@ def build_replica(config: RouterConfig, *, forward: Forward = forward, watch: Wa
     member_id = mesh.member_id if mesh is not None else "local"
     planner = RoutePlanner(config, engines, metrics)
     curve = CurveClient.load(config.events_curve_secret_file) if config.events_curve_secret_file else None
-    ingest = EventIngest(planner.cache, mesh, budget=IngestBudget(serving=lambda: router.active_requests > 0),
-                         subscriber=SubscriberConfig(curve_client=curve))
+    ingest = EventIngest(planner.cache, mesh, budget=IngestBudget(), subscriber=SubscriberConfig(curve_client=curve))
     fleet = Fleet(engines, planner, ingest, metrics, config.metrics_interval_s, watch)
     autoscaler = None
     if config.autoscaler.enabled:
@@ -109,7 +113,7 @@ def build_replica(config: RouterConfig, *, forward: Forward = forward, watch: Wa
 async def run_replica(replica: Replica, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
     """Start every long-lived task of the replica, in order, in one nursery; cancelling it stops them all."""
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(watch_loop_lag, replica.metrics.loop_lag.observe)
+        nursery.start_soon(watch_loop_lag, replica.observe_loop_lag)
         await nursery.start(replica.ingest.run)
         if replica.mesh is not None and replica.mesh_state is not None:
             await nursery.start(replica.mesh.run)

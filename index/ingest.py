@@ -77,7 +77,7 @@ class EngineIngest:
     """Applies one event stream's batches in order; the caller guarantees order (events/sequence.py).
 
     ``holder`` is the store key of the stream's blocks: the engine id, or one data-parallel rank's key
-    (index/view.py ``holder_keys``)."""
+    (index/holders.py)."""
 
     def __init__(self, holder: str, model: str, store: BlockStore) -> None:
         self.holder = holder
@@ -126,10 +126,9 @@ class EngineIngest:
                 other = split_extra_keys(extras[i], event.lora_name, first_block=first and i == 0).other
                 parent = next_key(parent, event.token_ids[i * size : (i + 1) * size], other)
                 keys.append(parent)
-        pairs = list(zip(event.block_hashes, keys, strict=True))
         stats.stored_keys.extend(keys)
         self.block_size = size
-        stats.stored += self.store.store(self.holder, pairs)
+        stats.stored += self.store.store_many(self.holder, event.block_hashes, keys)
 
     def reset(self) -> int:
         """The stream's publisher restarted: its cache is empty; returns the number of blocks dropped."""

@@ -19,6 +19,10 @@ class BlockStore(Protocol):
         """Record (engine_hash, own_key) pairs held by `engine`; returns how many aliases changed."""
         ...
 
+    def store_many(self, engine: str, engine_hashes: Sequence[int], own_keys: Sequence[int]) -> int:
+        """``store`` of the pairs ``zip(engine_hashes, own_keys)``, without building them (one event's chain)."""
+        ...
+
     def remove(self, engine: str, engine_hashes: Iterable[int]) -> int:
         """Forget blocks by engine hash (BlockRemoved); returns how many were held."""
         ...
@@ -45,6 +49,10 @@ class BlockStore(Protocol):
 
     def engines(self) -> list[str]:
         """Engines that currently hold at least one block."""
+        ...
+
+    def unique_blocks(self) -> dict[str, int]:
+        """Per engine (data-parallel ranks together), blocks no other engine holds; kept as blocks change."""
         ...
 
     def export(self, engine: str) -> tuple[np.ndarray, np.ndarray]:

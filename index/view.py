@@ -4,10 +4,8 @@ It combines the exact index (fed by KV events), approximate and speculative entr
 router dispatched) and per-engine freshness. The caller hashes the prompt once per distinct block
 size among the candidates (`index.block_hash.chain`) and passes the chains keyed by block size.
 
-A data-parallel engine is one URL whose ranks each have their own KV cache and event stream. Each rank's
-blocks live in the store under a holder key of their own (``holder_keys``): the engine id for its first
-rank, ``<engine>#dp<rank>`` for the others, so that one rank's restart clears that rank alone. The engine
-holds a block when any rank does; everything here answers per engine, over its holders.
+A data-parallel engine's ranks keep their blocks under holder keys of their own (index/holders.py); the
+engine holds a block when any rank does; everything here answers per engine, over its holders.
 """
 
 from __future__ import annotations
@@ -23,12 +21,6 @@ from index.ingest import IngestStats
 from index.store import BlockStore
 
 OVERFLOW_MARGIN = 1.25
-
-
-def holder_keys(engine: str, ranks: Sequence[int]) -> tuple[str, ...]:
-    """The store keys of an engine's event sources, in order: the engine id for the first, one per further
-    data-parallel rank (with a single source, the engine id alone: no cost without data parallelism)."""
-    return tuple(engine if i == 0 else f"{engine}#dp{rank}" for i, rank in enumerate(ranks))
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,10 +144,10 @@ class CacheView:
         self.approximate.record(engine, chain, now, ttl)
         return chain, ttl
 
-    def record_remote_dispatch(self, engine: str, own_key: int, now: float, remaining_s: float) -> None:
-        """Another replica sent this block to `engine` (shared through the mesh)."""
+    def record_remote_dispatch(self, engine: str, own_keys: Sequence[int], now: float, remaining_s: float) -> None:
+        """Another replica sent these blocks to `engine` (shared through the mesh)."""
         if remaining_s > 0 and engine in self._engines:
-            self.approximate.record(engine, (own_key,), now, remaining_s)
+            self.approximate.record(engine, own_keys, now, remaining_s)
 
     def on_ingest(self, engine: str, stats: IngestStats) -> None:
         """Real events arrived: speculative entries for those blocks are no longer needed."""

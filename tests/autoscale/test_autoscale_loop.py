@@ -3,7 +3,6 @@ drained first and only terminated once idle."""
 
 from types import SimpleNamespace
 
-import numpy as np
 import trio
 
 from autoscale.config import AutoscaleConfig
@@ -15,6 +14,7 @@ from gateway.autoscale_link import RouterSignals
 from gateway.config import EngineConfig
 from gateway.engines import EngineRegistry
 from gateway.metrics import RouterMetrics
+from index.prefix_index import PrefixIndex
 
 
 class FakeProvider(Provider):
@@ -38,19 +38,15 @@ class FakeProvider(Provider):
 
 class FakeFleet:
     """``FleetControl`` over a bare engine registry, recording what it was asked; the signals come from the
-    router's real reader over the same engines and a stand-in index of ``blocks``."""
+    router's real reader over the same engines and an index of their blocks."""
 
     def __init__(self, engines: EngineRegistry | None = None) -> None:
         self.engines = engines if engines is not None else EngineRegistry()
-        self.blocks: dict[str, dict[int, int]] = {}
+        self.index = PrefixIndex()
         self.removed: list[str] = []
         self.metrics = RouterMetrics()
-        self.signals = RouterSignals(self.engines, SimpleNamespace(export=self._export, block_count=lambda e: 0),
+        self.signals = RouterSignals(self.engines, SimpleNamespace(store=self.index, block_count=lambda e: 0),
                                      dict, RouterMetrics().ttft, None)
-
-    def _export(self, engine: str) -> tuple[np.ndarray, np.ndarray]:
-        pairs = self.blocks.get(engine, {})
-        return np.array(list(pairs), dtype=np.uint64), np.array(list(pairs.values()), dtype=np.uint64)
 
     def known(self, engine_id: str) -> bool:
         return self.engines.get(engine_id) is not None
@@ -101,8 +97,8 @@ async def test_provisions_to_min_then_drains_an_idle_engine_before_releasing(aut
         busy.load.polled_at = trio.current_time()
         idle = router.engines.get("new-2")
         idle.in_flight = 1  # a stream in progress: the engine is drained, not released
-        router.blocks["new-1"] = {11: 1, 12: 2, 13: 3}  # new-1 alone caches 1 and 2: losing new-2 costs less
-        router.blocks["new-2"] = {21: 3}
+        router.index.store("new-1", [(11, 1), (12, 2), (13, 3)])  # new-1 alone caches 1 and 2: losing new-2
+        router.index.store("new-2", [(21, 3)])  # costs less
         decision = loop.tick(1002.0)
         assert decision.action == "down" and decision.release == ("new-2",)
         assert idle.draining and loop.provider.terminated == []

@@ -86,3 +86,19 @@ event_like = st.fixed_dictionaries(
 def test_structured_garbage_only_raises_decode_error(events, ts):
     with contextlib.suppress(DecodeError):
         decode_payload(0, msgpack.packb([ts, events, 0], use_bin_type=True))
+
+
+def test_consecutive_removals_become_one_event_in_order():
+    offloaded = dict(removed_map([4]), medium="CPU")
+    frames = live_frames(0, [removed_map([1]), removed_array([2]), offloaded, removed_map([3]),
+                             stored_map([9], None, [1, 2], 2), removed_map([5]), removed_map([6])])
+    first, cpu, third, stored, last = decode_live(frames).events
+    assert first == BlockRemoved((1, 2), "GPU", None) and cpu == BlockRemoved((4,), "CPU", None)
+    assert third == BlockRemoved((3,), "GPU", None) and isinstance(stored, BlockStored)
+    assert last == BlockRemoved((5, 6), "GPU", None)
+
+
+def test_an_empty_removal_in_a_run_is_refused():
+    with pytest.raises(DecodeError) as info:
+        decode_live(live_frames(0, [removed_map([1]), removed_map([])]))
+    assert info.value.reason == "block_hashes"

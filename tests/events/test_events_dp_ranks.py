@@ -12,8 +12,9 @@ from events_frames import payload, stored_map
 from events.feed import EngineFeed
 from gateway import index_transfer
 from index.block_hash import chain, root_seed
+from index.holders import holder_keys
 from index.prefix_index import PrefixIndex
-from index.view import CacheView, holder_keys
+from index.view import CacheView
 
 MODEL = "m"
 ENGINE = "10.0.0.5:8000"

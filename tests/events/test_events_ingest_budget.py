@@ -41,10 +41,15 @@ def test_settings_are_checked():
             IngestBudget(**bad)
 
 
-def test_ingest_may_take_more_of_the_loop_while_no_request_is_in_flight():
-    serving = [True]
-    budget = IngestBudget(share=0.5, idle_share=0.9, burst_s=0.005, serving=lambda: serving[0])
+def test_ingest_takes_more_of_the_loop_only_while_the_loop_runs_on_time():
+    budget = IngestBudget(share=0.5, idle_share=0.9, burst_s=0.005, lag_target_s=0.005, hold_s=1.0)
     budget.charge(0.0, 0.014)  # 0.009 s of debt
-    assert budget.wait_s(0.0) == pytest.approx(0.018, abs=1e-3)
-    serving[0] = False
-    assert budget.wait_s(0.0) == pytest.approx(0.010, abs=1e-3)
+    assert budget.wait_s(0.0) == pytest.approx(0.018, abs=1e-3)  # nobody watches the loop: the low share
+    budget.observe_lag(0.0, 0.001)
+    assert budget.wait_s(0.0) == pytest.approx(0.010, abs=1e-3)  # on time: the loop's idle time
+    budget.observe_lag(0.01, 0.02)
+    assert budget.wait_s(0.01) == pytest.approx(0.008, abs=1e-3)  # late: the low share (idle: no wait)...
+    budget.observe_lag(0.9, 0.001)
+    assert not budget.headroom(0.9)  # ...held for a second after the last late wake-up
+    budget.observe_lag(1.02, 0.001)
+    assert budget.headroom(1.02) and not budget.headroom(1.5)  # and only while readings are fresh

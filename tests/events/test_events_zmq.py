@@ -16,8 +16,9 @@ from events.discovery import EventSource
 from events.feed import EngineFeed
 from events.subscriber import SubscriberConfig, go_ahead, run_subscriber
 from index.block_hash import chain, root_seed
+from index.holders import holder_keys
 from index.prefix_index import PrefixIndex
-from index.view import CacheView, holder_keys
+from index.view import CacheView
 
 pytestmark = pytest.mark.integration
 

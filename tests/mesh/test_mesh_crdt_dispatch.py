@@ -1,8 +1,9 @@
-"""Shared dispatch entries: written once per half TTL, parsed defensively, swept when expired."""
+"""Shared dispatch entries: packed per engine and expiry bucket, flushed in batches, parsed defensively,
+swept when expired, and bounded whatever the traffic."""
 
 from mesh_node_helpers import settings
 
-from gateway.mesh_state import NAMESPACES, MeshState, parse_dispatch
+from gateway.mesh_state import MAX_BUCKET_KEYS, NAMESPACES, MeshState, pack_dispatch, parse_dispatch
 from mesh.node import MeshNode
 from mesh.sync_protocol import SyncProtocol
 
@@ -12,30 +13,49 @@ def state(name: str) -> MeshState:
     return MeshState(MeshNode(settings(name), NAMESPACES))
 
 
-def test_publish_writes_only_new_or_stale_keys_and_sweep_removes_expired():
+def test_publish_adds_only_new_or_stale_blocks_and_sweep_removes_expired_buckets():
     a = state("a")
-    assert a.publish_dispatch("e1", [1, 2, 3], expires_at=100.0, refresh_before=50.0) == 3
-    assert a.publish_dispatch("e1", [1, 2, 3, 4], expires_at=110.0, refresh_before=60.0) == 1
-    assert a.publish_dispatch("e1", [1, 2], expires_at=200.0, refresh_before=150.0) == 2
+    assert a.publish_dispatch("e1", [1, 2, 3], now=0.0, ttl_s=100.0) == 3
+    assert a.publish_dispatch("e1", [1, 2, 3, 4], now=10.0, ttl_s=100.0) == 1
+    assert a.flush_dispatches(now=10.0) == 2  # two buckets: expiring at 100 and at 125
+    assert a.publish_dispatch("e1", [1, 2], now=60.0, ttl_s=100.0) == 2  # their entries expire in < 50 s
+    assert a.flush_dispatches(now=60.0) == 1
     assert a.sweep_dispatches(now=105.0) == 1
-    assert a.sweep_dispatches(now=250.0) == 3
+    assert a.sweep_dispatches(now=250.0) == 2
     assert a.content["approx"] == {}
 
 
-def test_dispatch_entries_replicate_to_a_peer_and_reach_its_callback():
+def test_dispatch_buckets_replicate_to_a_peer_and_reach_its_callback():
     a, b = state("a"), state("b")
     seen = []
-    b.on_dispatch(lambda engine, own_key, expires: seen.append((engine, own_key, expires)))
-    a.publish_dispatch("e1", [7, 8], expires_at=300.0, refresh_before=0.0)
+    b.on_dispatch(lambda engine, own_keys, expires: seen.append((engine, sorted(own_keys), expires)))
+    a.publish_dispatch("e1", [7, 8, 2**64 - 1], now=0.0, ttl_s=300.0)
+    a.flush_dispatches(now=0.0)
     SyncProtocol(b.node.doc).on_frame(a.node.protocol.update_frame(), 0.0)
-    assert sorted(seen) == [("e1", 7, 300.0), ("e1", 8, 300.0)]
+    assert seen == [("e1", [7, 8, 2**64 - 1], 300.0)]
+
+
+def test_the_document_stays_small_at_the_dispatch_volume_that_passed_16_mib():
+    """~280k blocks dispatched within one TTL took the document, one key per block, past 16 MiB."""
+    a = state("a")
+    for request in range(2_800):
+        a.publish_dispatch(f"e{request % 16}", range(request * 100, (request + 1) * 100), now=request * 0.01,
+                           ttl_s=600.0)
+        if request % 25 == 0:
+            a.flush_dispatches(now=request * 0.01)
+    a.flush_dispatches(now=30.0)
+    assert len(a.content["approx"]) <= 2 * 16  # at most two expiry buckets per engine in 30 s
+    assert a.node.doc.encoded_size() < 16 * 16 * 1024  # a bucket is at most 11 KB, whatever the traffic
+    assert a.node.doc.encoded_size() > 16 * MAX_BUCKET_KEYS * 8
 
 
 def test_malformed_entries_are_refused():
-    assert parse_dispatch("e1\x1fnot-a-number", "1.0") is None
-    assert parse_dispatch("e1\x1f5", "soon") is None
-    assert parse_dispatch("no-separator", "1.0") is None
-    assert parse_dispatch("e1\x1f5", None) is None
-    assert parse_dispatch("e1\x1f" + "9" * 5000, "1.0") is None
-    assert parse_dispatch("e1\x1f5", "nan") is None
-    assert parse_dispatch("e1\x1f-5", "1.0") is None
+    good = pack_dispatch([5], 1.0)
+    assert parse_dispatch("e1\x1fr\x1f3", good) == ("e1", [5], 1.0)
+    assert parse_dispatch("e1\x1fr\x1f3", "1.0:not base64!") is None
+    assert parse_dispatch("e1\x1fr\x1f3", "soon:" + good.partition(":")[2]) is None
+    assert parse_dispatch("no-separator", good) is None
+    assert parse_dispatch("e1\x1fr\x1f3", None) is None
+    assert parse_dispatch("e1\x1fr\x1f3", "nan:" + good.partition(":")[2]) is None
+    assert parse_dispatch("e1\x1fr\x1f3", "1.0:AAAA") is None  # not whole u64 words
+    assert parse_dispatch("e1\x1fr\x1f3", pack_dispatch(range(MAX_BUCKET_KEYS + 1), 1.0)) is None

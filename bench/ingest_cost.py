@@ -1,0 +1,124 @@
+"""``kvmesh bench ingest``: where a replica's CPU goes per KV-event block op, on the realistic mix, in process.
+
+The same recorded batches of E synthetic engines (bench/event_mix.py), each engine already at its cap, go
+through the replica's real ingest code four times, each pass on a fresh index filled the same way:
+
+- decode: ``events.decode.decode_live`` of every message;
+- keys: the own-key chains of every stored event (``index.block_hash.chain_from``, as ingest computes them);
+- apply: ``EngineIngest.apply`` of the decoded batches (keys and the index update); store = apply - keys;
+- end to end: ``EngineFeed.on_live`` of the raw frames (decode, sequence tracking, keys, store, freshness,
+  metrics); the rest = end to end - decode - apply.
+
+CPU time of this thread only, so other processes on the machine do not count; each figure is per block op
+(one block stored or removed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from bench.event_mix import BLOCK_SIZE, MixEngine
+from events.decode import decode_live
+from events.feed import EngineFeed
+from index.block_hash import chain_from, root_seed
+from index.events import BlockStored, EventBatch
+from index.ingest import EngineIngest
+from index.prefix_index import PrefixIndex
+from index.view import CacheView
+
+MODEL = "kvmesh-tiny"
+Message = tuple[int, list[bytes]]
+
+
+@dataclass(frozen=True)
+class IngestCost:
+    engines: int
+    live_blocks: int
+    ops: int
+    decode_us: float
+    keys_us: float
+    store_us: float
+    rest_us: float
+
+    @property
+    def total_us(self) -> float:
+        return self.decode_us + self.keys_us + self.store_us + self.rest_us
+
+    def line(self) -> str:
+        return (f"ingest CPU per block op, {self.engines} engines, {self.live_blocks:,} live blocks, "
+                f"{self.ops:,} ops: {self.total_us:.2f} us (decode {self.decode_us:.2f}, keys {self.keys_us:.2f}, "
+                f"store {self.store_us:.2f}, rest {self.rest_us:.2f}) = {1e6 / self.total_us:,.0f} ops/s per core")
+
+
+def _recorded(engines: list[MixEngine], steps: int, seqs: list[int]) -> tuple[list[Message], int]:
+    out: list[Message] = []
+    ops = 0
+    for _ in range(steps):
+        for i, engine in enumerate(engines):
+            batch = engine.next_batch(0.0)
+            out.append((i, [b"kv", seqs[i].to_bytes(8, "big"), batch.payload]))
+            seqs[i] += 1
+            ops += batch.ops
+    return out, ops
+
+
+def _cpu(work: Callable[[], object]) -> float:
+    started = time.thread_time()
+    work()
+    return time.thread_time() - started
+
+
+def measure(engines: int = 16, cap: int = 20_000, steps: int = 100, seed: int = 0) -> IngestCost:
+    fleet = [MixEngine(i, cap, MODEL, seed=seed) for i in range(engines)]
+    seqs = [0] * engines
+    warm: list[Message] = []
+    while not all(e.full for e in fleet):
+        warm += _recorded(fleet, 10, seqs)[0]
+    messages, ops = _recorded(fleet, steps, seqs)
+
+    def fresh() -> tuple[CacheView, list[EngineFeed]]:
+        view = CacheView(PrefixIndex())
+        for i in range(engines):
+            view.register(f"e{i}", block_size=BLOCK_SIZE, has_events=True)
+        feeds = [EngineFeed(f"e{i}", MODEL, view) for i in range(engines)]
+        for i, frames in warm:
+            feeds[i].on_live(frames, 0.0)
+        return view, feeds
+
+    batches: list[tuple[int, EventBatch]] = []
+    decode_s = _cpu(lambda: batches.extend((i, decode_live(frames)) for i, frames in messages))
+    root = root_seed(MODEL)
+    stored = [e for _, b in batches for e in b.events if isinstance(e, BlockStored)]
+    keys_s = _cpu(lambda: [chain_from(root, e.token_ids, e.block_size) for e in stored])
+    view, _ = fresh()
+    ingests = [EngineIngest(f"e{i}", MODEL, view.store) for i in range(engines)]
+    apply_s = _cpu(lambda: [ingests[i].apply(batch) for i, batch in batches])
+    view, feeds = fresh()
+    total_s = _cpu(lambda: [feeds[i].on_live(frames, 1.0) for i, frames in messages])
+    live = sum(view.store.block_count(f"e{i}") for i in range(engines))
+    us = 1e6 / ops
+    return IngestCost(engines, live, ops, decode_s * us, keys_s * us, (apply_s - keys_s) * us,
+                      max(0.0, total_s - decode_s - apply_s) * us)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvmesh bench ingest", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engines", default="16,64", help="comma-separated engine counts (default 16,64)")
+    p.add_argument("--cap", type=int, default=20_000, help="live blocks per engine (default 20000)")
+    p.add_argument("--steps", type=int, default=100, help="recorded steps per engine (default 100)")
+    p.add_argument("--quick", action="store_true", help="16 engines, cap 5000, 40 steps")
+    args = p.parse_args(argv)
+    counts = [16] if args.quick else [int(x) for x in args.engines.split(",") if x]
+    cap, steps = (5_000, 40) if args.quick else (args.cap, args.steps)
+    for count in counts:
+        print(measure(count, cap, steps).line(), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

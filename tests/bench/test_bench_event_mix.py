@@ -1,0 +1,31 @@
+"""The realistic event mix: what a replica ingests from it is exactly the live set the engine states."""
+
+from __future__ import annotations
+
+from bench.event_mix import MAX_PREFILL_BLOCKS, MixEngine
+from bench.ingest_cost import measure
+from events.feed import EngineFeed
+from index.digest import block_set_digest
+from index.prefix_index import PrefixIndex
+from index.view import CacheView
+
+
+def test_an_exact_replica_ingesting_the_mix_reports_the_engines_digest():
+    engine = MixEngine(3, cap=2 * MAX_PREFILL_BLOCKS, model="m", seed=5)
+    view = CacheView(PrefixIndex())
+    view.register("e", block_size=16, has_events=True)
+    feed = EngineFeed("e", "m", view)
+    stored = removed = 0
+    for seq in range(300):
+        batch = engine.next_batch(0.0)
+        stored, removed = stored + batch.stored, removed + batch.removed
+        feed.on_live([b"kv", seq.to_bytes(8, "big"), batch.payload], 0.0)
+    assert engine.full and removed > 0 and stored > removed
+    assert feed.totals.orphaned == 0 and feed.totals.stored == stored and feed.totals.removed == removed
+    assert block_set_digest(*view.store.export("e")) == engine.digest()
+
+
+def test_ingest_cost_splits_the_cpu_per_block_op():
+    cost = measure(engines=2, cap=2 * MAX_PREFILL_BLOCKS, steps=5)
+    assert cost.ops > 0 and cost.live_blocks > 0
+    assert min(cost.decode_us, cost.keys_us) > 0 and cost.total_us >= cost.decode_us + cost.keys_us
