@@ -164,7 +164,7 @@ def _stored(fields: dict[Any, Any]) -> BlockStored:
         block_size=block_size,
         lora_name=_opt_str(fields.get("lora_name")),
         medium=_opt_str(fields.get("medium")),
-        extra_keys=None if extra is None else tuple(_freeze(item) for item in extra),
+        extra_keys=None if extra is None or extra.count(None) == len(extra) else tuple(map(_freeze, extra)),
         group_idx=_opt_int(fields.get("group_idx")),
     )
 

@@ -25,6 +25,8 @@ from index.store import BlockStore
 # Only the engine's own KV cache is indexed; offloaded tiers and non-primary groups are skipped.
 INDEXED_MEDIA = frozenset({None, "GPU"})
 INDEXED_GROUPS = frozenset({None, 0})
+_MAX_ROOTS = 1024
+"""Chain seeds remembered per stream (one per tenant salt and adapter in use)."""
 
 
 @dataclass(slots=True)
@@ -85,6 +87,7 @@ class EngineIngest:
         self.store = store
         self.last_seq: int | None = None
         self.block_size: int | None = None
+        self._roots: dict[tuple[str | None, str | None], int] = {}
 
     def apply(self, batch: EventBatch) -> IngestStats:
         stats = IngestStats()
@@ -105,12 +108,12 @@ class EngineIngest:
         if event.medium not in INDEXED_MEDIA or event.group_idx not in INDEXED_GROUPS:
             stats.skipped += 1
             return
-        extras = event.extra_keys or (None,) * len(event.block_hashes)
+        extras = event.extra_keys
         first = event.parent_block_hash is None
-        plain = all(extra is None for extra in extras[1 if first else 0 :])
+        plain = extras is None or all(extra is None for extra in extras[1 if first else 0 :])
         if first:
-            head = split_extra_keys(extras[0], event.lora_name, first_block=True)
-            parent: int | None = root_seed(self.model, head.lora_name, head.cache_salt)
+            head = split_extra_keys(None if extras is None else extras[0], event.lora_name, first_block=True)
+            parent: int | None = self._root(head.lora_name, head.cache_salt)
             plain = plain and head.other is None
         else:
             parent = self.store.own_key(self.holder, event.parent_block_hash)
@@ -123,12 +126,23 @@ class EngineIngest:
         else:
             keys = []
             for i in range(len(event.block_hashes)):
-                other = split_extra_keys(extras[i], event.lora_name, first_block=first and i == 0).other
+                extra = None if extras is None else extras[i]
+                other = split_extra_keys(extra, event.lora_name, first_block=first and i == 0).other
                 parent = next_key(parent, event.token_ids[i * size : (i + 1) * size], other)
                 keys.append(parent)
         stats.stored_keys.extend(keys)
         self.block_size = size
         stats.stored += self.store.store_many(self.holder, event.block_hashes, keys)
+
+    def _root(self, lora_name: str | None, cache_salt: str | None) -> int:
+        """The chain seed, remembered per (LoRA, salt): one hash per prefill event less."""
+        seeds = self._roots
+        seed = seeds.get((lora_name, cache_salt))
+        if seed is None:
+            if len(seeds) >= _MAX_ROOTS:
+                seeds.clear()
+            seed = seeds[lora_name, cache_salt] = root_seed(self.model, lora_name, cache_salt)
+        return seed
 
     def reset(self) -> int:
         """The stream's publisher restarted: its cache is empty; returns the number of blocks dropped."""
