@@ -176,6 +176,7 @@ class _Connection:
                 self.broken = True
 
     async def _close(self) -> None:
+        self.broken = True  # the descriptor number may be reused once closed: no write may reach it
         with trio.CancelScope(shield=True):
             with contextlib.suppress(STREAM_ERRORS):
                 await self.stream.send_eof()
@@ -315,7 +316,16 @@ async def serve(app: App, settings: ServerSettings, shutdown_trigger: Callable[[
     stopping = _Stopping()
 
     async def on_connection(stream: trio.SocketStream) -> None:
-        await _Connection(stream, app, settings, stopping).run()
+        """Owns one connection: whatever goes wrong with it is logged and ends it, never the server."""
+        try:
+            connection = _Connection(stream, app, settings, stopping)
+        except OSError:  # the client left before its address could be read
+            await trio.aclose_forcefully(stream)
+            return
+        try:
+            await connection.run()
+        except Exception:
+            log.exception("connection failed", extra={"client": connection.client})
 
     async with trio.open_nursery() as connections:
         accepting = trio.CancelScope()
