@@ -265,11 +265,11 @@ class _Exchange:
         if kind == "http.response.start":
             if self.started:
                 raise RuntimeError("http.response.start sent twice")
-            self.started = True
             status = int(message["status"])
-            self.no_body = self.method == "HEAD" or status in _NO_BODY_STATUS
-            self.head = h11.Response(status_code=status,
+            self.head = h11.Response(status_code=status,  # a head h11 refuses raises here, before any byte
                                      headers=[*message.get("headers", []), *self.connection.own_headers()])
+            self.started = True
+            self.no_body = self.method == "HEAD" or status in _NO_BODY_STATUS
             return  # goes out with the first body message: one write for both
         if kind != "http.response.body":
             raise RuntimeError(f"unexpected ASGI message {kind!r}")

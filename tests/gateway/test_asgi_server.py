@@ -124,6 +124,23 @@ async def test_an_application_that_fails_before_answering_gives_500():
         stop.set()
 
 
+async def test_a_head_h11_cannot_send_is_a_500_and_the_server_keeps_serving():
+    async def bad_header(scope, receive, send) -> None:
+        if scope["path"] == "/bad":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"x-bad", b"line\r\nbreak")]})
+        await echo(scope, receive, send)
+
+    async with trio.open_nursery() as nursery:
+        port, stop = await start(nursery, bad_header)
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        await stream.send_all(b"GET /bad HTTP/1.1\r\nhost: h\r\n\r\n")
+        assert (await read_until(stream, b"never")).startswith(b"HTTP/1.1 500")
+        again = await trio.open_tcp_stream("127.0.0.1", port)
+        await again.send_all(b"GET /good HTTP/1.1\r\nhost: h\r\n\r\n")
+        assert b"GET /good" in await read_until(again, b"GET /good")
+        stop.set()
+
+
 async def test_shutdown_closes_idle_connections_and_lets_a_request_in_flight_finish():
     release = trio.Event()
 
