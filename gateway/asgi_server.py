@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import email.utils
+import functools
 import logging
 import os
 import time
@@ -53,22 +54,10 @@ class ServerSettings:
     server_header: bytes = b"kvmesh"
 
 
-class _Date:
-    """The Date header, formatted at most once per second."""
-
-    def __init__(self) -> None:
-        self._second = -1
-        self._value = b""
-
-    def get(self) -> bytes:
-        now = int(time.time())
-        if now != self._second:
-            self._second = now
-            self._value = email.utils.formatdate(now, usegmt=True).encode()
-        return self._value
-
-
-_date = _Date()
+@functools.lru_cache(maxsize=1)
+def _http_date(second: int) -> bytes:
+    """The Date header's value, formatted once per second."""
+    return email.utils.formatdate(second, usegmt=True).encode()
 
 
 class _Stopping:
@@ -155,7 +144,7 @@ class _Connection:
             return
 
     def own_headers(self) -> list[tuple[bytes, bytes]]:
-        return [(b"date", _date.get()), (b"server", self.settings.server_header)]
+        return [(b"date", _http_date(int(time.time()))), (b"server", self.settings.server_header)]
 
     async def write(self, data: bytes) -> None:
         """Write ``data`` to the client: straight into the socket when the kernel takes it all (no
