@@ -162,7 +162,9 @@ def _overhead(args: argparse.Namespace, log_dir: Path) -> int:
         print(format_system_prompt(blocks))
         return 0
     pinning = overhead_sweep.pin_this_process()
-    print(f"router under test on CPU {sorted(pinning.router)}, engine and load on CPU {sorted(pinning.rest)}")
+    spec = overhead_sweep.fleet_for_sweep(spec, args.sweep)
+    print(f"router under test on CPU {sorted(pinning.router)}, engine and load on CPU {sorted(pinning.rest)}; "
+          f"engine max_num_seqs {spec.max_num_seqs}")
     cases = overhead_sweep.sweep_cases(args.sweep, args.short)
     blocks = trio.run(measure_system_prompt, spec, log_dir, args.rounds, args.policy, peer_names, cases,
                       pinning.router)

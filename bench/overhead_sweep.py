@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import os
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench.overhead import USER_WORDS, Block, Case, added_ms, path_blocks
+from bench.runner import FleetSpec
 
 SWEEP = (16, 64, 128, 256)
 JUDGED_FROM = 64
@@ -46,6 +47,13 @@ def pin_this_process() -> Pinning:
     pinning = split_cores(os.sched_getaffinity(0))
     os.sched_setaffinity(0, pinning.rest)
     return pinning
+
+
+def fleet_for_sweep(spec: FleetSpec, concurrencies: list[int]) -> FleetSpec:
+    """The engine admits every stream of the widest case at once, as a vLLM replica sized for that load
+    would (vLLM's default is 256 sequences): with 64 slots, 192 of 256 streams would wait in the engine's
+    queue, and their TTFT would be the queue's order, not the router's cost."""
+    return replace(spec, max_num_seqs=max(spec.max_num_seqs, *concurrencies))
 
 
 def sweep_cases(concurrencies: list[int], short: bool) -> list[Case]:

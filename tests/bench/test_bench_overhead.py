@@ -8,7 +8,7 @@ import pytest
 
 from bench.client import HttpClient
 from bench.overhead import SYSTEM_WORDS, Block, format_system_prompt, rotated, system_prompt_requests
-from bench.overhead_sweep import plot, split_cores, sweep_cases, verdicts
+from bench.overhead_sweep import fleet_for_sweep, plot, split_cores, sweep_cases, verdicts
 from bench.passthrough import passthrough_relay
 from bench.runner import FleetSpec, sim_fleet
 from bench.stats import RequestResult
@@ -64,6 +64,11 @@ def test_the_sweep_keeps_c1_and_sends_requests_in_proportion_to_the_streams():
     assert [(c.name, c.concurrency, c.requests) for c in cases] == [("c=1", 1, 20), ("c=16", 16, 32),
                                                                     ("c=256", 256, 512)]
     assert sweep_cases([64], short=False)[1].requests == 256
+
+
+def test_the_swept_engine_admits_every_stream_of_the_widest_case():
+    assert fleet_for_sweep(FleetSpec(max_num_seqs=64), [16, 256]).max_num_seqs == 256
+    assert fleet_for_sweep(FleetSpec(max_num_seqs=512), [16, 256]).max_num_seqs == 512
 
 
 def _sweep(kvmesh_ms: float, kvmesh_wall: float = 1.0) -> list[Block]:
