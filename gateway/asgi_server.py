@@ -43,6 +43,8 @@ _NO_BODY_STATUS = frozenset({204, 304})
 
 @dataclass(frozen=True)
 class ServerSettings:
+    """Where to listen and the limits of one connection (the router's come from ``gateway.server``)."""
+
     host: str
     port: int
     keep_alive_s: float = 75.0
