@@ -10,8 +10,9 @@ from pathlib import Path
 
 import trio
 
-from bench import mesh, scale, suite, suite_report
+from bench import mesh, overhead_sweep, scale, suite, suite_report
 from bench.overhead import PEERS, format_overhead, format_system_prompt, measure_overhead, measure_system_prompt
+from bench.peers import smg_binary
 from bench.processes import StartFailed
 from bench.report import Row, format_table, verdicts
 from bench.runner import FleetSpec, MeasureOptions, compare_policies, measure_target
@@ -95,8 +96,18 @@ def parser() -> argparse.ArgumentParser:
     overhead.add_argument("--workload", choices=("system", "tiny"), default="system",
                           help="system: 1,500-token shared system prompt + fresh user turn, streamed, c=1 and "
                                "c=64; tiny: small unique prompts at --concurrency")
-    overhead.add_argument("--peers", default="",
-                          help=f"comma-separated peer routers in the same run ({', '.join(PEERS)})")
+    overhead.add_argument("--peers", default=None,
+                          help=f"comma-separated peer routers in the same run ({', '.join(PEERS)}); with --pin "
+                               "the default is passthrough, and smg when it is installed")
+    overhead.add_argument("--pin", action="store_true",
+                          help="the router under test alone on the last CPU, engine and load on the others, "
+                               "and a sweep over --sweep concurrencies (system workload)")
+    overhead.add_argument("--sweep", type=_int_list, default=list(overhead_sweep.SWEEP),
+                          help="comma-separated concurrencies for --pin")
+    overhead.add_argument("--short", action="store_true",
+                          help="with --pin: two requests per stream per block instead of four")
+    overhead.add_argument("--plot", type=Path,
+                          help="with --pin: PNG path (default: overhead-sweep.png in the log folder)")
     _fleet_args(overhead, "fast")
     mesh_bench = sub.add_parser("mesh", help="1..8 replicas behind HAProxy: hit rate, TTFT, lag, ingest, CPU")
     mesh.add_arguments(mesh_bench)
@@ -177,13 +188,39 @@ def _overhead(args: argparse.Namespace, log_dir: Path) -> int:
         rows = trio.run(measure_overhead, spec, log_dir, args.concurrency, args.requests, args.rounds, args.policy)
         print(format_overhead(rows))
         return 0
-    peer_names = [p for p in args.peers.split(",") if p]
+    peer_names = [p for p in (args.peers if args.peers is not None else _default_peers(args.pin)).split(",") if p]
     unknown = set(peer_names) - set(PEERS)
     if unknown:
         raise SystemExit(f"kvmesh bench overhead: unknown peers {sorted(unknown)}; known: {', '.join(PEERS)}")
-    blocks = trio.run(measure_system_prompt, spec, log_dir, args.rounds, args.policy, peer_names)
+    if not args.pin:
+        blocks = trio.run(measure_system_prompt, spec, log_dir, args.rounds, args.policy, peer_names)
+        print(format_system_prompt(blocks))
+        return 0
+    pinning = overhead_sweep.pin_this_process()
+    spec = overhead_sweep.fleet_for_sweep(spec, args.sweep)
+    print(f"router under test on CPU {sorted(pinning.router)}, engine and load on CPU {sorted(pinning.rest)}; "
+          f"engine max_num_seqs {spec.max_num_seqs}")
+    cases = overhead_sweep.sweep_cases(args.sweep, args.short)
+    blocks = trio.run(measure_system_prompt, spec, log_dir, args.rounds, args.policy, peer_names, cases,
+                      pinning.router)
     print(format_system_prompt(blocks))
+    for line in overhead_sweep.verdicts(blocks, args.sweep):
+        print(line)
+    plot = args.plot or log_dir / "overhead-sweep.png"
+    overhead_sweep.plot(blocks, args.sweep, plot)
+    print(f"plot: {plot}")
     return 0
+
+
+def _default_peers(pin: bool) -> str:
+    """Without --pin no peer unless asked; with it the floor, and smg when it can be found."""
+    if not pin:
+        return ""
+    try:
+        smg_binary()
+    except StartFailed:
+        return "passthrough"
+    return "smg,passthrough"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -163,33 +163,34 @@ PEER_POLICY = "cache_aware"
 
 
 @asynccontextmanager
-async def _paths(client: HttpClient, spec: FleetSpec, log_dir: Path, policy: str,
-                 peer_names: list[str], pids: dict[str, int]) -> AsyncIterator[dict[str, str]]:
-    """One engine, kvmesh in front of it, and each peer in front of the same engine; each router's pid
-    goes into ``pids`` by URL."""
+async def _paths(client: HttpClient, spec: FleetSpec, log_dir: Path, policy: str, peer_names: list[str],
+                 pids: dict[str, int], router_cores: frozenset[int] | None) -> AsyncIterator[dict[str, str]]:
+    """One engine, kvmesh in front of it, and each peer in front of the same engine (the routers on
+    ``router_cores`` when given); each router's pid goes into ``pids`` by URL."""
     async with AsyncExitStack() as stack:
         engines = await stack.enter_async_context(sim_fleet(client, spec, log_dir))
         config = log_dir / "overhead-router.toml"
         config.write_text(f"[admission]\nqueue_threshold = {QUEUE_THRESHOLD}\n")
-        kvmesh = await stack.enter_async_context(router(client, engines, policy, log_dir,
-                                                        extra_args=["--config", str(config)], pids=pids))
+        kvmesh = await stack.enter_async_context(router(client, engines, policy, log_dir, pids=pids,
+                                                        extra_args=["--config", str(config)], cores=router_cores))
         urls = {"engine": engines[0], "kvmesh": kvmesh}
         for name in peer_names:
-            start = (passthrough_relay(client, engines[0], log_dir, pids) if name == "passthrough"
-                     else smg_router(client, engines, f"smg:{PEER_POLICY}", log_dir, pids))
+            start = (passthrough_relay(client, engines[0], log_dir, pids, router_cores) if name == "passthrough"
+                     else smg_router(client, engines, f"smg:{PEER_POLICY}", log_dir, pids, router_cores))
             urls[name] = await stack.enter_async_context(start)
         yield urls
 
 
 async def measure_system_prompt(spec: FleetSpec, log_dir: Path, rounds: int = 5, policy: str = "kv_aware",
-                                peer_names: list[str] | None = None, cases: list[Case] | None = None) -> list[Block]:
+                                peer_names: list[str] | None = None, cases: list[Case] | None = None,
+                                router_cores: frozenset[int] | None = None) -> list[Block]:
     """Interleaved rounds: in each, every case runs on every path (engine, kvmesh, peers) in rotated order."""
     client = HttpClient()
     cases = cases or system_prompt_cases()
     blocks: list[Block] = []
     pids: dict[str, int] = {}
     try:
-        async with _paths(client, spec, log_dir, policy, peer_names or [], pids) as urls:
+        async with _paths(client, spec, log_dir, policy, peer_names or [], pids, router_cores) as urls:
             model = await model_name(client, urls["engine"])
             for url in urls.values():  # warm-up: the system prompt cached, connections open
                 await run_closed_loop(client, url, system_prompt_requests(10_000, 8, USER_WORDS), 4, model, True)
@@ -209,28 +210,40 @@ async def measure_system_prompt(spec: FleetSpec, log_dir: Path, rounds: int = 5,
     return blocks
 
 
+def path_blocks(blocks: list[Block], case: str, path: str) -> list[Block]:
+    return [b for b in blocks if b.case == case and b.path == path]
+
+
+def added_ms(blocks: list[Block], case: str, path: str, q: float) -> list[float]:
+    """Per round: what ``path`` adds to the engine's TTFT percentile ``q`` in the same round, in ms."""
+    base = {b.round: b for b in path_blocks(blocks, case, "engine")}
+    return [(b.ttft(q) - base[b.round].ttft(q)) * 1e3 for b in path_blocks(blocks, case, path)]
+
+
+def speed_ratios(blocks: list[Block], case: str, path: str) -> list[float]:
+    """Per round: ``path``'s req/s over the engine's in the same round."""
+    base = {b.round: b for b in path_blocks(blocks, case, "engine")}
+    return [b.req_per_s / base[b.round].req_per_s for b in path_blocks(blocks, case, path) if base[b.round].req_per_s]
+
+
 def format_system_prompt(blocks: list[Block]) -> str:
     """Per case and path: pooled TTFT p50/p90 and req/s, then the medians over rounds of what each router
     adds to the engine's TTFT p50/p90 and of its req/s ratio to the engine's (both from the same round),
     and the router process's CPU time per answered request."""
     lines = [f"{'case':<8} {'path':<11} {'reqs':>5} {'errs':>4} {'TTFT p50':>9} {'p90':>7} {'req/s':>7} "
              f"{'added p50':>10} {'added p90':>10} {'req/s x':>8} {'spread p50':>11} {'CPU/req':>8}"]
-    cases = list(dict.fromkeys(b.case for b in blocks))
-    paths = list(dict.fromkeys(b.path for b in blocks))
-    for case in cases:
-        base = {b.round: b for b in blocks if b.case == case and b.path == "engine"}
-        for path in paths:
-            mine = [b for b in blocks if b.case == case and b.path == path]
+    for case in dict.fromkeys(b.case for b in blocks):
+        for path in dict.fromkeys(b.path for b in blocks):
+            mine = path_blocks(blocks, case, path)
             pooled = Block(path, case, -1, [r for b in mine for r in b.results], sum(b.wall for b in mine))
             errors = len(pooled.results) - len(pooled.ok)
             row = (f"{case:<8} {path:<11} {len(pooled.results):>5} {errors:>4} {pooled.ttft(50) * 1e3:>7.2f}ms "
                    f"{pooled.ttft(90) * 1e3:>5.2f}ms {statistics.median(b.req_per_s for b in mine):>7.1f}")
             if path != "engine":
-                added50 = [(b.ttft(50) - base[b.round].ttft(50)) * 1e3 for b in mine]
-                added90 = [(b.ttft(90) - base[b.round].ttft(90)) * 1e3 for b in mine]
-                speed = [b.req_per_s / base[b.round].req_per_s for b in mine if base[b.round].req_per_s]
+                added50, added90 = added_ms(blocks, case, path, 50), added_ms(blocks, case, path, 90)
                 row += (f" {statistics.median(added50):>+8.2f}ms {statistics.median(added90):>+8.2f}ms "
-                        f"{statistics.median(speed):>8.2f} {min(added50):>+5.1f}..{max(added50):<+5.1f}")
+                        f"{statistics.median(speed_ratios(blocks, case, path)):>8.2f} "
+                        f"{min(added50):>+5.1f}..{max(added50):<+5.1f}")
                 timed = [b for b in mine if b.cpu_s is not None]
                 answered = sum(len(b.ok) for b in timed)
                 if answered:

@@ -1,5 +1,5 @@
 """The floor of kvmesh's stack: a relay built from the router's own server and engine client that does
-nothing else. Hypercorn on trio takes the request, the router's ``EnginePool`` sends it unchanged to one
+nothing else. The router's HTTP server takes the request, the router's ``EnginePool`` sends it unchanged to one
 engine, and the answer is streamed back chunk by chunk: no parsing, tokenizing, routing, admission or
 bookkeeping. In ``kvmesh bench overhead --peers passthrough`` its row shows how much of kvmesh's added
 time is the Python HTTP stack itself, which no routing change can remove.
@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from hypercorn.trio import serve
 
 from bench.client import HttpClient
 from bench.processes import free_port_range, python_module, spawned, wait_ready
+from gateway.asgi_server import serve
 from gateway.config import RouterConfig
-from gateway.http_app import lifespan, read_body
-from gateway.server import hypercorn_config
+from gateway.http_app import read_body
+from gateway.server import server_settings
 from gateway.upstream import EnginePool
 
 RELAYED_HEADERS = frozenset({"content-type", "accept"})
@@ -37,9 +37,6 @@ class Passthrough:
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: dict[str, Any], receive, send) -> None:
-        if scope["type"] == "lifespan":
-            await lifespan(receive, send)
-            return
         body = await read_body(scope, receive, self.max_body_bytes)
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
                    if k.decode("latin-1").lower() in RELAYED_HEADERS]
@@ -56,11 +53,14 @@ class Passthrough:
 
 @asynccontextmanager
 async def passthrough_relay(client: HttpClient, engine_url: str, log_dir: Path,
-                            pids: dict[str, int] | None = None) -> AsyncIterator[str]:
-    """One relay process in front of the engine; yields its URL (and notes its pid in ``pids``, by URL)."""
+                            pids: dict[str, int] | None = None,
+                            cores: frozenset[int] | None = None) -> AsyncIterator[str]:
+    """One relay process in front of the engine, on ``cores`` when given; yields its URL (and notes its pid
+    in ``pids``, by URL)."""
     port = free_port_range(1)
     log = log_dir / f"passthrough-{port}.log"
-    async with spawned(python_module("bench.passthrough", "--engine", engine_url, "--port", str(port)), log) as proc:
+    argv = python_module("bench.passthrough", "--engine", engine_url, "--port", str(port))
+    async with spawned(argv, log, cores=cores) as proc:
         url = f"http://127.0.0.1:{port}"
         await wait_ready(client, url + "/v1/models", proc, log)
         if pids is not None:
@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     args = parser.parse_args()
     config = RouterConfig(port=args.port)  # the router's own server settings
-    trio.run(lambda: serve(Passthrough(args.engine, config.max_body_bytes), hypercorn_config(config)))
+    trio.run(serve, Passthrough(args.engine, config.max_body_bytes), server_settings(config), trio.sleep_forever)
 
 
 if __name__ == "__main__":

@@ -42,14 +42,14 @@ def smg_argv(binary: str, policy: str, engine_urls: list[str], port: int, metric
 
 @asynccontextmanager
 async def smg_router(client: HttpClient, engine_urls: list[str], policy: str, log_dir: Path,
-                     pids: dict[str, int] | None = None) -> AsyncIterator[str]:
-    """One smg process in front of the engines (it reads the model from their /v1/models); yields its URL
-    (and notes its pid in ``pids``, by URL)."""
+                     pids: dict[str, int] | None = None, cores: frozenset[int] | None = None) -> AsyncIterator[str]:
+    """One smg process in front of the engines (it reads the model from their /v1/models), on ``cores`` when
+    given; yields its URL (and notes its pid in ``pids``, by URL)."""
     port = free_port_range(2)
     metrics_port = port + 1
     argv = smg_argv(smg_binary(), policy, engine_urls, port, metrics_port)
     log = log_dir / f"smg-{policy.removeprefix(SMG_PREFIX)}-{port}.log"
-    async with spawned(argv, log, env={**os.environ, "HF_HUB_OFFLINE": "1"}) as proc:
+    async with spawned(argv, log, env={**os.environ, "HF_HUB_OFFLINE": "1"}, cores=cores) as proc:
         url = f"http://127.0.0.1:{port}"
         await wait_ready(client, url + "/v1/models", proc, log)
         if pids is not None:

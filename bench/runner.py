@@ -103,9 +103,10 @@ async def router(
     tokenizer: str | None = None,
     extra_args: Sequence[str] = (),
     pids: dict[str, int] | None = None,
+    cores: frozenset[int] | None = None,
 ) -> AsyncIterator[str]:
-    """Start one kvmesh router with ``policy`` in front of the engines; yields its base URL (and notes its
-    pid in ``pids``, by URL, for a caller that reads its CPU time)."""
+    """Start one kvmesh router with ``policy`` in front of the engines (on ``cores`` when given); yields its
+    base URL (and notes its pid in ``pids``, by URL, for a caller that reads its CPU time)."""
     port = free_port_range(1)
     args = ["router", "--host", "127.0.0.1", "--port", str(port), "--policy", policy, *extra_args]
     for url in engine_urls:
@@ -113,7 +114,7 @@ async def router(
     if tokenizer:
         args += ["--tokenizer", tokenizer]
     log = log_dir / f"router-{policy}-{port}.log"
-    async with spawned(python_module("gateway.cli", *args), log) as proc:
+    async with spawned(python_module("gateway.cli", *args), log, cores=cores) as proc:
         url = f"http://127.0.0.1:{port}"
         await wait_ready(client, url + "/health", proc, log)
         if pids is not None:

@@ -73,13 +73,3 @@ def header(scope: dict[str, Any], name: bytes) -> str | None:
             return value.decode("latin-1")
     return None
 
-
-async def lifespan(receive: Receive, send: Send) -> None:
-    """ASGI lifespan: nothing to start or stop, but the server waits for the answers."""
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return

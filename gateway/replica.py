@@ -11,9 +11,10 @@ run_replica
  +- fleet                 (one watcher per engine: health, discovery, metrics; gateway/fleet.py)
  +- autoscaler            (lease, decisions, provisions, drains; when enabled)
 
-``gateway/server.py`` runs this beside Hypercorn serving ``Replica.router`` and handles signals and the
-drain. Seams for in-process tests: ``forward`` (the proxy), ``watch`` (an engine's watcher), ``provider``
-(the autoscaler's provider) and ``connect`` (how engine pools open connections).
+``gateway/server.py`` runs this beside the HTTP server (``gateway/asgi_server.py``) serving
+``Replica.router`` and handles signals and the drain. Seams for in-process tests: ``forward`` (the
+proxy), ``watch`` (an engine's watcher), ``provider`` (the autoscaler's provider) and ``connect`` (how
+engine pools open connections).
 """
 
 from __future__ import annotations

@@ -96,9 +96,6 @@ class Router:
         return len(self._cuttable)
 
     async def __call__(self, scope: dict[str, Any], receive: http_app.Receive, send: http_app.Send) -> None:
-        if scope["type"] == "lifespan":
-            await http_app.lifespan(receive, send)
-            return
         if scope["type"] != "http":
             return
         path, method = scope["path"], scope["method"]
@@ -357,7 +354,7 @@ class _Response:
 
     async def fail_then_drain(self, error: ApiError, receive: http_app.Receive, budget: int) -> None:
         """A refused body: the whole answer goes out at once (its content-length tells the client it is
-        complete), but the exchange ends only once the rest of the body is read. Hypercorn closes a
+        complete), but the exchange ends only once the rest of the body is read. The server closes a
         connection whose request is unfinished when the response ends, and a client still writing then
         sees a reset instead of the answer."""
         if self.started:

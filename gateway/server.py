@@ -1,9 +1,9 @@
 """One router process: the replica's tasks beside the HTTP server, and a graceful stop.
 
 serve_router
- +- run_replica       (every long-lived task of the replica: gateway/replica.py)
- +- signal watch      (SIGTERM/SIGINT)
- +- hypercorn serve   (the OpenAI API on Replica.router), stopped gracefully on a signal
+ +- run_replica        (every long-lived task of the replica: gateway/replica.py)
+ +- signal watch       (SIGTERM/SIGINT)
+ +- asgi_server.serve  (the OpenAI API on Replica.router), stopped gracefully on a signal
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ import signal
 import sys
 
 import trio
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve
 from prometheus_client import disable_created_metrics
 
+from gateway.asgi_server import ServerSettings, serve
 from gateway.config import ConfigError, RouterConfig
 from gateway.logs import setup_logging
 from gateway.replica import build_replica, run_replica
@@ -32,15 +31,9 @@ CUT_FLUSH_S = 2.0
 READY_PREFIX = "KVMESH_ROUTER_READY "
 
 
-def hypercorn_config(config: RouterConfig) -> HypercornConfig:
-    hc = HypercornConfig()
-    hc.bind = [f"{config.host}:{config.port}"]
-    hc.accesslog = None
-    hc.errorlog = logging.getLogger("hypercorn.error")
-    hc.keep_alive_timeout = 75
-    hc.graceful_timeout = config.shutdown_grace_s + CUT_FLUSH_S
-    hc.h11_max_incomplete_size = 64 * 1024
-    return hc
+def server_settings(config: RouterConfig) -> ServerSettings:
+    return ServerSettings(config.host, config.port, keep_alive_s=75.0, max_head_bytes=64 * 1024,
+                          graceful_s=config.shutdown_grace_s + CUT_FLUSH_S)
 
 
 def freeze_startup_objects() -> None:
@@ -67,8 +60,7 @@ async def serve_router(config: RouterConfig, task_status: trio.TaskStatus = trio
     async with trio.open_nursery() as nursery:
         await nursery.start(run_replica, replica)
         nursery.start_soon(_wait_for_signal, stop)
-        binds = await nursery.start(lambda task_status: serve(router, hypercorn_config(config),
-                                                              shutdown_trigger=stop.wait, task_status=task_status))
+        binds = await nursery.start(serve, router, server_settings(config), stop.wait)
         log.info("router listening", extra={"binds": binds, "policy": config.policy})
         log_posture(config)
         freeze_startup_objects()

@@ -31,6 +31,11 @@ SEND_TIMEOUT_S = 10.0
 POLL_BODY_LIMIT = 4 * 1024 * 1024
 """Poll answers (/metrics, /v1/models, /health) are small; a bigger one is an error, not a memory hog."""
 POLL_CONNECTIONS = 2
+MAX_IDLE = 512
+"""Idle request connections kept per engine: above the streams one replica relays to one engine. Past
+the cap, a burst of answers ending together (one decode step ends many streams) closes connections the
+next requests must open again; with 64, at 256 streams on a CPU-starved engine, 797 of one block's 1,024
+requests failed on connect timeouts to the engine."""
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _VALUE = re.compile(r"[^\x00\r\n]*")
 _HOST = re.compile(r"[A-Za-z0-9.\-_~!$&'()*+,;=%:\[\]]+")
@@ -248,7 +253,7 @@ async def open_network_stream(host: str, port: int, https: bool) -> trio.abc.Str
 class EnginePool:
     """Keep-alive connections to one engine: one set for requests, a small one for polls."""
 
-    def __init__(self, base_url: str, max_idle: int = 64, idle_limit_s: float = IDLE_LIMIT_S,
+    def __init__(self, base_url: str, max_idle: int = MAX_IDLE, idle_limit_s: float = IDLE_LIMIT_S,
                  connect: Connect | None = None) -> None:
         """``connect`` replaces the network (TCP, or TLS for https) when given."""
         self._open = connect

@@ -8,6 +8,7 @@ import pytest
 
 from bench.client import HttpClient
 from bench.overhead import SYSTEM_WORDS, Block, format_system_prompt, rotated, system_prompt_requests
+from bench.overhead_sweep import fleet_for_sweep, plot, split_cores, sweep_cases, verdicts
 from bench.passthrough import passthrough_relay
 from bench.runner import FleetSpec, sim_fleet
 from bench.stats import RequestResult
@@ -27,10 +28,10 @@ def test_each_path_leads_a_round_in_turn():
     assert [rotated(paths, r)[0] for r in range(4)] == ["engine", "kvmesh", "smg", "engine"]
 
 
-def _block(path: str, rnd: int, ttft_ms: float, wall: float = 1.0, failed: int = 0) -> Block:
+def _block(path: str, rnd: int, ttft_ms: float, wall: float = 1.0, failed: int = 0, case: str = "c=1") -> Block:
     good = [RequestResult(status=200, ttft=ttft_ms / 1e3, total=0.03) for _ in range(10)]
     bad = [RequestResult(status=0, error="timeout") for _ in range(failed)]
-    return Block(path, "c=1", rnd, good + bad, wall)
+    return Block(path, case, rnd, good + bad, wall)
 
 
 def test_added_ttft_and_speed_are_taken_against_the_engine_of_the_same_round():
@@ -49,6 +50,46 @@ def test_router_cpu_is_per_answered_request_over_the_rounds_that_timed_it():
     table = format_system_prompt(blocks).splitlines()
     assert next(line for line in table if " kvmesh " in line).endswith(" 2.00ms")
     assert next(line for line in table if " engine " in line).endswith(" 10.0")  # no CPU: the engine is no router
+
+
+def test_the_pinned_router_gets_the_last_cpu_alone():
+    pinning = split_cores({0, 1, 2, 3})
+    assert pinning.router == {3} and pinning.rest == {0, 1, 2}
+    with pytest.raises(SystemExit):
+        split_cores({0})
+
+
+def test_the_sweep_keeps_c1_and_sends_requests_in_proportion_to_the_streams():
+    cases = sweep_cases([16, 256], short=True)
+    assert [(c.name, c.concurrency, c.requests) for c in cases] == [("c=1", 1, 20), ("c=16", 16, 32),
+                                                                    ("c=256", 256, 512)]
+    assert sweep_cases([64], short=False)[1].requests == 256
+
+
+def test_the_swept_engine_admits_every_stream_of_the_widest_case():
+    assert fleet_for_sweep(FleetSpec(max_num_seqs=64), [16, 256]).max_num_seqs == 256
+    assert fleet_for_sweep(FleetSpec(max_num_seqs=512), [16, 256]).max_num_seqs == 512
+
+
+def _sweep(kvmesh_ms: float, kvmesh_wall: float = 1.0) -> list[Block]:
+    return [_block("engine", 0, 100, case="c=64"), _block("smg", 0, 105, case="c=64"),
+            _block("kvmesh", 0, kvmesh_ms, wall=kvmesh_wall, case="c=64"),
+            _block("engine", 0, 50, case="c=16"), _block("smg", 0, 50, case="c=16"),
+            _block("kvmesh", 0, 500, case="c=16")]
+
+
+def test_kvmesh_is_judged_against_smg_from_64_streams_up():
+    assert verdicts(_sweep(114), [16, 64])[0].startswith("c=64   PASS")  # +14 against +5: within 10 ms
+    assert verdicts(_sweep(116), [16, 64])[0].startswith("c=64   FAIL")
+    assert verdicts(_sweep(110, kvmesh_wall=1.1), [16, 64])[0].startswith("c=64   FAIL")  # fewer req/s than smg
+    assert len(verdicts(_sweep(110), [16, 64])) == 1  # c=16 is shown, not judged
+    no_peer = [b for b in _sweep(110) if b.path != "smg"]
+    assert verdicts(no_peer, [64])[0].startswith("no smg")
+
+
+def test_the_sweep_plot_is_written(tmp_path):
+    plot(_sweep(110), [16, 64], tmp_path / "sweep.png")
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.integration

@@ -26,13 +26,13 @@ async def test_engine_settings_of_the_wrong_type_are_refused(monkeypatch, body):
 
 
 @pytest.mark.parametrize("island", ["x" * 64, "x" * 65, "rack a", "a\tb", "", None])
-async def test_an_added_engine_carries_only_an_island_every_peer_accepts(monkeypatch, island):
+async def test_an_added_engine_carries_only_an_island_every_peer_accepts(island):
     """The island of an engine added through the admin API is checked with the rule peers apply to the
     replicated entry: before, a 65-character island was accepted here and refused by every peer."""
-    router = make_router(monkeypatch)
+    router = make_router()
     before = {e.id for e in router.engines.all()}
     async with trio.open_nursery() as nursery:
-        router._nursery = nursery  # where the added engine's watcher runs
+        nursery.start_soon(router.fleet.run)  # where the added engine's watcher runs
         answer = await call(router, "POST", "/admin/engines",
                             json.dumps({"url": "http://127.0.0.1:9", "id": "added", "island": island}).encode())
         nursery.cancel_scope.cancel()

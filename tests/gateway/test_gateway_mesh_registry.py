@@ -41,6 +41,9 @@ class Feed:
     def on_registry(self, callback) -> None:
         self.on_registry_change = callback
 
+    def set_registry(self, engine: str, state: dict | None) -> None:
+        pass
+
     def on_dispatch(self, callback) -> None:
         pass
 
@@ -48,17 +51,18 @@ class Feed:
         return {}
 
 
-async def test_an_engine_added_on_one_replica_keeps_its_events_and_curve_key_on_another(monkeypatch):
+async def test_an_engine_added_on_one_replica_keeps_its_events_and_curve_key_on_another():
     added = EngineConfig(url="http://127.0.0.1:9", id="added", model="m", events="tcp://127.0.0.1:5557",
                          replay="tcp://127.0.0.1:5558", topic="kv@added", island="rack-a", block_size=32,
                          curve_server_key=SERVER_KEY)
-    first, second, feed = make_router(monkeypatch), make_router(monkeypatch), Feed()
-    first.mesh_state = Recorder()
-    follow_mesh(second, feed)
+    first, second, feed, recorder = make_router(), make_router(), Feed(), Recorder()
+    first.fleet.replicate = recorder.set_registry
+    follow_mesh(second.fleet, feed)
     async with trio.open_nursery() as nursery:
-        first._nursery = second._nursery = nursery  # where the engines' watchers run
-        first.add_engine(added)
-        entry = json.loads(first.mesh_state.entries["added"])
+        nursery.start_soon(first.fleet.run)  # where the engines' watchers run
+        nursery.start_soon(second.fleet.run)
+        first.fleet.add(added)
+        entry = json.loads(recorder.entries["added"])
         feed.on_registry_change("added", entry)
         replica = second.engines.get("added")
         assert replica is not None and replica.config == added
@@ -82,13 +86,13 @@ def test_tombstones_of_removed_engines_expire():
     assert sorted(state.registry()) == ["live", "recent"]
 
 
-async def test_a_removed_engine_leaves_no_metric_series_behind(monkeypatch):
-    router = make_router(monkeypatch)
+async def test_a_removed_engine_leaves_no_metric_series_behind():
+    router = make_router()
     engine = router.engines.all()[0].id
     router.metrics.ttft.labels(engine).observe(0.1)
     router.metrics.upstream_errors.labels(engine, "timeout").inc()
     EVENTS_DROPPED.labels(engine, "malformed").inc()
     ENGINE_TASK_FAILURES.labels(engine, "health", "OSError").inc()
     assert f'engine="{engine}"' in router.metrics.render().decode()
-    router.remove_engine(engine)
+    router.fleet.remove(engine)
     assert f'engine="{engine}"' not in router.metrics.render().decode()

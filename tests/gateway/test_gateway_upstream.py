@@ -77,6 +77,16 @@ async def test_idle_connections_are_dropped_at_the_idle_limit(nursery, mock_cloc
     await pool.aclose()
 
 
+async def test_a_second_burst_of_256_concurrent_requests_opens_no_new_connection(nursery):
+    """256 streams to one engine end together and start again: the next burst reuses every connection."""
+    server = await start_server(nursery, answer_after_a_moment, keep_alive_s=1000.0)
+    pool = EnginePool(server.url)
+    await _fill_pool(pool, 256)
+    await _fill_pool(pool, 256)
+    assert server.connections == 256
+    await pool.aclose()
+
+
 async def test_health_polls_do_not_use_the_request_connections(nursery):
     """The engine closed every pooled request connection; a poll still gets through at once."""
     server = await start_server(nursery, answer_after_a_moment, keep_alive_s=0.2)

@@ -1,0 +1,157 @@
+"""The router's HTTP server (gateway.asgi_server) against raw sockets: keep-alive and pipelining, the ASGI
+scope, a client that leaves mid-stream, malformed heads, 100-continue, an application failure, shutdown."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+
+from gateway.asgi_server import ServerSettings, serve
+
+
+async def start(nursery: trio.Nursery, app, **settings: Any) -> tuple[int, trio.Event]:
+    stop = trio.Event()
+    binds = await nursery.start(serve, app, ServerSettings("127.0.0.1", 0, **settings), stop.wait)
+    return int(binds[0].rsplit(":", 1)[1]), stop
+
+
+async def read_until(stream: trio.SocketStream, marker: bytes, count: int = 1) -> bytes:
+    data = b""
+    with trio.fail_after(5):
+        while data.count(marker) < count:
+            chunk = await stream.receive_some(65536)
+            if not chunk:
+                break
+            data += chunk
+    return data
+
+
+async def echo(scope: dict[str, Any], receive, send) -> None:
+    """Answers with the method, path, query and body it got."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    text = f"{scope['method']} {scope['path']} {scope['query_string'].decode()} {len(body)}".encode()
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-length", str(len(text)).encode())]})
+    await send({"type": "http.response.body", "body": text})
+
+
+async def test_keep_alive_and_pipelined_requests_are_answered_in_order():
+    async with trio.open_nursery() as nursery:
+        port, stop = await start(nursery, echo)
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        await stream.send_all(b"POST /a%20b?x=1 HTTP/1.1\r\nhost: h\r\ncontent-length: 5\r\n\r\nhello"
+                              b"GET /second HTTP/1.1\r\nhost: h\r\n\r\n")
+        data = await read_until(stream, b"HTTP/1.1 200", 2)
+        assert b"POST /a b x=1 5" in data
+        assert data.index(b"POST /a b") < data.index(b"GET /second  0")
+        assert b"date: " in data.lower() and b"server: kvmesh" in data.lower()
+        await stream.aclose()
+        stop.set()
+
+
+async def test_a_client_gone_mid_stream_is_a_disconnect_and_sends_do_not_raise():
+    seen: list[str] = []
+    done = trio.Event()
+
+    async def streaming(scope, receive, send) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"first", "more_body": True})
+        seen.append((await receive())["type"])
+        for _ in range(3):
+            await send({"type": "http.response.body", "body": b"more", "more_body": True})
+        seen.append("sent after")
+        done.set()
+
+    async with trio.open_nursery() as nursery:
+        port, stop = await start(nursery, streaming)
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        await stream.send_all(b"GET / HTTP/1.1\r\nhost: h\r\n\r\n")
+        assert b"first" in await read_until(stream, b"first")
+        await stream.aclose()
+        with trio.fail_after(5):
+            await done.wait()
+        assert seen == ["http.disconnect", "sent after"]
+        stop.set()
+
+
+@pytest.mark.parametrize(("sent", "status"), [
+    (b"NOT HTTP AT ALL\r\n\r\n", b"400"),
+    (b"GET / HTTP/1.1\r\nhost: h\r\nx-big: " + b"a" * 4096, b"431"),  # past 1 KiB and still no end of head
+])
+async def test_a_head_that_cannot_be_served_is_answered_and_the_connection_closes(sent, status):
+    async with trio.open_nursery() as nursery:
+        port, stop = await start(nursery, echo, max_head_bytes=1024)
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        await stream.send_all(sent)
+        assert (await read_until(stream, b"never")).startswith(b"HTTP/1.1 " + status)  # then EOF
+        stop.set()
+
+
+async def test_expect_100_continue_is_answered_when_the_body_is_read():
+    async with trio.open_nursery() as nursery:
+        port, stop = await start(nursery, echo)
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        await stream.send_all(b"POST /x HTTP/1.1\r\nhost: h\r\nexpect: 100-continue\r\ncontent-length: 3\r\n\r\n")
+        assert (await read_until(stream, b"\r\n\r\n")).startswith(b"HTTP/1.1 100")
+        await stream.send_all(b"abc")
+        assert b"POST /x  3" in await read_until(stream, b"POST /x")
+        stop.set()
+
+
+async def test_an_application_that_fails_before_answering_gives_500():
+    async def broken(scope, receive, send) -> None:
+        raise ValueError("a bug")
+
+    async with trio.open_nursery() as nursery:
+        port, stop = await start(nursery, broken)
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        await stream.send_all(b"GET / HTTP/1.1\r\nhost: h\r\n\r\n")
+        assert (await read_until(stream, b"never")).startswith(b"HTTP/1.1 500")
+        stop.set()
+
+
+async def test_a_head_h11_cannot_send_is_a_500_and_the_server_keeps_serving():
+    async def bad_header(scope, receive, send) -> None:
+        if scope["path"] == "/bad":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"x-bad", b"line\r\nbreak")]})
+        await echo(scope, receive, send)
+
+    async with trio.open_nursery() as nursery:
+        port, stop = await start(nursery, bad_header)
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        await stream.send_all(b"GET /bad HTTP/1.1\r\nhost: h\r\n\r\n")
+        assert (await read_until(stream, b"never")).startswith(b"HTTP/1.1 500")
+        again = await trio.open_tcp_stream("127.0.0.1", port)
+        await again.send_all(b"GET /good HTTP/1.1\r\nhost: h\r\n\r\n")
+        assert b"GET /good" in await read_until(again, b"GET /good")
+        stop.set()
+
+
+async def test_shutdown_closes_idle_connections_and_lets_a_request_in_flight_finish():
+    release = trio.Event()
+
+    async def slow(scope, receive, send) -> None:
+        await receive()
+        await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"4")]})
+        await send({"type": "http.response.body", "body": b"done"})
+
+    async with trio.open_nursery() as nursery:
+        port, stop = await start(nursery, slow)
+        idle = await trio.open_tcp_stream("127.0.0.1", port)
+        busy = await trio.open_tcp_stream("127.0.0.1", port)
+        await busy.send_all(b"GET / HTTP/1.1\r\nhost: h\r\n\r\n")
+        await trio.sleep(0.05)
+        stop.set()
+        assert await read_until(idle, b"never") == b""  # closed without an answer
+        release.set()
+        assert (await read_until(busy, b"done")).endswith(b"done")
+        assert await read_until(busy, b"never") == b""  # and then closed
