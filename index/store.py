@@ -1,4 +1,4 @@
-"""The block store interface shared by the plain index and the replicated (CRDT) backend.
+"""The block store interface: what ingest, lookups and index transfer need of the index (``PrefixIndex``).
 
 What is stored is, per engine, a map engine_hash -> own_key: exactly the state a starting replica is
 sent by a peer (gateway/index_transfer.py). Lookup is by own keys (see index/block_hash.py).
