@@ -61,7 +61,8 @@ class Router:
         self.mesh_state = MeshState(self.mesh) if self.mesh is not None else None
         self.planner = RoutePlanner(config, self.engines, self.metrics)
         curve = CurveClient.load(config.events_curve_secret_file) if config.events_curve_secret_file else None
-        self.ingest = EventIngest(self.planner.cache, self.mesh, budget=IngestBudget(),
+        self.ingest = EventIngest(self.planner.cache, self.mesh,
+                                  budget=IngestBudget(serving=lambda: self.active_requests > 0),
                                   subscriber=SubscriberConfig(curve_client=curve))
         self.gate = Gatekeeper(config, self.metrics, self.mesh.member_id if self.mesh is not None else "local")
         self.timeouts = Timeouts(config.connect_timeout_s, config.first_byte_timeout_s, config.idle_timeout_s)
