@@ -89,13 +89,13 @@ def _events(raw_events: list[Any]) -> tuple[list[Event], int]:
     events: list[Event] = []
     unknown = 0
     run: list[Any] = []
-    run_where: tuple[str | None, int | None] | None = None
+    run_where: tuple[Any, Any] = (None, None)
     for raw in raw_events:
         if type(raw) is dict and raw.get("type") == "BlockRemoved":
-            hashes, where = raw.get("block_hashes"), (_opt_str(raw.get("medium")), _opt_int(raw.get("group_idx")))
+            hashes, where = raw.get("block_hashes"), (raw.get("medium"), raw.get("group_idx"))
         elif type(raw) is list and raw and raw[0] == "BlockRemoved":
             hashes = raw[1] if len(raw) > 1 else None
-            where = (_opt_str(raw[2] if len(raw) > 2 else None), _opt_int(raw[3] if len(raw) > 3 else None))
+            where = (raw[2] if len(raw) > 2 else None, raw[3] if len(raw) > 3 else None)
         else:
             if run:
                 events.append(_removed(run, run_where))
@@ -118,9 +118,9 @@ def _events(raw_events: list[Any]) -> tuple[list[Event], int]:
     return events, unknown
 
 
-def _removed(hashes: list[Any], where: tuple[str | None, int | None] | None) -> BlockRemoved:
-    medium, group = where or (None, None)
-    return BlockRemoved(_hashes(hashes), medium, group)
+def _removed(hashes: list[Any], where: tuple[Any, Any]) -> BlockRemoved:
+    """One run's event; its medium and group are checked once per run, not per block."""
+    return BlockRemoved(_hashes(hashes), _opt_str(where[0]), _opt_int(where[1]))
 
 
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",

@@ -5,19 +5,26 @@ busy fleet's events took a whole core: requests waited seconds and the router's 
 the engines timed out, so healthy engines were marked down (an outage caused by the router being late,
 not the engine). Ingest therefore runs in short slices charged to one token bucket per process, refilled
 at ``idle_share`` seconds of work per second while the loop has headroom, and at ``share`` while it does
-not: the loop's own lag (gateway/loop_lag.py) is the headroom signal, since every ready request waits
-about as long as the loop runs late. Keying on "a request is in flight" instead capped ingest at 0.3 of
-the loop under light continuous traffic, however idle the loop was (70k block ops/s on a replica that
-had most of a core free). When the bucket is empty, subscribers wait: messages
-queue in ZMQ (and past its high-water mark are dropped there, which the seq tracker sees as a gap to
-replay or count lost) and the engine's confidence falls, so routing leans on load until ingest catches
-up. ``burst_s`` bounds how long a request can wait behind ingest in one pass of the scheduler.
+not. Headroom: no request is in flight, or the loop's own lag (gateway/loop_lag.py) stayed on time, since
+every ready request waits about as long as the loop runs late. Keying on "a request is in flight" alone
+capped ingest at 0.3 of the loop under light continuous traffic, however idle the loop was (70k block
+ops/s on a replica that had most of a core free); keying on the lag alone starved ingest on a machine with
+no core free, where the lag is the machine's (6.5k of 10k block ops/s applied in a window without chat).
+When the bucket is empty, subscribers wait: messages queue in ZMQ (and past its high-water mark are
+dropped there, which the seq tracker sees as a gap to replay or count lost) and the engine's confidence
+falls, so routing leans on load until ingest catches up. ``burst_s`` bounds how long a request can wait
+behind ingest in one pass of the scheduler.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+def _always_serving() -> bool:
+    return True
 
 
 @dataclass(slots=True)
@@ -30,6 +37,8 @@ class IngestBudget:
     """Work allowed at once after an idle spell; also the longest a request waits behind ingest per tick."""
     slice_s: float = 0.001
     """Work done between two yields to the scheduler."""
+    serving: Callable[[], bool] = field(default=_always_serving, repr=False)
+    """Whether requests are in flight now (the router's count; always, when nobody says)."""
     lag_target_s: float = 0.005
     """Loop lag above this means no headroom: requests already wait on the loop."""
     hold_s: float = 1.0
@@ -55,7 +64,9 @@ class IngestBudget:
             self.lagged_at = now
 
     def headroom(self, now: float) -> bool:
-        """Whether the loop recently ran on time, as seen by fresh lag readings."""
+        """Whether no request waits, or the loop recently ran on time as seen by fresh lag readings."""
+        if not self.serving():
+            return True
         return now - self.observed_at <= self.fresh_s and now - self.lagged_at >= self.hold_s
 
     def _rate(self, now: float) -> float:

@@ -93,7 +93,8 @@ def build_replica(config: RouterConfig, *, forward: Forward = forward, watch: Wa
     member_id = mesh.member_id if mesh is not None else "local"
     planner = RoutePlanner(config, engines, metrics)
     curve = CurveClient.load(config.events_curve_secret_file) if config.events_curve_secret_file else None
-    ingest = EventIngest(planner.cache, mesh, budget=IngestBudget(), subscriber=SubscriberConfig(curve_client=curve))
+    ingest = EventIngest(planner.cache, mesh, budget=IngestBudget(serving=lambda: router.active_requests > 0),
+                         subscriber=SubscriberConfig(curve_client=curve))
     fleet = Fleet(engines, planner, ingest, metrics, config.metrics_interval_s, watch)
     autoscaler = None
     if config.autoscaler.enabled:

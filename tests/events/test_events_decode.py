@@ -102,3 +102,9 @@ def test_an_empty_removal_in_a_run_is_refused():
     with pytest.raises(DecodeError) as info:
         decode_live(live_frames(0, [removed_map([1]), removed_map([])]))
     assert info.value.reason == "block_hashes"
+
+
+def test_a_removal_runs_medium_and_group_are_still_checked():
+    with pytest.raises(DecodeError) as info:
+        decode_live(live_frames(0, [removed_map([1]), dict(removed_map([2]), group_idx="zero")]))
+    assert info.value.reason == "field_type"

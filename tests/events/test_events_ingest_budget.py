@@ -53,3 +53,12 @@ def test_ingest_takes_more_of_the_loop_only_while_the_loop_runs_on_time():
     assert not budget.headroom(0.9)  # ...held for a second after the last late wake-up
     budget.observe_lag(1.02, 0.001)
     assert budget.headroom(1.02) and not budget.headroom(1.5)  # and only while readings are fresh
+
+
+def test_ingest_takes_the_idle_share_whenever_no_request_is_in_flight():
+    serving = [True]
+    budget = IngestBudget(share=0.5, idle_share=0.9, burst_s=0.005, serving=lambda: serving[0])
+    budget.observe_lag(0.0, 0.2)  # a machine with no core free: the loop is late whatever it does
+    assert not budget.headroom(0.0)
+    serving[0] = False
+    assert budget.headroom(0.0)
