@@ -86,7 +86,6 @@ class Plan:
     engines: list[EngineState]
     chains: dict[int, list[int]] = field(default_factory=dict)
     prompt_tokens: int = 0
-    body_override: bytes | None = None
     estimated: bool = False
     """``prompt_tokens`` is a guess: the fresh rest of the prompt was encoded after routing (see
     ``TokenizerService.token_ids_or_head``); ``chains`` cover the cached head only."""
@@ -104,9 +103,6 @@ class Plan:
     def counted_tokens(self) -> int:
         """The prompt's exact token count, 0 when it was only estimated."""
         return 0 if self.estimated else self.prompt_tokens
-
-    def body(self) -> bytes:
-        return self.body_override if self.body_override is not None else self.parsed.raw
 
     def header(self, engine_id: str, attempts: int, detailed: bool = True) -> str:
         """The ``x-kvmesh-route`` value; cache details only when ``detailed`` (the caller is an admin)."""
@@ -218,9 +214,6 @@ class RoutePlanner:
             self._background = background
             task_status.started()
             await trio.sleep_forever()
-
-    async def leave(self) -> None:
-        """Nothing to hand over on a single replica; the mesh replaces this with a graceful leave."""
 
     @property
     def reads_events(self) -> bool:

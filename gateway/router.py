@@ -223,7 +223,7 @@ class Router:
                 with cut:
                     result = await _forward_until_disconnect(
                         receive, send, lambda: self.planner.encode_rest(plan),
-                        lambda send_: self.forward(plan.engines, Exchange("POST", scope["path"], plan.body(),
+                        lambda send_: self.forward(plan.engines, Exchange("POST", scope["path"], plan.parsed.raw,
                                                                      upstream_headers, send_, self.timeouts,
                                                                      route_header, parsed.stream, continuation),
                                               self.config.max_attempts),
