@@ -28,9 +28,9 @@ TARGET_PLAN: tuple[tuple[str, tuple[int, ...], tuple[str, ...], bool], ...] = (
 compares the policies it names; (d) runs on one router and again on several, where each approximate
 replica only knows the requests it sent itself."""
 
-# Measurements that live beside the code they measure: name -> module with main(argv) -> int.
-DELEGATED = {"tokenize": "tokenization.measure", "index": "index.measure", "admission": "bench.admission",
-             "tenants": "bench.tenants", "decide": "gateway.routing.measure", "autoscale": "bench.autoscale",
+# Measurements with a command line of their own: name -> module with main(argv) -> int.
+DELEGATED = {"tokenize": "bench.tokenize_cost", "index": "bench.index_cost", "admission": "bench.admission",
+             "tenants": "bench.tenants", "decide": "bench.decide_cost", "autoscale": "bench.autoscale",
              "ingest": "bench.ingest_cost"}
 
 SMALL_CACHE_BLOCKS = 256
