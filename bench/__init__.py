@@ -1,1 +1,1 @@
-"""bench package."""
+"""Workloads, the benchmark runner and every ``kvmesh bench`` command, runs through a local cluster, the demo."""

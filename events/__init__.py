@@ -1,1 +1,1 @@
-"""events package."""
+"""vLLM's KV events: the ZMQ subscriber and replay client, decoding both encodings, sequence gaps, /metrics."""

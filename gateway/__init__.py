@@ -1,1 +1,1 @@
-"""gateway package."""
+"""One router replica: its composition root, fleet, HTTP server, planner, proxy, admin API and mesh link."""

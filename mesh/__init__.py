@@ -1,1 +1,1 @@
-"""mesh package."""
+"""Generic replication between router replicas: SWIM membership, a pycrdt document, state transfer, Redis seeds."""
