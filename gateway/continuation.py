@@ -61,6 +61,13 @@ def why_not_continuable(body: dict[str, Any], kind: Kind) -> str | None:
     return None
 
 
+def token_budget(body: dict[str, Any]) -> int | None:
+    """The answer's token limit: the smaller of ``max_tokens`` and ``max_completion_tokens`` when set."""
+    limits = [body.get(key) for key in ("max_tokens", "max_completion_tokens")]
+    ints = [v for v in limits if isinstance(v, int) and not isinstance(v, bool)]
+    return min(ints) if ints else None
+
+
 def continuation_body(body: dict[str, Any], kind: Kind, text: str, sent_tokens: int) -> dict[str, Any] | None:
     """The request that goes on from ``text`` (``sent_tokens`` tokens already sent); None when the token
     budget is spent, so the answer ends there with ``finish_reason: length``."""

@@ -28,7 +28,7 @@ from typing import Any
 import trio
 
 from gateway import tracing
-from gateway.continuation import ContinuationSpec, StreamSplicer, continuation_body
+from gateway.continuation import ContinuationSpec, StreamSplicer, continuation_body, token_budget
 from gateway.engines import EngineState, InFlight
 from gateway.failover import QUERY_OF_DEATH_LOSSES, ErrorAnswer, ErrorLedger
 from gateway.metrics import RouterMetrics
@@ -547,6 +547,12 @@ class _Relay:
         if engine is not None and text:
             count = await self._tokenize(engine, {"model": self.spec.body.get("model"), "prompt": text,
                                                   "add_special_tokens": False})
+            budget = token_budget(self.spec.body)
+            if count is not None and budget is not None and self.splicer.tokens < budget:
+                # The engine stopped short of the budget (the stream broke before its finish), but a text can
+                # re-tokenize into more tokens than were generated: such a count would end the answer early
+                # and report more tokens than max_tokens allows. One token is left to the next engine.
+                count = min(count, budget - 1)
             self.splicer.tokens = max(self.splicer.tokens, count or 0)
         return self.splicer.tokens
 

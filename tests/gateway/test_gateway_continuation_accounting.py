@@ -120,6 +120,23 @@ async def test_tokens_are_counted_not_events_when_an_event_carries_several(nurse
     assert sims[1].success == {"length": 1}
 
 
+async def test_a_count_past_the_budget_leaves_the_next_engine_one_token_and_usage_at_max_tokens(nursery):
+    """Re-tokenizing the text sent can count more tokens than were generated: a count at or past max_tokens
+    ended the answer early with usage over max_tokens (the chaos load's streams then failed its usage check)."""
+    sims, states = await sim_engines(nursery, 2, stream_interval=4)
+    body = {**CHAT, "max_tokens": 10}
+    sims[0].faults.error_after = 9  # 9 tokens in 3 events (the first goes out alone), then an error
+    sink = Sink()
+    result = await forward(states, exchange(sink, body, prompt_tokens=9), max_attempts=2)
+    chunks = [c for c in events(sink) if c["choices"] and c["choices"][0]["delta"].get("content")]
+    first_leg = "".join(c["choices"][0]["delta"]["content"] for c in chunks[:3])
+    assert len(sims[0].tok.tok.encode(first_leg, add_special_tokens=False)) >= 10  # the over-count happens
+    [continued] = result.continuations
+    assert continued.sent_tokens == 9
+    [usage] = [c["usage"] for c in events(sink) if c.get("usage")]
+    assert usage["completion_tokens"] == 10 and sims[1].success == {"length": 1}
+
+
 async def test_a_request_two_engines_died_on_is_not_sent_to_a_third_engine(nursery):
     sims, states = await sim_engines(nursery, 3)
     for sim in sims:
