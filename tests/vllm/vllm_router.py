@@ -20,6 +20,7 @@ from vllm_wire import get_text
 
 from bench.engine_stats import parse_counters
 from cluster.vllm_engine import SERVED_MODEL_NAME, VllmEngine
+from gateway.routing import public_engine_name
 from gateway.security.keys import hash_key
 
 T = TypeVar("T")
@@ -152,8 +153,10 @@ class HitMeter:
     def send(self, client: RouterClient, messages: list[dict[str, Any]], **extra: Any) -> tuple[Routed, int]:
         before = {name: counters(engine) for name, engine in self.engines.items()}
         routed = client.chat(messages, **extra)
-        engine = self.engines[routed.served_by]
-        start = before[routed.served_by]
+        # An admin is told the engine's id, a tenant its public name.
+        name = next(n for n in self.engines if routed.served_by in (n, public_engine_name(n)))
+        engine = self.engines[name]
+        start = before[name]
         queried = start[QUERIES] + routed.prompt_tokens
         after = wait_until(lambda: (now := counters(engine))[QUERIES] >= queried and now)
         return routed, int(after[HITS] - start[HITS])
