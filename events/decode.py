@@ -3,15 +3,21 @@
 Both event encodings are accepted (docs/vllm.md): the map form (vLLM >= ~0.26) and the legacy tagged
 array. Unknown fields are ignored, unknown event types are counted and skipped. Anything malformed
 raises DecodeError with a short reason that becomes a metrics label; nothing else escapes.
+
+A well-typed map-form batch, what current vLLM sends, is decoded straight into typed structs (msgspec):
+the generic unpack into per-event dicts was ~80% of decode. Any batch the typed schema refuses (the
+legacy array form, unknown event types, wrong field types, hostile bytes) is decoded again by the generic
+path, which alone decides its result or its error, so both paths give the same batch or the same reason.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgpack
+import msgspec
 
 from index.block_hash import KEY_MASK, U64_MASK, engine_hash_to_int
 from index.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
@@ -62,8 +68,97 @@ def _seq(frame: bytes) -> int:
     return int.from_bytes(frame, "big")
 
 
+_Token = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]  # range checked in C while decoding
+
+
+class _Stored(msgspec.Struct, tag_field="type", tag="BlockStored"):
+    block_hashes: list[int | bytes]
+    token_ids: list[_Token]
+    block_size: Annotated[int, msgspec.Meta(gt=0, le=MAX_BLOCK_SIZE)]
+    parent_block_hash: int | bytes | None = None
+    lora_name: str | None = None
+    medium: str | None = None
+    extra_keys: msgspec.Raw = msgspec.Raw()  # rare; unpacked by msgpack exactly as the generic path does
+    group_idx: int | None = None
+
+
+class _Removed(msgspec.Struct, tag_field="type", tag="BlockRemoved"):
+    block_hashes: list[int | bytes]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _Cleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared"):
+    pass
+
+
+class _Batch(msgspec.Struct, array_like=True):
+    ts: int | float
+    events: list[_Stored | _Removed | _Cleared]
+    data_parallel_rank: int | None = None
+
+
+_TYPED = msgspec.msgpack.Decoder(_Batch)
+_NIL = b"\xc0"
+
+
 def decode_payload(seq: int, payload: bytes) -> EventBatch:
     """msgpack [ts, events, data_parallel_rank] -> EventBatch."""
+    try:
+        typed = _TYPED.decode(payload)
+    except Exception:  # not the typed map form: the generic path decides the result or the reason
+        return _decode_generic(seq, payload)
+    return EventBatch(seq=seq, ts=float(typed.ts), events=tuple(_typed_events(typed.events)),
+                      data_parallel_rank=typed.data_parallel_rank)
+
+
+def _typed_events(raw_events: list[_Stored | _Removed | _Cleared]) -> list[Event]:
+    """The typed twin of `_events`: same runs of BlockRemoved, same checks in the same order."""
+    events: list[Event] = []
+    run: list[Any] = []
+    run_where: tuple[Any, Any] = (None, None)
+    for raw in raw_events:
+        if type(raw) is _Removed:
+            if not raw.block_hashes:
+                raise DecodeError("block_hashes")
+            where = (raw.medium, raw.group_idx)
+            if run and where != run_where:
+                events.append(_removed(run, run_where))
+                run = []
+            run_where = where
+            run.extend(raw.block_hashes)
+            continue
+        if run:
+            events.append(_removed(run, run_where))
+            run = []
+        if type(raw) is _Stored:
+            events.append(_typed_stored(raw))
+        else:
+            events.append(AllBlocksCleared())
+    if run:
+        events.append(_removed(run, run_where))
+    return events
+
+
+def _typed_stored(raw: _Stored) -> BlockStored:
+    """`_stored_from`'s checks that the schema did not already make (types, block size and token range),
+    in the same order, so a refused event gives the same reason."""
+    extra: Any = None
+    if raw.extra_keys and raw.extra_keys != _NIL:
+        try:
+            extra = msgpack.unpackb(raw.extra_keys, raw=False, strict_map_key=False)
+        except Exception as exc:  # the generic path fails on these bytes before any check
+            raise DecodeError("msgpack") from exc
+    hashes = _hashes(raw.block_hashes)
+    if len(raw.token_ids) != len(hashes) * raw.block_size:
+        raise DecodeError("token_ids")
+    _check_extra(extra, len(hashes))
+    parent = raw.parent_block_hash
+    return BlockStored(hashes, None if parent is None else _hash(parent), tuple(raw.token_ids),
+                       raw.block_size, raw.lora_name, raw.medium, _frozen_extra(extra), raw.group_idx)
+
+
+def _decode_generic(seq: int, payload: bytes) -> EventBatch:
     try:
         raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises many unrelated types on hostile input
@@ -146,27 +241,38 @@ def _event(raw: Any) -> Event | None:
 
 
 def _stored(fields: dict[Any, Any]) -> BlockStored:
-    hashes = _hashes(fields.get("block_hashes"))
-    block_size = fields.get("block_size")
+    return _stored_from(fields.get("block_hashes"), fields.get("block_size"), fields.get("token_ids"),
+                        fields.get("parent_block_hash"), fields.get("extra_keys"), fields.get("lora_name"),
+                        fields.get("medium"), fields.get("group_idx"))
+
+
+def _stored_from(raw_hashes: Any, block_size: Any, tokens: Any, parent: Any, extra: Any, lora_name: Any,
+                 medium: Any, group_idx: Any) -> BlockStored:
+    hashes = _hashes(raw_hashes)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or not 0 < block_size <= MAX_BLOCK_SIZE:
         raise DecodeError("block_size")
-    tokens = fields.get("token_ids")
     if not isinstance(tokens, list) or len(tokens) != len(hashes) * block_size or not _all_u32(tokens):
         raise DecodeError("token_ids")
-    parent = fields.get("parent_block_hash")
-    extra = fields.get("extra_keys")
-    if extra is not None and (not isinstance(extra, list) or len(extra) != len(hashes)):
-        raise DecodeError("extra_keys")
+    _check_extra(extra, len(hashes))
     return BlockStored(
         block_hashes=hashes,
         parent_block_hash=None if parent is None else _hash(parent),
         token_ids=tuple(tokens),
         block_size=block_size,
-        lora_name=_opt_str(fields.get("lora_name")),
-        medium=_opt_str(fields.get("medium")),
-        extra_keys=None if extra is None or extra.count(None) == len(extra) else tuple(map(_freeze, extra)),
-        group_idx=_opt_int(fields.get("group_idx")),
+        lora_name=_opt_str(lora_name),
+        medium=_opt_str(medium),
+        extra_keys=_frozen_extra(extra),
+        group_idx=_opt_int(group_idx),
     )
+
+
+def _check_extra(extra: Any, blocks: int) -> None:
+    if extra is not None and (not isinstance(extra, list) or len(extra) != blocks):
+        raise DecodeError("extra_keys")
+
+
+def _frozen_extra(extra: list[Any] | None) -> tuple[Any, ...] | None:
+    return None if extra is None or extra.count(None) == len(extra) else tuple(map(_freeze, extra))
 
 
 def _hash(value: Any) -> int:
