@@ -1,6 +1,6 @@
 """What ``kvmesh bench routing --suite`` prints and judges: per shape and over the suite, each policy's hit rate
 as a fraction of the offline bound of its own trace, and its TTFT p50/p90/p99 against round robin's on the same
-shape; the issue's targets as verdicts; a PNG of the fractions. Pure arithmetic and formatting, so it is tested.
+shape; the suite's targets as verdicts; a PNG of the fractions. Pure arithmetic and formatting, so it is tested.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def format_overall(runs: list[ShapeRun]) -> str:
 
 
 def verdicts(runs: list[ShapeRun], subject: str = SUBJECT, peer: str = PEER) -> list[Verdict]:
-    """The issue's targets for one suite (the three-seed condition is three suites' verdicts)."""
+    """The targets one suite is judged by (the three-seed condition is three suites' verdicts)."""
     mine = overall(runs, subject)
     if mine.shapes == 0:
         return []
