@@ -14,6 +14,7 @@ import trio
 
 from gateway import http_app, tracing
 from gateway.admin import AdminApi, handle_admin
+from gateway.asgi_server import HANGUP_EXTENSION
 from gateway.config import RouterConfig
 from gateway.continuation import ContinuationSpec
 from gateway.engines import EngineRegistry, EngineState
@@ -104,7 +105,7 @@ class Router:
         record = RequestRecord(request_id_of(dict(_headers(scope))))
         status = 500
         try:
-            status = await self._dispatch(path, method, scope, receive, response.send, record)
+            status = await self._dispatch(path, method, scope, receive, response, record)
         except ApiError as error:
             status = error.status
             record.refused(error)
@@ -128,10 +129,12 @@ class Router:
                 if record.code != "internal_error":
                     log.warning("request failed", extra=record.log_fields(method, path, status))
 
-    async def _dispatch(self, path: str, method: str, scope: dict, receive, send, record: RequestRecord) -> int:
+    async def _dispatch(self, path: str, method: str, scope: dict, receive, response: _Response,
+                        record: RequestRecord) -> int:
         if path in INFERENCE_PATHS:
             _require(method, "POST")
-            return await self._inference(INFERENCE_PATHS[path], scope, receive, send, record)
+            return await self._inference(INFERENCE_PATHS[path], scope, receive, response, record)
+        send = response.send
         if path.startswith("/admin/"):
             self.gate.require_admin(dict(_headers(scope)))
             return await handle_admin(self.admin, method, path, scope, receive, send)
@@ -172,11 +175,11 @@ class Router:
             return 200
         raise ApiError(404, f"no route for {method} {path[:200]}", code="not_found")
 
-    async def _inference(self, kind: Kind, scope: dict, receive, send, record: RequestRecord) -> int:
+    async def _inference(self, kind: Kind, scope: dict, receive, response: _Response, record: RequestRecord) -> int:
         headers = dict(_headers(scope))
         with tracing.request_span(kind, headers) as span:
             try:
-                status = await self._serve_inference(kind, scope, receive, send, headers, span, record)
+                status = await self._serve_inference(kind, scope, receive, response, headers, span, record)
             except ApiError as error:
                 tracing.record_error(span, error.status, error.message)
                 raise
@@ -188,8 +191,8 @@ class Router:
         raw = await http_app.read_body(scope, receive, self.config.max_body_bytes, self.config.limits.body_timeout_s)
         return parse_request(raw, kind, self.config.limits)
 
-    async def _serve_inference(self, kind: Kind, scope: dict, receive, send, headers: dict[str, str], span,
-                               record: RequestRecord) -> int:
+    async def _serve_inference(self, kind: Kind, scope: dict, receive, response: _Response,
+                               headers: dict[str, str], span, record: RequestRecord) -> int:
         if self.shutting_down:
             raise ApiError(503, "router is shutting down", code="shutting_down")
         with tracing.step("parse"):
@@ -222,7 +225,7 @@ class Router:
             try:
                 with cut:
                     result = await _forward_until_disconnect(
-                        receive, send, lambda: self.planner.encode_rest(plan),
+                        scope, receive, response, lambda: self.planner.encode_rest(plan),
                         lambda send_: self.forward(plan.engines, Exchange("POST", scope["path"], plan.parsed.raw,
                                                                      upstream_headers, send_, self.timeouts,
                                                                      route_header, parsed.stream, continuation),
@@ -330,14 +333,20 @@ class _Response:
         self.started = False
         self.finished = False
         self.event_stream = False
+        self.on_start: Callable[[], None] = _nothing
+        """Called as the head goes out (set while the proxy answers: see ``_forward_until_disconnect``)."""
 
     async def send(self, message: dict[str, Any]) -> None:
-        if message["type"] == "http.response.start":
+        """Every relayed chunk passes here: one wrapper for all the router tracks of its answer."""
+        kind = message["type"]
+        if kind == "http.response.body":
+            if not message.get("more_body", False):
+                self.finished = True
+        elif kind == "http.response.start":
+            self.on_start()
             self.started = True
             self.event_stream = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
                                     for k, v in message.get("headers", ()))
-        elif message["type"] == "http.response.body" and not message.get("more_body", False):
-            self.finished = True
         await self._send(message)
 
     async def fail(self, error: ApiError) -> None:
@@ -388,40 +397,49 @@ def forwarded_headers(headers: dict[str, str]) -> list[tuple[str, str]]:
     return [(k, v) for k, v in headers.items() if k in FORWARDED_HEADERS and _HEADER_VALUE.fullmatch(v)]
 
 
-async def _forward_until_disconnect(receive: http_app.Receive, send: http_app.Send, answering: Callable[[], None],
-                                    proxying):
+async def _forward_until_disconnect(scope: dict, receive: http_app.Receive, response: _Response,
+                                    answering: Callable[[], None], proxying):
     """Run the proxy; if the client goes away before the response is complete, cancel it so the engine
-    stops work too. (ASGI also reports a disconnect after a complete response: that one is ignored.)
-    ``answering`` is called when the response head goes out."""
+    stops work too (a disconnect after a complete response is ignored). ``answering`` is called when the
+    response head goes out. The router's own server reports the client's going through its hangup watch
+    (``HANGUP_EXTENSION``: no task per request); under another ASGI server a task waits on ``receive``."""
     outcome: dict[str, Any] = {}
-    finished = False
 
-    async def tracking_send(message: dict[str, Any]) -> None:
-        nonlocal finished
-        if message["type"] == "http.response.body" and not message.get("more_body", False):
-            finished = True
-        elif message["type"] == "http.response.start":
-            answering()
-        await send(message)
+    def hung_up(cancel_scope: trio.CancelScope) -> None:
+        if not response.finished:
+            cancel_scope.cancel()
 
     async def watch(cancel_scope: trio.CancelScope) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                if not finished:
-                    cancel_scope.cancel()
-                return
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        hung_up(cancel_scope)
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(watch, nursery.cancel_scope)
+    async def answer() -> None:
         try:
-            outcome["result"] = await proxying(tracking_send)
+            outcome["result"] = await proxying(response.send)
         except ApiError as error:
             outcome["error"] = error
-        nursery.cancel_scope.cancel()
+
+    on_hangup = scope.get("extensions", {}).get(HANGUP_EXTENSION)
+    response.on_start = answering
+    try:
+        if on_hangup is not None:
+            with trio.CancelScope() as cancel, on_hangup(lambda: hung_up(cancel)):
+                await answer()
+        else:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch, nursery.cancel_scope)
+                await answer()
+                nursery.cancel_scope.cancel()
+    finally:
+        response.on_start = _nothing
     if "error" in outcome:
         raise outcome["error"]
     return outcome.get("result")
+
+
+def _nothing() -> None:
+    return None
 
 
 def _headers(scope: dict) -> list[tuple[str, str]]:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import trio
 
-from gateway.asgi_server import ServerSettings, serve
+from gateway.asgi_server import HANGUP_EXTENSION, ServerSettings, serve
 
 
 async def start(nursery: trio.Nursery, app, **settings: Any) -> tuple[int, trio.Event]:
@@ -79,6 +79,47 @@ async def test_a_client_gone_mid_stream_is_a_disconnect_and_sends_do_not_raise()
         with trio.fail_after(5):
             await done.wait()
         assert seen == ["http.disconnect", "sent after"]
+        stop.set()
+
+
+async def test_the_hangup_watch_reports_a_client_gone_while_its_answer_waits_and_no_other():
+    """The router waits for an engine with no task reading the client's socket: the server's hangup watch
+    must still tell it the client left (so the engine's work is cancelled), and only for a watched request:
+    a client that closes after its watched request ended, or one that pipelines its next request, is not
+    reported."""
+    hung_up: list[str] = []
+    release = trio.Event()
+
+    async def waiting(scope, receive, send) -> None:
+        await receive()
+        path = scope["path"]
+        with trio.CancelScope() as scope_, scope["extensions"][HANGUP_EXTENSION](
+                lambda: (hung_up.append(path), scope_.cancel())):
+            if path == "/wait":
+                await trio.sleep_forever()
+            await release.wait()
+        if not scope_.cancelled_caught:
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+    async with trio.open_nursery() as nursery:
+        port, stop = await start(nursery, waiting)
+        kept = await trio.open_tcp_stream("127.0.0.1", port)
+        # Answered while a pipelined second request is already in the socket: data is not a hangup.
+        await kept.send_all(b"GET /answered HTTP/1.1\r\nhost: h\r\n\r\nGET /answered HTTP/1.1\r\nhost: h\r\n\r\n")
+        await trio.sleep(0.2)
+        release.set()
+        assert (await read_until(kept, b"ok", 2)).count(b"200") == 2
+        await kept.aclose()  # gone after its requests ended: nothing to report
+        gone = await trio.open_tcp_stream("127.0.0.1", port)
+        await gone.send_all(b"GET /wait HTTP/1.1\r\nhost: h\r\n\r\n")
+        await trio.sleep(0.2)
+        await gone.aclose()
+        with trio.fail_after(5):
+            while not hung_up:
+                await trio.sleep(0.01)
+        await trio.sleep(0.2)
+        assert hung_up == ["/wait"]
         stop.set()
 
 
