@@ -118,8 +118,12 @@ class _Hangups:
                 for fd, _ in self._epoll.poll(0):
                     callback = self._callbacks.get(fd)
                     self.unwatch(fd)
-                    if callback is not None:
+                    if callback is None:
+                        continue
+                    try:
                         callback()
+                    except Exception:  # an application's bug must not end the watch of every other client
+                        log.exception("a hangup callback failed")
         finally:
             trio.lowlevel.notify_closing(self._epoll.fileno())
             self._epoll.close()

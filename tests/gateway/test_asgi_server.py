@@ -123,6 +123,38 @@ async def test_the_hangup_watch_reports_a_client_gone_while_its_answer_waits_and
         stop.set()
 
 
+async def test_a_failing_hangup_callback_is_logged_and_later_hangups_are_still_reported(caplog):
+    hung_up: list[str] = []
+
+    async def waiting(scope, receive, send) -> None:
+        await receive()
+        path = scope["path"]
+
+        def gone() -> None:
+            hung_up.append(path)
+            if path == "/bug":
+                raise RuntimeError("application bug")
+
+        with scope["extensions"][HANGUP_EXTENSION](gone):
+            with trio.move_on_after(5):
+                while path not in hung_up:
+                    await trio.sleep(0.01)
+
+    async with trio.open_nursery() as nursery:
+        port, stop = await start(nursery, waiting)
+        for path in ("/bug", "/next"):
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await stream.send_all(f"GET {path} HTTP/1.1\r\nhost: h\r\n\r\n".encode())
+            await trio.sleep(0.1)
+            await stream.aclose()
+            with trio.fail_after(5):
+                while path not in hung_up:
+                    await trio.sleep(0.01)
+        assert hung_up == ["/bug", "/next"]
+        assert "a hangup callback failed" in caplog.text
+        stop.set()
+
+
 @pytest.mark.parametrize(("sent", "status"), [
     (b"NOT HTTP AT ALL\r\n\r\n", b"400"),
     (b"GET / HTTP/1.1\r\nhost: h\r\nx-big: " + b"a" * 4096, b"431"),  # past 1 KiB and still no end of head
