@@ -132,9 +132,10 @@ class _Hangups:
 class _HangupWatch:
     """The context manager behind ``HANGUP_EXTENSION`` for one connection."""
 
-    __slots__ = ("connection", "callback")
+    __slots__ = ("hangups", "connection", "callback")
 
-    def __init__(self, connection: _Connection, callback: Callable[[], None]) -> None:
+    def __init__(self, hangups: _Hangups, connection: _Connection, callback: Callable[[], None]) -> None:
+        self.hangups = hangups
         self.connection = connection
         self.callback = callback
 
@@ -143,21 +144,21 @@ class _HangupWatch:
         if connection.broken:  # already known gone (a read saw its end): no event would come
             self.callback()
             return
-        connection.hangups.watch(connection.fd, self._gone)
+        self.hangups.watch(connection.fd, self._gone)
 
     def _gone(self) -> None:
         self.connection.broken = True
         self.callback()
 
     def __exit__(self, *exc_info: object) -> None:
-        self.connection.hangups.unwatch(self.connection.fd)
+        self.hangups.unwatch(self.connection.fd)
 
 
 class _Connection:
     """One client connection: requests one after another (keep-alive), each answered by the application."""
 
     def __init__(self, stream: trio.SocketStream, app: App, settings: ServerSettings, stopping: _Stopping,
-                 hangups: _Hangups) -> None:
+                 hangups: _Hangups | None) -> None:
         self.stream = stream
         self.fd = stream.socket.fileno()
         self.app = app
@@ -221,7 +222,8 @@ class _Connection:
 
     def on_hangup(self, callback: Callable[[], None]) -> _HangupWatch:
         """``HANGUP_EXTENSION``: a context manager that calls ``callback`` if the client goes away within it."""
-        return _HangupWatch(self, callback)
+        assert self.hangups is not None  # offered only where the server watches hangups
+        return _HangupWatch(self.hangups, self, callback)
 
     def own_headers(self) -> list[tuple[bytes, bytes]]:
         return [(b"date", _http_date(int(time.time()))), (b"server", self.settings.server_header)]
@@ -265,7 +267,8 @@ class _Exchange:
             "http_version": request.http_version.decode("ascii"), "method": self.method.upper(), "scheme": "http",
             "path": unquote(raw_path.decode("ascii", "replace")), "raw_path": raw_path, "query_string": query,
             "root_path": "", "headers": list(request.headers), "client": connection.client,
-            "server": connection.server, "extensions": {HANGUP_EXTENSION: connection.on_hangup},
+            "server": connection.server,
+            "extensions": {HANGUP_EXTENSION: connection.on_hangup} if connection.hangups is not None else {},
         }
         self.body_done = False
         self.head: h11.Response | None = None
@@ -383,7 +386,7 @@ async def serve(app: App, settings: ServerSettings, shutdown_trigger: Callable[[
     listens on."""
     listeners = await trio.open_tcp_listeners(settings.port, host=settings.host)
     stopping = _Stopping()
-    hangups = _Hangups()
+    hangups = _Hangups() if hasattr(select, "epoll") else None  # Linux; elsewhere apps wait on receive
 
     async def on_connection(stream: trio.SocketStream) -> None:
         """Owns one connection: whatever goes wrong with it is logged and ends it, never the server."""
@@ -398,7 +401,8 @@ async def serve(app: App, settings: ServerSettings, shutdown_trigger: Callable[[
             log.exception("connection failed", extra={"client": connection.client})
 
     async with trio.open_nursery() as server:
-        server.start_soon(hangups.run)
+        if hangups is not None:
+            server.start_soon(hangups.run)
         async with trio.open_nursery() as connections:
             accepting = trio.CancelScope()
 

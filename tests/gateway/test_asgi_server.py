@@ -155,6 +155,27 @@ async def test_a_failing_hangup_callback_is_logged_and_later_hangups_are_still_r
         stop.set()
 
 
+async def test_without_epoll_the_server_offers_no_hangup_watch_and_still_serves(monkeypatch):
+    """Elsewhere than Linux the router falls back to waiting on ``receive`` (it checks for the extension)."""
+    import select
+
+    monkeypatch.delattr(select, "epoll")
+    offered: list[bool] = []
+
+    async def app(scope, receive, send) -> None:
+        offered.append(HANGUP_EXTENSION in scope["extensions"])
+        await echo(scope, receive, send)
+
+    async with trio.open_nursery() as nursery:
+        port, stop = await start(nursery, app)
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        await stream.send_all(b"GET /x HTTP/1.1\r\nhost: h\r\n\r\n")
+        assert b"GET /x  0" in await read_until(stream, b"GET /x")
+        assert offered == [False]
+        await stream.aclose()
+        stop.set()
+
+
 @pytest.mark.parametrize(("sent", "status"), [
     (b"NOT HTTP AT ALL\r\n\r\n", b"400"),
     (b"GET / HTTP/1.1\r\nhost: h\r\nx-big: " + b"a" * 4096, b"431"),  # past 1 KiB and still no end of head
