@@ -60,26 +60,20 @@ class AliasTable:
         """The top 32 bits of the scrambled key, scaled to the table's size (numpy computes the same)."""
         return (((stored * self._multiplier) & _U64) >> 32) * self._size >> 32
 
-    def _find(self, stored: int) -> tuple[int, bool]:
-        """(slot, found): the key's slot, else the first reusable slot on its probe path."""
+    def get(self, key: int, default: int | None = None) -> int | None:
+        """The probe loop inlined: a decode event looks its parent up here, one call per stored event."""
+        if not 0 <= key < _KEY_LIMIT:
+            return default
         words, size = self._words, self._size
-        slot = self._home(stored)
-        reusable = -1
+        stored = key + 1
+        slot = (((stored * self._multiplier) & _U64) >> 32) * size >> 32
         while True:
             current = words[2 * slot]
             if current == stored:
-                return slot, True
+                return words[2 * slot + 1]
             if current == _EMPTY:
-                return (slot if reusable < 0 else reusable), False
-            if current == _TOMBSTONE and reusable < 0:
-                reusable = slot
+                return default
             slot = slot + 1 if slot + 1 < size else 0
-
-    def get(self, key: int, default: int | None = None) -> int | None:
-        if not 0 <= key < _KEY_LIMIT:
-            return default
-        slot, found = self._find(key + 1)
-        return self._words[2 * slot + 1] if found else default
 
     def __setitem__(self, key: int, value: int) -> None:
         self.put_many((key,), (value,))
