@@ -42,7 +42,7 @@ from bench.replica_stats import (
 from bench.scale_fleet import (
     MODEL,
     EngineEndpoints,
-    Publisher,
+    Publishers,
     Replica,
     publisher,
     redis_server,
@@ -87,6 +87,7 @@ class ScaleOptions:
     fill_rate: float
     converge_timeout_s: float
     seed: int
+    publishers: int = 1
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -104,6 +105,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "chains: 32-block chains")
     p.add_argument("--fill-rate", type=float, default=50_000.0, help="ops/s while filling every engine to its cap")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--publishers", type=int, default=1,
+                   help="publisher processes sharing the engines (one spends ~6.4 us of CPU per block op)")
     p.add_argument("--plot", type=Path, help="PNG path (default: scale.png in the log folder)")
     p.add_argument("--quick", action="store_true", help="R=1,2,3 at 10000 ops/s, 8 engines, short phases")
 
@@ -116,7 +119,7 @@ def options(args: argparse.Namespace) -> ScaleOptions:
         [float(x) for x in str(values["rates"]).split(",") if x],
         int(values["engines"]), int(values["cap"]), args.encoding, args.mix, float(values["steady_s"]),
         float(values["burst_s"]), float(values["probe_s"]), args.fill_rate, float(values["converge_timeout_s"]),
-        args.seed,
+        args.seed, max(1, args.publishers),
     )  # fmt: skip
 
 
@@ -136,9 +139,9 @@ def _lag_ms(scrapes: Scrapes, timeline: dict[str, list[float]], q: float) -> flo
 async def measure_cell(client: HttpClient, opts: ScaleOptions, count: int, rate: float, engine_urls: list[str],
                        redis_url: str, log_dir: Path) -> list[ReplicaResult]:
     """One (R, rate) cell on a fresh publisher and fresh replicas; one result per replica."""
-    pub_args = ["--engines", str(opts.engines), "--cap", str(opts.cap), "--model", MODEL,
-                "--encoding", opts.encoding, "--seed", str(opts.seed), "--mix", opts.mix]
-    async with publisher(pub_args, log_dir) as (pub, endpoints):
+    pub_args = ["--cap", str(opts.cap), "--model", MODEL, "--encoding", opts.encoding, "--seed", str(opts.seed),
+                "--mix", opts.mix]
+    async with publisher(pub_args, log_dir, opts.engines, opts.publishers) as (pub, endpoints):
         engines = [EngineEndpoints(f"e{i}", url, ep["events"], ep["replay"], ep["topic"])
                    for i, (url, ep) in enumerate(zip(engine_urls, endpoints, strict=True))]
         ids = [e.id for e in engines]
@@ -207,7 +210,7 @@ async def _probed(client: HttpClient, reps: list[Replica], seconds: float) -> tu
     return latency, _strain(before, await _readings(client, reps))
 
 
-async def _publish(client: HttpClient, pub: Publisher, reps: list[Replica], rate: float, seconds: float,
+async def _publish(client: HttpClient, pub: Publishers, reps: list[Replica], rate: float, seconds: float,
                    probe: bool) -> _Window:
     """Publish at ``rate`` for ``seconds`` while scraping every replica (and probing it, if asked).
 
@@ -233,7 +236,7 @@ async def _publish(client: HttpClient, pub: Publisher, reps: list[Replica], rate
                    scrapes, latency, _strain(before, after))
 
 
-async def _fill(client: HttpClient, pub: Publisher, reps: list[Replica], rate: float,
+async def _fill(client: HttpClient, pub: Publishers, reps: list[Replica], rate: float,
                 timeline: dict[str, list[float]], seen: list[Scrapes]) -> None:
     """Every engine to its cap, in short steps each followed by a wait until every replica caught up.
 
@@ -255,7 +258,7 @@ async def _idle_cpu(reps: list[Replica]) -> list[float]:
     return [(process_cpu(r.pid) - c) / IDLE_CPU_S for r, c in zip(reps, cpu, strict=True)]
 
 
-async def _phases(client: HttpClient, opts: ScaleOptions, pub: Publisher, reps: list[Replica], ids: list[str],
+async def _phases(client: HttpClient, opts: ScaleOptions, pub: Publishers, reps: list[Replica], ids: list[str],
                   count: int, rate: float) -> list[ReplicaResult]:
     seen: list[Scrapes] = [[] for _ in reps]
     timeline: dict[str, list[float]] = {e: [] for e in ids}

@@ -117,7 +117,8 @@ async def _answer(fleet: Fleet, words: list[str]) -> dict[str, Any]:
 async def serve(args: argparse.Namespace) -> None:
     ctx = zmq.Context.instance()
     kind = MixEngine if args.mix == "realistic" else SyntheticEngine
-    engines = [kind(i, args.cap, args.model, args.encoding, args.seed) for i in range(args.engines)]
+    first = args.first_engine
+    engines = [kind(i, args.cap, args.model, args.encoding, args.seed) for i in range(first, first + args.engines)]
     publishers = [EventPublisher(ctx, HOST, 0, 0, TOPIC, buffer_steps=REPLAY_BUFFER_STEPS)
                   for _ in range(args.engines)]
     fleet = Fleet(engines, publishers)
@@ -136,6 +137,8 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.synthetic_publisher", description=__doc__)
     p.add_argument("--engines", type=int, default=16)
+    p.add_argument("--first-engine", type=int, default=0,
+                   help="index of this process's first engine (several processes play one fleet between them)")
     p.add_argument("--cap", type=int, default=16384, help="live blocks per engine before evictions start")
     p.add_argument("--model", default="kvmesh-tiny", help="the model the routers key the engines' blocks under")
     p.add_argument("--encoding", choices=["map", "array"], default="map")

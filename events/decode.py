@@ -142,7 +142,9 @@ def _typed_events(raw_events: list[_Stored | _Removed | _Cleared]) -> list[Event
 
 def _typed_stored(raw: _Stored) -> BlockStored:
     """`_stored_from`'s checks that the schema did not already make (types, block size and token range),
-    in the same order, so a refused event gives the same reason."""
+    in the same order, so a refused event gives the same reason. Events without extra keys (nearly all) and
+    u64 parents take no helper call: most stored events are single-block decode events, where the calls
+    were most of the event's decode."""
     extra: Any = None
     if raw.extra_keys and raw.extra_keys != _NIL:
         try:
@@ -152,10 +154,15 @@ def _typed_stored(raw: _Stored) -> BlockStored:
     hashes = _hashes(raw.block_hashes)
     if len(raw.token_ids) != len(hashes) * raw.block_size:
         raise DecodeError("token_ids")
-    _check_extra(extra, len(hashes))
+    if extra is not None:
+        _check_extra(extra, len(hashes))
     parent = raw.parent_block_hash
-    return BlockStored(hashes, None if parent is None else _hash(parent), tuple(raw.token_ids),
-                       raw.block_size, raw.lora_name, raw.medium, _frozen_extra(extra), raw.group_idx)
+    if parent is not None:
+        parent = parent & KEY_MASK if type(parent) is int and 0 <= parent <= U64_MASK else _hash(parent)
+    if extra is not None:
+        extra = _frozen_extra(extra)
+    return BlockStored(hashes, parent, tuple(raw.token_ids), raw.block_size, raw.lora_name, raw.medium, extra,
+                       raw.group_idx)
 
 
 def _decode_generic(seq: int, payload: bytes) -> EventBatch:
@@ -285,6 +292,8 @@ def _hash(value: Any) -> int:
 def _hashes(value: Any) -> tuple[int, ...]:
     if not isinstance(value, list) or not value:
         raise DecodeError("block_hashes")
+    if len(value) == 1 and type(value[0]) is int and 0 <= value[0] <= U64_MASK:
+        return (value[0] & KEY_MASK,)  # a decode event's one block: no set, min and max
     if set(map(type, value)) == _INT_ONLY and min(value) >= 0 and max(value) <= U64_MASK:
         return tuple([item & KEY_MASK for item in value])  # the u64 form vLLM sends by default, checked in C
     return tuple(_hash(item) for item in value)

@@ -60,26 +60,20 @@ class AliasTable:
         """The top 32 bits of the scrambled key, scaled to the table's size (numpy computes the same)."""
         return (((stored * self._multiplier) & _U64) >> 32) * self._size >> 32
 
-    def _find(self, stored: int) -> tuple[int, bool]:
-        """(slot, found): the key's slot, else the first reusable slot on its probe path."""
+    def get(self, key: int, default: int | None = None) -> int | None:
+        """The probe loop inlined: a decode event looks its parent up here, one call per stored event."""
+        if not 0 <= key < _KEY_LIMIT:
+            return default
         words, size = self._words, self._size
-        slot = self._home(stored)
-        reusable = -1
+        stored = key + 1
+        slot = (((stored * self._multiplier) & _U64) >> 32) * size >> 32
         while True:
             current = words[2 * slot]
             if current == stored:
-                return slot, True
+                return words[2 * slot + 1]
             if current == _EMPTY:
-                return (slot if reusable < 0 else reusable), False
-            if current == _TOMBSTONE and reusable < 0:
-                reusable = slot
+                return default
             slot = slot + 1 if slot + 1 < size else 0
-
-    def get(self, key: int, default: int | None = None) -> int | None:
-        if not 0 <= key < _KEY_LIMIT:
-            return default
-        slot, found = self._find(key + 1)
-        return self._words[2 * slot + 1] if found else default
 
     def __setitem__(self, key: int, value: int) -> None:
         self.put_many((key,), (value,))
@@ -172,9 +166,13 @@ class AliasTable:
         """Re-insert the live entries into a table they (and ``incoming`` more) fill to ``_REBUILT_LOAD``,
         dropping tombstones.
 
-        Vectorised linear probing: each round, every pending entry tries its next slot; of those that
-        pick the same empty slot the first wins, the rest move on. A slot once taken stays taken, so every
-        entry still finds all slots between its home and its place occupied, as lookups expect.
+        Which slots linear probing fills does not depend on the order of insertion, so the entries are
+        placed all at once: sorted by home, entry i goes to ``max(home_i, place_{i-1} + 1)``, a running
+        maximum. The table is circular, so the run starts just after a slot that stays empty: past the
+        table's end the m overflowing entries wrap into the first m free slots, so the (m+1)-th free slot
+        of the unwrapped placement is free in the real one. Every entry then finds all slots between its
+        home and its place occupied, as lookups expect. Placing rounds of pending entries (the previous
+        way) cost ~0.4 us of CPU per block op on the realistic mix, where rebuilds sweep tombstones.
         """
         live = self._pairs()
         size = max(_MIN_SIZE, math.ceil((len(live) + incoming) / _REBUILT_LOAD))
@@ -183,16 +181,22 @@ class AliasTable:
             return
         table = np.frombuffer(self._words, dtype=np.uint64).reshape(-1, 2)
         with np.errstate(over="ignore"):
-            slots = ((live[:, 0] * np.uint64(self._multiplier)) >> np.uint64(32)) * np.uint64(size) >> np.uint64(32)
-        pending = np.arange(len(live))
-        while len(pending):
-            free = table[slots[pending], 0] == _EMPTY
-            candidates = pending[free]
-            _, first = np.unique(slots[candidates], return_index=True)
-            winners = candidates[first]
-            table[slots[winners]] = live[winners]
-            placed = np.zeros(len(live), dtype=bool)
-            placed[winners] = True
-            pending = pending[~placed[pending]]
-            slots[pending] = (slots[pending] + np.uint64(1)) % np.uint64(size)
+            homes = ((live[:, 0] * np.uint64(self._multiplier)) >> np.uint64(32)) * np.uint64(size) >> np.uint64(32)
+        homes = homes.astype(np.int64)
+        order, places = _placed(homes)
+        overflow = int((places >= size).sum())
+        if overflow:
+            free = np.ones(size, dtype=bool)
+            free[places[places < size]] = False
+            start = int(np.flatnonzero(free)[overflow]) + 1
+            order, places = _placed((homes - start) % size)
+            places = (places + start) % size
+        table[places] = live[order]
         self._live = self._used = len(live)
+
+
+def _placed(homes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Linear probing without wrap-around, at once: (entry order, slot of each entry in that order)."""
+    order = np.argsort(homes, kind="stable")
+    rank = np.arange(len(homes))
+    return order, rank + np.maximum.accumulate(homes[order] - rank)

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from bench.event_mix import MAX_PREFILL_BLOCKS, MixEngine
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bench.event_mix import BLOCK_SIZE, MAX_PREFILL_BLOCKS, EventTemplates, MixEngine
 from bench.ingest_cost import measure
 from events.feed import EngineFeed
 from index.digest import block_set_digest
 from index.prefix_index import PrefixIndex
 from index.view import CacheView
+from sim.event_encoding import encode_batch
+from sim.kv_cache import BlockRemoved, BlockStored
 
 
 def test_an_exact_replica_ingesting_the_mix_reports_the_engines_digest():
@@ -29,3 +34,17 @@ def test_ingest_cost_splits_the_cpu_per_block_op():
     cost = measure(engines=2, cap=2 * MAX_PREFILL_BLOCKS, steps=5)
     assert cost.ops > 0 and cost.live_blocks > 0
     assert min(cost.decode_us, cost.keys_us) > 0 and cost.total_us >= cost.decode_us + cost.keys_us
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(["map", "array"]), st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=4),
+       st.one_of(st.none(), st.integers(0, 2**64 - 1)), st.integers(0, 2**64 - 1), st.integers(0, 3))
+def test_templated_events_encode_exactly_as_the_simulated_engines_encoder(encoding, hashes, parent, removed, rank):
+    """The mix fills copies of the encoder's own events; the bytes must be what the encoder writes."""
+    templates = EventTemplates(encoding)
+    tokens = [(h * 7 + i) % 151_000 for h in range(len(hashes)) for i in range(BLOCK_SIZE)]
+    as_bytes = [h.to_bytes(8, "big") for h in hashes]
+    expected = [BlockStored(as_bytes, None if parent is None else parent.to_bytes(8, "big"), tokens, BLOCK_SIZE,
+                            [None] * len(hashes)), BlockRemoved([removed.to_bytes(8, "big")])]
+    events = [templates.stored(hashes, parent, tokens), templates.removed(removed)]
+    assert EventTemplates.batch(1.5, events, rank) == encode_batch(1.5, expected, encoding, rank)

@@ -20,7 +20,7 @@ from bench.replica_stats import (
     staleness,
 )
 from bench.scale import add_arguments, options
-from bench.scale_fleet import EngineEndpoints, replica_config
+from bench.scale_fleet import EngineEndpoints, merged_answers, replica_config
 from bench.scale_report import Latency, ReplicaResult, Strain, format_ratios, format_tables, verdicts
 from bench.synthetic_engines import CHAIN_BLOCKS, Pacer, SyntheticEngine
 from events.decode import BlockRemoved, BlockStored, decode_live
@@ -197,8 +197,10 @@ def test_tables_show_every_replica():
 
 @pytest.mark.integration
 def test_smallest_scale_run_converges_on_the_publishers_live_set(tmp_path, capsys):
+    """Two publisher processes play the two engines: the replica must equal their merged live sets."""
     code = main(["scale", "--replicas", "1", "--rates", "2000", "--engines", "2", "--cap", "128", "--steady-s", "1",
-                 "--burst-s", "1", "--probe-s", "0.5", "--converge-timeout-s", "10", "--log-dir", str(tmp_path)])
+                 "--burst-s", "1", "--probe-s", "0.5", "--converge-timeout-s", "10", "--publishers", "2",
+                 "--log-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert code in (0, 1), out
     ingest, after_burst, serving = [line for line in out.splitlines() if line.split()[:3] == ["1", "2000", "0"]]
@@ -214,3 +216,16 @@ def test_quick_sets_defaults_that_explicit_flags_override():
     assert quick.replicas == [1] and quick.rates == [10000.0] and quick.engines == 8 and quick.steady_s == 6.0
     full = options(parser.parse_args(["--encoding", "array"]))
     assert full.replicas == [1, 2, 3] and full.rates == [10000.0, 50000.0] and full.encoding == "array"
+
+
+def test_publishers_answers_merge_in_engine_order():
+    first = {"ops": 10, "stored": 6, "removed": 4, "full": True, "seconds": 2.0, "ops_per_s": 5.0, "behind_s": 0.1,
+             "first_seq": [0, 3], "times": [[1.0], [1.5]]}
+    second = {"ops": 30, "stored": 20, "removed": 10, "full": False, "seconds": 2.5, "ops_per_s": 12.0,
+              "behind_s": 0.4, "first_seq": [7], "times": [[2.0, 2.1]]}
+    merged = merged_answers([first, second])
+    assert merged["ops"] == 40 and merged["stored"] == 26 and merged["removed"] == 14 and not merged["full"]
+    assert merged["seconds"] == 2.5 and merged["ops_per_s"] == 16.0 and merged["behind_s"] == 0.4
+    assert merged["first_seq"] == [0, 3, 7] and merged["times"] == [[1.0], [1.5], [2.0, 2.1]]
+    state = merged_answers([{"engines": [{"blocks": 1}]}, {"engines": [{"blocks": 2}, {"blocks": 3}]}])
+    assert [e["blocks"] for e in state["engines"]] == [1, 2, 3]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -67,3 +69,33 @@ def test_keys_sharing_low_bits_still_spread() -> None:
         run = run + 1 if words[2 * slot] else 0
         longest = max(longest, run)
     assert longest < 200
+
+
+def _probe_paths_unbroken(table: AliasTable) -> bool:
+    """Every entry is reachable from its home slot without crossing an empty slot (what lookups rely on)."""
+    words, size = table._words, table._size
+    for slot in range(size):
+        stored = words[2 * slot]
+        if stored:
+            at = table._home(stored)
+            while at != slot:
+                if not words[2 * at]:
+                    return False
+                at = at + 1 if at + 1 < size else 0
+    return True
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.randoms(use_true_random=False), st.integers(0, 40))
+def test_a_rebuild_places_crowded_entries_that_wrap_past_the_end(rng: random.Random, incoming: int) -> None:
+    """Keys whose homes crowd the table's last slots overflow its end when placed at once; the rebuild must
+    wrap them so that every entry stays reachable from its home."""
+    table, reference = AliasTable(), {}
+    table._multiplier = 2  # not secret: a key's home is the sixteenth of the table its top bits name
+    for _ in range(rng.randrange(1, 120)):
+        key = (rng.choice([0, 7, 14, 15]) << 59) + rng.randrange(1 << 20)
+        table[key] = key & 63
+        reference[key] = key & 63
+    table._rebuild(incoming)
+    assert _probe_paths_unbroken(table)
+    assert dict(table.items()) == reference and all(table.get(k) == v for k, v in reference.items())
