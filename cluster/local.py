@@ -19,6 +19,7 @@ import redis
 from cluster import daemon, haproxy
 from cluster.daemon import REPO_ROOT, ProcessRecord, StartError
 from cluster.ports import HOST, free_port, free_ports
+from cluster.router_config import ClusterKeys, standby_autoscaler, write_router_config
 from cluster.state import ClusterState, load
 from gateway.server import READY_PREFIX as ROUTER_READY
 from sim.cli import READY_PREFIX as SIM_READY
@@ -47,10 +48,16 @@ class UpOptions:
     num_blocks: int = 4096
     max_num_seqs: int = 64
     timeout: float = 120.0
+    standby: int = 0
+    """Simulated spare engines the routers' autoscaler provisions through a standby pool (none: no autoscaler)."""
+    auth: bool = False
+    """Routers with auth: an admin key and the tenants of ``cluster.router_config.TENANTS``."""
 
     def validate(self) -> None:
         if self.routers < 1 or self.engines < 1:
             raise ClusterError("--routers and --engines must be at least 1")
+        if self.standby < 0 or (self.standby and (self.vllm or not self.mesh)):
+            raise ClusterError("--standby needs simulated engines and a mesh (the autoscaler's lease)")
         if not 0 <= self.port < 65536:
             raise ClusterError(f"--port {self.port} is not a TCP port")
 
@@ -93,10 +100,11 @@ def _start_redis(logs: Path, deadline: float) -> ProcessRecord:
     raise StartError(f"redis not answering:\n{daemon.log_tail(record)}")
 
 
-def _start_sim_engines(options: UpOptions, logs: Path, deadline: float) -> list[ProcessRecord]:
-    """One process per engine, so that chaos can kill or pause a single engine."""
+def _start_sim_engines(options: UpOptions, logs: Path, deadline: float, count: int | None = None,
+                       prefix: str = "engine") -> list[ProcessRecord]:
+    """One process per engine, so that chaos can kill or pause a single engine (``count``: the options')."""
     records = []
-    for i in range(options.engines):
+    for i in range(options.engines if count is None else count):
         argv = _python(
             "sim.cli",
             "--engines",
@@ -114,7 +122,7 @@ def _start_sim_engines(options: UpOptions, logs: Path, deadline: float) -> list[
         )
         records.append(
             daemon.spawn(
-                ProcessRecord(role="engine", name=f"engine-{i}", argv=argv, log=str(logs / f"engine-{i}.log"))
+                ProcessRecord(role="engine", name=f"{prefix}-{i}", argv=argv, log=str(logs / f"{prefix}-{i}.log"))
             )
         )
     for record in records:
@@ -169,9 +177,12 @@ def router_argv(
     index: int,
     secret_file: Path,
     redis_url: str | None,
+    config: Path | None = None,
 ) -> list[str]:
     """Router ``index``'s command line: it seeds its gossip with every other replica's address."""
     args = ["router", "--host", HOST, "--port", str(port), "--policy", options.policy]
+    if config is not None:
+        args += ["--config", str(config)]
     for url in engines:
         args += ["--engine", url]
     if options.mesh:
@@ -198,13 +209,14 @@ def _start_routers(
     secret_file: Path,
     redis_url: str | None,
     deadline: float,
+    config: Path | None = None,
 ) -> list[ProcessRecord]:
     n = options.routers
     ports = free_ports(3 * n, udp_too=True)
     http, gossip, replication = ports[:n], ports[n : 2 * n], ports[2 * n :]
     records = []
     for i in range(n):
-        argv = router_argv(options, engines, http[i], gossip, replication, i, secret_file, redis_url)
+        argv = router_argv(options, engines, http[i], gossip, replication, i, secret_file, redis_url, config)
         records.append(
             daemon.spawn(
                 ProcessRecord(
@@ -263,6 +275,25 @@ def _write_secret(path: Path) -> None:
         f.write(os.urandom(32).hex() + "\n")
 
 
+def _write_router_config(options: UpOptions, state: ClusterState, engines: int, spares: list[str]) -> Path | None:
+    """The routers' TOML when they run an autoscaler or auth (None otherwise); records the pool and key files."""
+    if not spares and not options.auth:
+        return None
+    state_dir = Path(state.state_dir)
+    tables: dict[str, dict[str, object]] = {}
+    arrays: dict[str, list[dict[str, object]]] = {}
+    if spares:
+        state.pool_file = str(state_dir / "pool.json")
+        Path(state.pool_file).unlink(missing_ok=True)
+        tables["autoscaler"], arrays["autoscaler.offers"] = standby_autoscaler(
+            options.routers, engines, spares, Path(state.pool_file))
+    if options.auth:
+        keys = ClusterKeys.generate()
+        state.keys_file = str(keys.save(state_dir / "keys.json"))
+        tables["auth"], arrays["tenants"] = keys.tables()
+    return write_router_config(state_dir / "router.toml", {}, tables, arrays)
+
+
 def running(state_dir: Path) -> ClusterState | None:
     """The state of a cluster that still has a live process there, else None."""
     try:
@@ -299,9 +330,12 @@ def up(options: UpOptions) -> ClusterState:
         start_engines = _start_vllm_engines if options.vllm else _start_sim_engines
         engines = start_engines(options, logs, deadline)
         state.processes += engines
+        spares = _start_sim_engines(options, logs, deadline, options.standby, "standby") if options.standby else []
+        state.processes += spares
+        config = _write_router_config(options, state, len(engines), [s.url or "" for s in spares])
         state.save()
         routers = _start_routers(
-            options, [e.url or "" for e in engines], logs, secret_file, state.redis_url, deadline
+            options, [e.url or "" for e in engines], logs, secret_file, state.redis_url, deadline, config
         )
         state.processes += routers
         state.save()
@@ -318,7 +352,7 @@ def up(options: UpOptions) -> ClusterState:
 
 
 def _remove_state(state_dir: Path) -> None:
-    for name in ("cluster.json", "cluster.tmp", "mesh.secret", "haproxy.cfg"):
+    for name in ("cluster.json", "cluster.tmp", "mesh.secret", "haproxy.cfg", "router.toml", "keys.json", "pool.json"):
         (state_dir / name).unlink(missing_ok=True)
 
 
