@@ -24,7 +24,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", type=float, default=20.0, help="requests per second through HAProxy")
     p.add_argument("--fault-seconds", type=float, default=None, help="how long each fault lasts before it heals "
                    f"(default 2; {HOLDER_FAULT_S:g} for partition-kill-holder, whose heal is the kill)")
-    p.add_argument("--flood-rate", type=float, default=2.0, help="partition-kill-holder: long prompts per second "
+    p.add_argument("--flood-rate", type=float, default=1.0, help="partition-kill-holder: long prompts per second "
                    "from the flooding tenant while the partition lasts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--interval", type=float, default=0.5, help="monitor sampling interval, seconds")

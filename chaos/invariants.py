@@ -332,8 +332,9 @@ def evaluate(records: list[RequestRecord], actions: list[FaultAction], samples: 
     """Check every invariant over one run. ``streams_continue``: a stream whose engine is
     killed must be finished by another engine, so no client sees a failure while an engine is alive.
     ``load_until``: extra load ran until then (the flood of a holder fault, whose long prompts evict the
-    cached system prompts and dominate the token-weighted hit rate): hit-rate recovery counts from the
-    later of the heal and it."""
+    cached system prompts and dominate the token-weighted hit rate, and whose ~1,000 block events per
+    prompt keep two replicas' indexes from matching at any one sampled instant while it is served): hit-rate
+    recovery and convergence count from the later of the heal and it."""
     causes = Counter(classify(r, actions, engine_ids, limits) for r in records)
     allowed = ALLOWED_CAUSES - {"sse_error_engine_killed"} if streams_continue else ALLOWED_CAUSES
     violations = {c: n for c, n in causes.items() if c != OK and c not in allowed}
@@ -357,9 +358,10 @@ def evaluate(records: list[RequestRecord], actions: list[FaultAction], samples: 
         acts = sorted(by_event[ev], key=lambda a: a.at)
         inject, healed = acts[0].at, max(a.done_at for a in acts)
         until = min(run_end, by_event[order[n + 1]][0].at if n + 1 < len(order) else run_end)
-        pre, hit_s = hit_rate_recovery(samples, previous_heal, inject, max(healed, load_until), until, limits)
+        quiet = max(healed, load_until)
+        pre, hit_s = hit_rate_recovery(samples, previous_heal, inject, quiet, until, limits)
         outcome = EventOutcome(ev, acts[0].fault, acts[0].target, inject, healed, all(a.ok for a in acts),
-                               until - healed, convergence_time(samples, live_routers, healed, until), pre, hit_s)
+                               until - healed, convergence_time(samples, live_routers, quiet, until), pre, hit_s)
         restarted = [a for a in acts if a.action == RESTART and a.engine_id]
         if restarted:
             outcome.rejoin_s = rejoin_time(records, restarted[-1].engine_id, restarted[-1].done_at, until)

@@ -51,7 +51,7 @@ class ChaosOptions:
     interval: float = 0.5
     request_timeout: float = 30.0
     limits: Limits = Limits()
-    flood_rate: float = 2.0
+    flood_rate: float = 1.0
     """Holder faults: long prompts per second from the flooding tenant while the partition lasts."""
 
 
