@@ -102,7 +102,8 @@ def autoscaler_line(report: dict[str, Any]) -> str:
                                                                                if len(c["terms"]) == 1 else "")
                        for c in a["actor_changes"])
     return (f"autoscaler: at most {a['max_actors']} actor in {a['samples']} samples ({path}); "
-            f"{a['provisions']} provisions, {len(set(a['request_ids']))} distinct request ids")
+            f"{a['provisions']} provisions, {len(set(a['request_ids']))} distinct request ids "
+            f"({', '.join(a['request_ids']) or 'none'})")
 
 
 def markdown(report: dict[str, Any]) -> str:

@@ -16,9 +16,10 @@ POOL_SCRIPT = REPO_ROOT / "autoscale" / "providers" / "examples" / "standby_pool
 STEADY_TENANT, FLOOD_TENANT = "steady", "flood"
 TENANTS = {STEADY_TENANT: "high", FLOOD_TENANT: "low"}
 """The local cluster's tenants and their priorities: chaos floods the low one beside the steady high one."""
-SPARE_CAPACITY = 4
-"""Requests at once the autoscaler assumes of a spare engine until it has measured one: a simulated engine
-of 4,096 blocks holds three or four 17k-token prompts (the chaos flood's) at once."""
+SPARE_CAPACITY = 8
+"""Requests at once the autoscaler assumes of an engine until it has measured one. With 4, the chaos mix
+alone (20 requests/s of short prompts on two engines) took both spares before any fault, so none was left
+for the flood; a simulated engine of 4,096 blocks holds three or four of the flood's 17k-token prompts."""
 
 
 def toml_value(value: object) -> str:
