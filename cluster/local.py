@@ -11,8 +11,11 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import redis
 
@@ -29,6 +32,17 @@ SYSTEM_DEPS = REPO_ROOT / "scripts" / "system_deps.sh"
 
 class ClusterError(RuntimeError):
     """The cluster could not be started or found; the message says why."""
+
+
+@contextmanager
+def _stopped_on_failure(records: list[ProcessRecord]) -> Iterator[None]:
+    """Stop the processes in ``records`` (started so far) when starting the rest fails: ``up`` stops only the
+    groups that were returned to it (routers started before one failed kept running after a failed up)."""
+    try:
+        yield
+    except BaseException:
+        daemon.stop(records)
+        raise
 
 
 @dataclass(frozen=True)
@@ -103,8 +117,16 @@ def _start_redis(logs: Path, deadline: float) -> ProcessRecord:
 def _start_sim_engines(options: UpOptions, logs: Path, deadline: float, count: int | None = None,
                        prefix: str = "engine") -> list[ProcessRecord]:
     """One process per engine, so that chaos can kill or pause a single engine (``count``: the options')."""
-    records = []
-    for i in range(options.engines if count is None else count):
+    records: list[ProcessRecord] = []
+    with _stopped_on_failure(records):
+        _spawn_sim_engines(options, logs, records, options.engines if count is None else count, prefix)
+        for record in records:
+            _pin_sim_engine(record, deadline)
+    return records
+
+
+def _spawn_sim_engines(options: UpOptions, logs: Path, records: list[ProcessRecord], count: int, prefix: str) -> None:
+    for i in range(count):
         argv = _python(
             "sim.cli",
             "--engines",
@@ -125,22 +147,24 @@ def _start_sim_engines(options: UpOptions, logs: Path, deadline: float, count: i
                 ProcessRecord(role="engine", name=f"{prefix}-{i}", argv=argv, log=str(logs / f"{prefix}-{i}.log"))
             )
         )
-    for record in records:
-        info = daemon.wait_ready_line(record, SIM_READY, deadline)[0]
-        record.url = info["url"]
-        record.ports = {"http": info["port"], "events": info["event_port"], "replay": info["replay_port"]}
-        # Pin the ports the kernel chose, so a restart comes back where the routers look for it.
-        base = record.argv.index("--base-port")
-        record.argv[base : base + 2] = [
-            "--base-port",
-            str(info["port"]),
-            "--event-base-port",
-            str(info["event_port"]),
-            "--replay-base-port",
-            str(info["replay_port"]),
-        ]
-        daemon.wait_http_ok(record, record.url + "/health", deadline)
-    return records
+
+
+def _pin_sim_engine(record: ProcessRecord, deadline: float) -> None:
+    """Wait for the engine's ports and pin the ones the kernel chose, so a restart comes back where the routers
+    look for it."""
+    info = daemon.wait_ready_line(record, SIM_READY, deadline)[0]
+    record.url = info["url"]
+    record.ports = {"http": info["port"], "events": info["event_port"], "replay": info["replay_port"]}
+    base = record.argv.index("--base-port")
+    record.argv[base : base + 2] = [
+        "--base-port",
+        str(info["port"]),
+        "--event-base-port",
+        str(info["event_port"]),
+        "--replay-base-port",
+        str(info["replay_port"]),
+    ]
+    daemon.wait_http_ok(record, record.url + "/health", deadline)
 
 
 def _start_vllm_engines(options: UpOptions, logs: Path, deadline: float) -> list[ProcessRecord]:
@@ -148,7 +172,7 @@ def _start_vllm_engines(options: UpOptions, logs: Path, deadline: float) -> list
 
     vllm_engine.install()
     planned = vllm_engine.plan_engines(options.engines, vllm_engine.EngineOptions(log_dir=logs), "engine")
-    records = []
+    records: list[ProcessRecord] = []
     for engine in planned:
         # The record owns the process from here on; the engine object only knew how to build its command.
         extra_env = {k: v for k, v in engine.environment().items() if os.environ.get(k) != v}
@@ -163,8 +187,9 @@ def _start_vllm_engines(options: UpOptions, logs: Path, deadline: float) -> list
             ports={"http": engine.port, "events": engine.events_port, "replay": engine.replay_port},
         )
         records.append(daemon.spawn(record))
-    for record in records:
-        daemon.wait_http_ok(record, f"{record.url}/health", deadline)
+    with _stopped_on_failure(records):
+        for record in records:
+            daemon.wait_http_ok(record, f"{record.url}/health", deadline)
     return records
 
 
@@ -211,27 +236,34 @@ def _start_routers(
     deadline: float,
     config: Path | None = None,
 ) -> list[ProcessRecord]:
+    """Start every router; each binds its HTTP port itself (0) and reports it, so no other process can take
+    it between a choice and the bind (a shared machine did, once). Gossip and replication ports are chosen
+    here, since each router's seeds are the others'. A failure stops the routers already started."""
     n = options.routers
-    ports = free_ports(3 * n, udp_too=True)
-    http, gossip, replication = ports[:n], ports[n : 2 * n], ports[2 * n :]
-    records = []
-    for i in range(n):
-        argv = router_argv(options, engines, http[i], gossip, replication, i, secret_file, redis_url, config)
-        records.append(
-            daemon.spawn(
-                ProcessRecord(
-                    role="router",
-                    name=f"router-{i}",
-                    argv=argv,
-                    log=str(logs / f"router-{i}.log"),
-                    url=f"http://{HOST}:{http[i]}",
-                    ports={"http": http[i], "gossip": gossip[i], "replication": replication[i]},
+    ports = free_ports(2 * n, udp_too=True)
+    gossip, replication = ports[:n], ports[n:]
+    records: list[ProcessRecord] = []
+    with _stopped_on_failure(records):
+        for i in range(n):
+            argv = router_argv(options, engines, 0, gossip, replication, i, secret_file, redis_url, config)
+            records.append(
+                daemon.spawn(
+                    ProcessRecord(
+                        role="router",
+                        name=f"router-{i}",
+                        argv=argv,
+                        log=str(logs / f"router-{i}.log"),
+                        ports={"gossip": gossip[i], "replication": replication[i]},
+                    )
                 )
             )
-        )
-    for record in records:
-        daemon.wait_ready_line(record, ROUTER_READY, deadline)
-        daemon.wait_http_ok(record, f"{record.url}/ready", deadline)
+        for record in records:
+            record.url = daemon.wait_ready_line(record, ROUTER_READY, deadline)["url"]
+            record.ports["http"] = int(urlsplit(record.url).port or 0)
+            # Pin the port it bound, so a restart comes back where HAProxy looks for it.
+            at = record.argv.index("--port")
+            record.argv[at + 1] = str(record.ports["http"])
+            daemon.wait_http_ok(record, f"{record.url}/ready", deadline)
     return records
 
 
