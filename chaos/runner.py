@@ -33,8 +33,9 @@ engine's first request) needs the streams started after its heal to have ended."
 # The load may outlast the requested duration this much while slow restarts push the schedule back.
 MAX_STRETCH_S = 180.0
 HOLDER_TAIL_S = 12.0
-"""After a holder fault: watch this long once the flood has been answered and another router acts, so the
-hit rate has a recovery window (10 s) to be judged in."""
+"""After a holder fault: watch this long (or as long as the partition lasted, if shorter, but at least
+``TAIL_S``) once the flood has been answered and another router acts, so the hit rate has its recovery
+window (10 s) to be judged in; a shorter watch leaves that verdict undetermined, not failed."""
 HANDOVER_TIMEOUT_S = 30.0
 """How long the run waits for another router to act after the holder died (the lease TTL is 3 s)."""
 FLOOD_TIMEOUT_S = 120.0
@@ -150,7 +151,7 @@ async def run_chaos(state: ClusterState, options: ChaosOptions) -> ChaosRun:
                     await flood_done.wait()
                     while not one_survivor_acts(monitor.samples, killed_for_good(injector.actions)):
                         await trio.sleep(options.interval)
-                last_heal, tail = clock(), HOLDER_TAIL_S
+                last_heal, tail = clock(), max(TAIL_S, min(HOLDER_TAIL_S, options.fault_s))
             await trio.sleep_until(t0 + max(options.duration, last_heal + tail))
             run_end = clock()
             nursery.cancel_scope.cancel()
