@@ -28,6 +28,8 @@ from gateway.server import READY_PREFIX as ROUTER_READY
 from sim.cli import READY_PREFIX as SIM_READY
 
 SYSTEM_DEPS = REPO_ROOT / "scripts" / "system_deps.sh"
+STANDBY = "standby"
+"""Name prefix of the spare engines (``standby-0``, ...): engines the routers are not given."""
 
 
 class ClusterError(RuntimeError):
@@ -114,12 +116,13 @@ def _start_redis(logs: Path, deadline: float) -> ProcessRecord:
     raise StartError(f"redis not answering:\n{daemon.log_tail(record)}")
 
 
-def _start_sim_engines(options: UpOptions, logs: Path, deadline: float, count: int | None = None,
-                       prefix: str = "engine") -> list[ProcessRecord]:
-    """One process per engine, so that chaos can kill or pause a single engine (``count``: the options')."""
+def _start_sim_engines(options: UpOptions, logs: Path, deadline: float) -> list[ProcessRecord]:
+    """One process per engine, so that chaos can kill or pause a single engine; the standby engines
+    (``STANDBY``-i) start beside them, at the same time."""
     records: list[ProcessRecord] = []
     with _stopped_on_failure(records):
-        _spawn_sim_engines(options, logs, records, options.engines if count is None else count, prefix)
+        _spawn_sim_engines(options, logs, records, options.engines, "engine")
+        _spawn_sim_engines(options, logs, records, options.standby, STANDBY)
         for record in records:
             _pin_sim_engine(record, deadline)
     return records
@@ -360,10 +363,9 @@ def up(options: UpOptions) -> ClusterState:
             state.processes.append(_start_redis(logs, deadline))
             state.redis_url = state.processes[-1].url
         start_engines = _start_vllm_engines if options.vllm else _start_sim_engines
-        engines = start_engines(options, logs, deadline)
-        state.processes += engines
-        spares = _start_sim_engines(options, logs, deadline, options.standby, "standby") if options.standby else []
-        state.processes += spares
+        state.processes += start_engines(options, logs, deadline)
+        engines = [e for e in state.by_role("engine") if not e.name.startswith(STANDBY)]
+        spares = [e for e in state.by_role("engine") if e.name.startswith(STANDBY)]
         config = _write_router_config(options, state, len(engines), [s.url or "" for s in spares])
         state.save()
         routers = _start_routers(
