@@ -6,31 +6,16 @@ A short partition (6 s) keeps the test quick; the README's run partitions the ho
 
 from __future__ import annotations
 
-import json
-import shutil
-import tempfile
-from pathlib import Path
-
 import pytest
-
-from gateway.cli import main as kvmesh
+from fresh_cluster import chaos_on_fresh_cluster
 
 
 @pytest.mark.integration
 @pytest.mark.mesh
 def test_partitioning_then_killing_the_lease_holder_under_a_flood_keeps_one_actor():
-    work = Path(tempfile.mkdtemp(prefix="kvmesh-chaos-"))
-    state, report = str(work / "state"), work / "chaos.json"
-    try:
-        assert kvmesh(["up", "--routers", "3", "--engines", "2", "--standby", "1", "--auth", "--state-dir", state]) == 0
-        try:
-            code = kvmesh(["chaos", "partition-kill-holder", "--duration", "14", "--fault-seconds", "6", "--rate", "6",
-                           "--flood-rate", "1.5", "--state-dir", state, "--report", str(report)])
-        finally:
-            assert kvmesh(["down", "--state-dir", state]) == 0
-        data = json.loads(report.read_text())
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    code, data, _ = chaos_on_fresh_cluster(
+        ["--routers", "3", "--engines", "2", "--standby", "1", "--auth"],
+        ["partition-kill-holder", "--duration", "14", "--fault-seconds", "6", "--rate", "6", "--flood-rate", "1.5"])
     assert all(data["invariants"].values()), (data["invariants"], data["violations"], data["undetermined"])
     assert code == 0
     scaler = data["autoscaler"]
