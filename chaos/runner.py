@@ -74,6 +74,7 @@ def topology_of(state: ClusterState) -> Topology:
 
 
 def one_survivor_acts(samples: list[Sample], killed: set[str]) -> bool:
+    """The last round shows exactly one router acting as the autoscaler, and not one a fault ended."""
     return bool(samples) and len(actors(samples[-1])) == 1 and not set(actors(samples[-1])) & killed
 
 
