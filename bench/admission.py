@@ -9,7 +9,6 @@ below the fleet's saturation point, of throughput.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from collections.abc import AsyncIterator
@@ -24,6 +23,7 @@ from bench.processes import StartFailed, free_port_range, python_module, spawned
 from bench.runner import FleetSpec, sim_fleet
 from bench.stats import RequestResult, Summary, summarize
 from bench.workloads import unique_prompts
+from cluster.router_config import write_router_config
 
 THRESHOLDS = (4, 8, 16, 32)
 RETRY_AFTER_S = 1.0
@@ -35,24 +35,6 @@ def log_folder(given: Path | None) -> Path:
     folder = given or Path(tempfile.mkdtemp(prefix="kvmesh-bench-"))
     print(f"process logs: {folder}", file=sys.stderr)
     return folder
-
-
-def toml_value(value: object) -> str:
-    """TOML for the scalars, lists and strings a router config needs (JSON spells them the same way)."""
-    return json.dumps(value)
-
-
-def write_router_config(path: Path, settings: dict[str, object], tables: dict[str, dict[str, object]],
-                        arrays: dict[str, list[dict[str, object]]] | None = None) -> Path:
-    """A router TOML file: top-level ``settings``, then ``[table]``s, then ``[[array]]`` entries."""
-    lines = [f"{k} = {toml_value(v)}" for k, v in settings.items()]
-    for name, table in tables.items():
-        lines += [f"[{name}]", *(f"{k} = {toml_value(v)}" for k, v in table.items())]
-    for name, entries in (arrays or {}).items():
-        for entry in entries:
-            lines += [f"[[{name}]]", *(f"{k} = {toml_value(v)}" for k, v in entry.items())]
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 @asynccontextmanager

@@ -68,9 +68,11 @@ class HttpClient:
     _idle: dict[tuple[str, int], deque[_Connection]] = field(default_factory=lambda: defaultdict(deque))
 
     async def request(
-        self, url: str, method: str = "GET", body: bytes | None = None, sink: BodySink | None = None
+        self, url: str, method: str = "GET", body: bytes | None = None, sink: BodySink | None = None,
+        headers: Sequence[tuple[str, str]] = (),
     ) -> Response:
         """Send one request; body chunks go to ``sink`` as they arrive (else into ``Response.body``).
+        ``headers`` are sent beside the client's own (an ``authorization`` key, say).
 
         A pooled connection the server already closed is retried once on a fresh one, but only if
         nothing of the response was received yet.
@@ -78,10 +80,10 @@ class HttpClient:
         parts = urlsplit(url)
         host, port = parts.hostname or "127.0.0.1", parts.port or 80
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        headers = [("host", f"{host}:{port}"), ("accept", "*/*")]
+        sent = [("host", f"{host}:{port}"), ("accept", "*/*"), *headers]
         if body is not None:
-            headers += [("content-type", "application/json"), ("content-length", str(len(body)))]
-        request = h11.Request(method=method, target=target, headers=headers)
+            sent += [("content-type", "application/json"), ("content-length", str(len(body)))]
+        request = h11.Request(method=method, target=target, headers=sent)
         for attempt in range(2):
             conn, reused = await self._checkout(host, port, fresh=attempt > 0)
             try:
@@ -134,9 +136,9 @@ class HttpClient:
             await conn.stream.aclose()
         return response
 
-    async def get_json(self, url: str, timeout: float = 5.0) -> object:
+    async def get_json(self, url: str, timeout: float = 5.0, headers: Sequence[tuple[str, str]] = ()) -> object:
         with trio.fail_after(timeout):
-            response = await self.request(url)
+            response = await self.request(url, headers=headers)
         if response.status != 200:
             raise OSError(f"GET {url} answered {response.status}")
         return json.loads(response.body)

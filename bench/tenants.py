@@ -16,12 +16,13 @@ from pathlib import Path
 import h11
 import trio
 
-from bench.admission import configured_router, log_folder, write_router_config
+from bench.admission import configured_router, log_folder
 from bench.client import HttpClient, _Connection, completion, model_name, run_open_loop
 from bench.processes import StartFailed
 from bench.runner import FleetSpec, sim_fleet
 from bench.stats import RequestResult, Summary, summarize
 from bench.workloads import unique_prompts
+from cluster.router_config import write_router_config
 from gateway.security.keys import generate_key, hash_key
 
 

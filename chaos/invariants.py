@@ -2,7 +2,9 @@
 
 Every failed request is given a cause, and each cause is either explained by a fault (allowed) or a
 violation. The other checks measure recovery after each fault heals: index convergence across
-replicas, the fleet's prefix-cache hit rate, and how soon a restarted engine is routed to again.
+replicas, the fleet's prefix-cache hit rate, and how soon a restarted engine is routed to again. On a
+cluster with an autoscaler they also hold the lease to its promise: never two actors, no provision made
+twice, an actor again once the holder is gone.
 """
 
 from __future__ import annotations
@@ -27,10 +29,15 @@ from chaos.records import (
     RequestRecord,
     Sample,
 )
+from chaos.scenarios import HOLDER_FAULTS
+from cluster.router_config import FLOOD_TENANT
 
 OK = "ok"
+FLOOD_REFUSED = "flood_tenant_refused_429"
+"""The flooding tenant told to slow down (its rate, its share of the tokenizer): the router's choice, not a
+failure, and no other tenant's request may get it."""
 ALLOWED_CAUSES = frozenset({"reset_in_flight_on_killed_router", "sse_error_engine_killed",
-                            "router_error_all_engines_down"})
+                            "router_error_all_engines_down", FLOOD_REFUSED})
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,8 @@ def classify(record: RequestRecord, actions: list[FaultAction], engine_ids: list
     """The cause of a request's outcome: ``ok``, an allowed cause, or a violation."""
     if record.ok:
         return OK
+    if record.status == 429 and record.tenant == FLOOD_TENANT:
+        return FLOOD_REFUSED
     router_kills = [a.at for a in actions if a.role == "router" and a.action == KILL]
     if record.status not in (0, 200):
         intervals = down_intervals(actions)
@@ -181,6 +190,56 @@ def crashes(samples: list[Sample], actions: list[FaultAction]) -> list[str]:
     return seen
 
 
+def killed_for_good(actions: list[FaultAction]) -> set[str]:
+    """Processes a fault ended and nothing started again (a holder fault's router)."""
+    gone: set[str] = set()
+    for a in sorted(actions, key=lambda a: a.at):
+        if a.action in ENDS_PROCESS and a.ok:
+            gone.add(a.target)
+        elif a.action == RESTART and a.ok:
+            gone.discard(a.target)
+    return gone
+
+
+def actors(sample: Sample) -> list[str]:
+    """The routers that said they act as the autoscaler in this round."""
+    return sorted(name for name, view in sample.autoscaler.items() if view is not None and view.acting)
+
+
+def autoscaler_checks(samples: list[Sample], actions: list[FaultAction]) -> dict[str, bool]:
+    """The lease's invariants over a run, on a cluster with an autoscaler (empty without one).
+
+    - at most one router acts in any round. A round's probes are concurrent and each is bounded by a
+      second, while a holder stops acting a third of the TTL (1 s) before its lease expires and the next
+      holder starts a second after the expiry at the earliest: a handover cannot look like two actors;
+    - no provision made twice: the pool recorded as many provisions as distinct request ids. Ids are
+      ``<provider>-<term>-<n>``, so two replicas acting for one term provision under the same ids;
+    - once a holder fault has cut off and killed the holder, another router acts (some later round shows
+      exactly one actor, and it is not the killed one).
+    """
+    if not any(s.autoscaler for s in samples):
+        return {}
+    pools = [s.pool for s in samples if s.pool is not None]
+    checks = {
+        "at_most_one_autoscaler_actor": all(len(actors(s)) <= 1 for s in samples),
+        "no_provision_doubled": all(p.provisions == len(set(p.requests)) for p in pools),
+    }
+    holder_faults = [a for a in actions if a.fault in HOLDER_FAULTS]
+    if holder_faults:
+        kills = [a for a in holder_faults if a.action == KILL and a.ok]
+        checks["autoscaler_acting_after_the_holder_died"] = bool(kills) and any(
+            s.t > kills[-1].done_at and len(actors(s)) == 1 and actors(s) != [kills[-1].target] for s in samples)
+    return checks
+
+
+def survivors_alive(samples: list[Sample], routers: list[str], actions: list[FaultAction]) -> bool:
+    """Every router no fault ended for good is alive in the last round."""
+    if not samples:
+        return False
+    last = samples[-1].processes
+    return all(last.get(r) is not None and last[r].alive for r in routers if r not in killed_for_good(actions))
+
+
 @dataclass
 class Growth:
     name: str
@@ -269,9 +328,13 @@ def continuation_latencies(records: list[RequestRecord], actions: list[FaultActi
 
 def evaluate(records: list[RequestRecord], actions: list[FaultAction], samples: list[Sample],
              routers: list[str], engine_ids: list[str], run_end: float, warmup: float,
-             limits: Limits = Limits(), streams_continue: bool = False) -> Evaluation:
+             limits: Limits = Limits(), streams_continue: bool = False, load_until: float = 0.0) -> Evaluation:
     """Check every invariant over one run. ``streams_continue``: a stream whose engine is
-    killed must be finished by another engine, so no client sees a failure while an engine is alive."""
+    killed must be finished by another engine, so no client sees a failure while an engine is alive.
+    ``load_until``: extra load ran until then (the flood of a holder fault, whose long prompts evict the
+    cached system prompts and dominate the token-weighted hit rate, and whose ~1,000 block events per
+    prompt keep two replicas' indexes from matching at any one sampled instant while it is served): hit-rate
+    recovery and convergence count from the later of the heal and it."""
     causes = Counter(classify(r, actions, engine_ids, limits) for r in records)
     allowed = ALLOWED_CAUSES - {"sse_error_engine_killed"} if streams_continue else ALLOWED_CAUSES
     violations = {c: n for c, n in causes.items() if c != OK and c not in allowed}
@@ -290,13 +353,15 @@ def evaluate(records: list[RequestRecord], actions: list[FaultAction], samples: 
             undetermined.append(f"{check}: event {outcome.index} ({outcome.kind}) watched {outcome.observed_s:.1f} s")
 
     previous_heal = 0.0
+    live_routers = [r for r in routers if r not in killed_for_good(actions)]
     for n, ev in enumerate(order):
         acts = sorted(by_event[ev], key=lambda a: a.at)
         inject, healed = acts[0].at, max(a.done_at for a in acts)
         until = min(run_end, by_event[order[n + 1]][0].at if n + 1 < len(order) else run_end)
-        pre, hit_s = hit_rate_recovery(samples, previous_heal, inject, healed, until, limits)
+        quiet = max(healed, load_until)
+        pre, hit_s = hit_rate_recovery(samples, previous_heal, inject, quiet, until, limits)
         outcome = EventOutcome(ev, acts[0].fault, acts[0].target, inject, healed, all(a.ok for a in acts),
-                               until - healed, convergence_time(samples, routers, healed, until), pre, hit_s)
+                               until - healed, convergence_time(samples, live_routers, quiet, until), pre, hit_s)
         restarted = [a for a in acts if a.action == RESTART and a.engine_id]
         if restarted:
             outcome.rejoin_s = rejoin_time(records, restarted[-1].engine_id, restarted[-1].done_at, until)
@@ -321,8 +386,12 @@ def evaluate(records: list[RequestRecord], actions: list[FaultAction], samples: 
         "rss_growth_bounded": all(g.rss_end_kb - g.rss_start_kb <= limits.rss_growth_kb for g in growth),
         "fd_growth_bounded": all(g.fds_end - g.fds_start <= limits.fd_growth for g in growth),
         "requests_were_served": causes.get(OK, 0) > 0,
+        "surviving_routers_alive_at_the_end": survivors_alive(samples, routers, actions),
+        **autoscaler_checks(samples, actions),
     }
     if streams_continue:
         invariants["no_client_visible_failure_while_an_engine_lives"] = not violations
+    if any(a.fault in HOLDER_FAULTS for a in actions):
+        invariants["no_failure_a_live_engine_could_have_served"] = not violations
     return Evaluation(invariants, dict(causes), violations, outcomes, dead, growth, undetermined,
                       continuation_latencies(records, actions))

@@ -3,6 +3,8 @@
 The workload is deterministic per request index: most requests share one of a few long system prompts
 (so the fleet has a hit rate to lose and win back), every fifth is unique (so a cold engine is always
 worth sending something to), and every fourth is not streamed (both response paths are exercised).
+The flood is one tenant's long prompts: a shared system prompt, then a fresh part longer than the router
+encodes on its event loop (it goes to the tokenizer workers, after routing).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import trio
 
@@ -23,6 +25,9 @@ from chaos.invariants import route_engine
 from chaos.records import RequestRecord
 
 Clock = Callable[[], float]
+FLOOD_WORDS = 17_000
+"""Words of a flood prompt's fresh part: about 100 KiB, over the 96 KiB above which the router encodes a
+prompt in its tokenizer workers, and about 17k tokens (a simulated engine's cache holds three or four)."""
 
 
 class ChaosWorkload:
@@ -49,13 +54,31 @@ class ChaosWorkload:
         return chat_body(messages, self.model, self.max_tokens, stream)
 
 
+class FloodWorkload:
+    """One tenant's long prompts: each a shared system prompt and ``words`` fresh words, 8 tokens answered."""
+
+    def __init__(self, model: str, seed: int = 0, words: int = FLOOD_WORDS) -> None:
+        self.model = model
+        self.seed = seed
+        self.words = words
+        self.max_tokens = 8
+        self.streamed_only = True
+        self.system = "Flood system:" + text(random.Random(f"flood-{seed}"), 300)
+
+    def body(self, i: int) -> dict:
+        fresh = text(random.Random(f"flood-{self.seed}-{i}"), self.words)
+        messages = [{"role": "system", "content": self.system}, {"role": "user", "content": f"Flood {i}:" + fresh}]
+        return chat_body(messages, self.model, self.max_tokens, True)
+
+
 async def measure(client: HttpClient, url: str, body: dict, index: int, clock: Clock,
-                  timeout: float = 30.0, expect_tokens: int | None = None) -> RequestRecord:
+                  timeout: float = 30.0, expect_tokens: int | None = None, tenant: str = "",
+                  headers: Sequence[tuple[str, str]] = ()) -> RequestRecord:
     """Send one request and record what happened; never raises for a failure of the cluster.
     ``expect_tokens``: a stream's usage must count exactly that many (engines that always generate
-    ``max_tokens``, as the simulated ones do)."""
+    ``max_tokens``, as the simulated ones do). ``headers`` carry ``tenant``'s key."""
     stream = bool(body.get("stream"))
-    record = RequestRecord(index, clock(), stream=stream)
+    record = RequestRecord(index, clock(), stream=stream, tenant=tenant)
     splitter, answer = SseSplitter(), StreamedAnswer()
     chunks: list[bytes] = []
 
@@ -73,7 +96,7 @@ async def measure(client: HttpClient, url: str, body: dict, index: int, clock: C
     response = None
     with trio.move_on_after(timeout) as scope:
         try:
-            response = await client.request(url, "POST", json.dumps(body).encode(), sink)
+            response = await client.request(url, "POST", json.dumps(body).encode(), sink, headers)
         except TRANSPORT_ERRORS as exc:
             record.error, record.detail = rec.TRANSPORT, f"{type(exc).__name__}: {exc}"[:200]
     record.end = clock()
@@ -107,16 +130,19 @@ def _complete_json(raw: bytes) -> bool:
 class LoadGenerator:
     """Open-loop load whose records survive cancellation: the runner stops it once the faults are over.
 
-    Requests still in flight when it is cancelled are not recorded (they never finished).
+    Requests still in flight when it is cancelled are not recorded (they never finished). On a cluster
+    with auth every request carries ``tenant``'s ``key``.
     """
 
-    def __init__(self, client: HttpClient, url: str, workload: ChaosWorkload, clock: Clock,
-                 timeout: float = 30.0) -> None:
+    def __init__(self, client: HttpClient, url: str, workload: ChaosWorkload | FloodWorkload, clock: Clock,
+                 timeout: float = 30.0, tenant: str = "", key: str = "") -> None:
         self.client = client
         self.endpoint = url.rstrip("/") + "/v1/chat/completions"
         self.workload = workload
         self.clock = clock
         self.timeout = timeout
+        self.tenant = tenant
+        self.headers = [("authorization", f"Bearer {key}")] if key else []
         self.records: list[RequestRecord] = []
         self.started = 0
         self._began = 0.0
@@ -138,6 +164,6 @@ class LoadGenerator:
         self.started += 1
         expect = self.workload.max_tokens if self.workload.streamed_only else None
         record = await measure(self.client, self.endpoint, self.workload.body(i), i, self.clock, self.timeout,
-                               expect)
+                               expect, self.tenant, self.headers)
         self.records.append(record)
         return record.as_result()

@@ -46,6 +46,8 @@ class RequestRecord:
     error: str = ""
     detail: str = ""
     stream: bool = True
+    tenant: str = ""
+    """The tenant whose key the request carried (empty on a cluster without auth)."""
     token_times: list[float] = field(default_factory=list)
     """When each content chunk of a stream arrived: a continued stream shows the kill-to-next-token wait."""
 
@@ -91,12 +93,32 @@ class ProcessSample:
     fds: int = 0
 
 
+@dataclass(frozen=True)
+class AutoscalerView:
+    """One router's ``/admin/autoscaler``: whether it acts now, under which lease term, and who it is."""
+
+    acting: bool
+    term: int
+    me: str
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """The standby pool's record: provisions made and the request id of each."""
+
+    provisions: int
+    requests: tuple[str, ...]
+
+
 @dataclass
 class Sample:
     """What the monitor saw in one round: process stats, each router's index fingerprint (None when it
-    did not answer) and each engine's prefix-cache counters (None when it did not answer)."""
+    did not answer) and each engine's prefix-cache counters (None when it did not answer); on a cluster
+    with an autoscaler, each router's autoscaler view (None when it did not answer) and the pool's record."""
 
     t: float
     processes: dict[str, ProcessSample] = field(default_factory=dict)
     indexes: dict[str, dict[str, str] | None] = field(default_factory=dict)
     counters: dict[str, dict[str, float] | None] = field(default_factory=dict)
+    autoscaler: dict[str, AutoscalerView | None] = field(default_factory=dict)
+    pool: PoolView | None = None

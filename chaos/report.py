@@ -9,11 +9,41 @@ from pathlib import Path
 from typing import Any
 
 from bench.stats import percentile, summarize
+from chaos.invariants import actors
 from chaos.runner import ChaosRun
 
 
 def _num(value: float | None, digits: int = 3) -> float | None:
     return None if value is None or math.isnan(value) else round(value, digits)
+
+
+def autoscaler_summary(run: ChaosRun) -> dict[str, Any] | None:
+    """Who acted when (each change of the actor set, with the terms it acted under) and what the pool
+    provisioned; None on a cluster without an autoscaler."""
+    if not any(s.autoscaler for s in run.samples):
+        return None
+    changes: list[dict[str, Any]] = []
+    for s in run.samples:
+        now = actors(s)
+        if not changes or changes[-1]["actors"] != now:
+            terms = sorted({v.term for name, v in s.autoscaler.items() if v is not None and name in now})
+            changes.append({"t": round(s.t, 2), "actors": now, "terms": terms})
+    pools = [s.pool for s in run.samples if s.pool is not None]
+    last = pools[-1] if pools else None
+    return {"samples": len(run.samples), "max_actors": max(len(actors(s)) for s in run.samples),
+            "actor_changes": changes, "provisions": last.provisions if last else 0,
+            "request_ids": list(last.requests) if last else []}
+
+
+def tenants_summary(run: ChaosRun) -> dict[str, dict[str, int]]:
+    """Requests, successes and failures per tenant (a cluster with auth)."""
+    out: dict[str, dict[str, int]] = {}
+    for r in run.records:
+        if r.tenant:
+            row = out.setdefault(r.tenant, {"requests": 0, "ok": 0, "failed": 0})
+            row["requests"] += 1
+            row["ok" if r.ok else "failed"] += 1
+    return out
 
 
 def build(run: ChaosRun) -> dict[str, Any]:
@@ -50,6 +80,8 @@ def build(run: ChaosRun) -> dict[str, Any]:
         "crashes": ev.crashes,
         "processes": [asdict(g) for g in ev.growth],
         "samples": len(run.samples),
+        "autoscaler": autoscaler_summary(run),
+        "tenants": tenants_summary(run),
     }
 
 
@@ -61,6 +93,19 @@ def continuation_line(report: dict[str, Any]) -> str:
             f"p50 {c['latency_p50_ms']} ms, p99 {c['latency_p99_ms']} ms.")
 
 
+def autoscaler_line(report: dict[str, Any]) -> str:
+    """The lease's record in one line (empty without an autoscaler)."""
+    a = report.get("autoscaler")
+    if not a:
+        return ""
+    path = " -> ".join(f"{'+'.join(c['actors']) or 'none'} at {c['t']} s" + (f" (term {c['terms'][0]})"
+                                                                               if len(c["terms"]) == 1 else "")
+                       for c in a["actor_changes"])
+    return (f"autoscaler: at most {a['max_actors']} actor in {a['samples']} samples ({path}); "
+            f"{a['provisions']} provisions, {len(set(a['request_ids']))} distinct request ids "
+            f"({', '.join(a['request_ids']) or 'none'})")
+
+
 def markdown(report: dict[str, Any]) -> str:
     verdict = "PASSED" if report["passed"] else "FAILED"
     req = report["requests"]
@@ -70,6 +115,11 @@ def markdown(report: dict[str, Any]) -> str:
              f"p95 {req['ttft_p95_ms']} ms.", "", "| invariant | held |", "| --- | --- |"]
     lines += [f"| {name} | {'yes' if held else '**NO**'} |" for name, held in report["invariants"].items()]
     lines += ["", continuation_line(report)]
+    if report.get("autoscaler"):
+        lines += ["", autoscaler_line(report)]
+    if report.get("tenants"):
+        lines += ["", "| tenant | requests | ok | failed |", "| --- | --- | --- | --- |"]
+        lines += [f"| {name} | {t['requests']} | {t['ok']} | {t['failed']} |" for name, t in report["tenants"].items()]
     lines += ["", "| cause | requests | allowed |", "| --- | --- | --- |"]
     lines += [f"| {c} | {n} | {'no' if c in report['violations'] else 'yes'} |"
               for c, n in sorted(report["failures_by_cause"].items())] or ["| (none) | 0 | |"]

@@ -18,7 +18,16 @@ FAULT_ROLES = {
     "partition-router": "router",
     "kill-redis": "redis",
     "drop-events": "engine",
+    "partition-kill-holder": "router",
 }
+HOLDER_FAULTS = frozenset({"partition-kill-holder"})
+"""Faults whose target is the router acting as the autoscaler, found when the fault is injected: it is cut
+off from the mesh (it keeps serving HTTP) and, at the heal, killed for good. They run once per scenario
+(a second one would leave one of three replicas, no quorum), need three routers (a majority keeps an
+actor) and an autoscaler, and one tenant floods the cluster with long prompts while the partition lasts."""
+HOLDER_FAULT_S = 90.0
+"""The partition's default length: longer than the minute after which a sliding window of replicas "seen
+lately" would let the cut-off holder count itself a majority again."""
 # The mixed order alternates roles so consecutive faults do not pile onto the same kind of process.
 MIXED_ORDER = ("kill-engine", "pause-router", "drop-events", "kill-router", "pause-engine", "kill-redis",
                "restart-engine", "partition-router")
@@ -45,11 +54,15 @@ class Topology:
     routers: int
     engines: int
     redis: bool
+    autoscaler: bool = False
+    """The routers run an autoscaler with a standby pool, and tenants (``kvmesh up --standby N --auth``)."""
 
 
 def feasible(kind: str, topology: Topology) -> str:
     """Why ``kind`` cannot run on this cluster ("" when it can): faults need a survivor to fail over to."""
     role = FAULT_ROLES[kind]
+    if kind in HOLDER_FAULTS and (topology.routers < 3 or not topology.autoscaler):
+        return "needs 3 routers with an autoscaler and tenants ('kvmesh up --routers 3 --standby 2 --auth')"
     if role == "router" and topology.routers < 2:
         return "router faults need at least 2 routers"
     if role == "engine" and topology.engines < 2:
@@ -89,7 +102,9 @@ def schedule(name: str, duration: float, topology: Topology, fault_s: float = 2.
         if reason:
             raise ValueError(f"{name}: {reason}")
         slot = fault_s + RECOVERY_S
-        kinds = [kind] * max(1, math.floor((duration - warmup) / slot))
+        kinds = [kind] * (1 if kind in HOLDER_FAULTS else max(1, math.floor((duration - warmup) / slot)))
+        if kind in HOLDER_FAULTS and warmup + fault_s > duration:
+            raise ValueError(f"{name} needs --duration of at least {warmup + fault_s:.0f} s for a {fault_s:g} s fault")
     counts = {"router": topology.routers, "engine": topology.engines, "redis": 1}
     used = dict.fromkeys(counts, 0)
     events = []

@@ -35,6 +35,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", choices=sorted(PROFILES), default="a40-qwen1.5b", help="simulated engines")
     p.add_argument("--time-scale", type=float, default=1.0, help="simulated engines")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait until all is healthy")
+    p.add_argument("--standby", type=int, default=0, help="spare simulated engines the routers' autoscaler "
+                   "provisions through a standby pool (0: no autoscaler)")
+    p.add_argument("--auth", action="store_true", help="routers with auth: an admin key and tenants 'steady' and "
+                   "'flood' (keys in STATE_DIR/keys.json)")
     p.add_argument("--status", action="store_true", help="show the running cluster instead of starting one")
     for name in ("down", "status"):
         sub.add_parser(name, help=f"{name} the local cluster").add_argument(
@@ -107,6 +111,8 @@ def main(argv: list[str] | None) -> int:
         profile=args.profile,
         time_scale=args.time_scale,
         timeout=args.timeout,
+        standby=args.standby,
+        auth=args.auth,
     )
     try:
         state = up(options)

@@ -11,23 +11,40 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import redis
 
 from cluster import daemon, haproxy
 from cluster.daemon import REPO_ROOT, ProcessRecord, StartError
 from cluster.ports import HOST, free_port, free_ports
+from cluster.router_config import ClusterKeys, standby_autoscaler, write_router_config
 from cluster.state import ClusterState, load
 from gateway.server import READY_PREFIX as ROUTER_READY
 from sim.cli import READY_PREFIX as SIM_READY
 
 SYSTEM_DEPS = REPO_ROOT / "scripts" / "system_deps.sh"
+STANDBY = "standby"
+"""Name prefix of the spare engines (``standby-0``, ...): engines the routers are not given."""
 
 
 class ClusterError(RuntimeError):
     """The cluster could not be started or found; the message says why."""
+
+
+@contextmanager
+def _stopped_on_failure(records: list[ProcessRecord]) -> Iterator[None]:
+    """Stop the processes in ``records`` (started so far) when starting the rest fails: ``up`` stops only the
+    groups that were returned to it (routers started before one failed kept running after a failed up)."""
+    try:
+        yield
+    except BaseException:
+        daemon.stop(records)
+        raise
 
 
 @dataclass(frozen=True)
@@ -47,10 +64,16 @@ class UpOptions:
     num_blocks: int = 4096
     max_num_seqs: int = 64
     timeout: float = 120.0
+    standby: int = 0
+    """Simulated spare engines the routers' autoscaler provisions through a standby pool (none: no autoscaler)."""
+    auth: bool = False
+    """Routers with auth: an admin key and the tenants of ``cluster.router_config.TENANTS``."""
 
     def validate(self) -> None:
         if self.routers < 1 or self.engines < 1:
             raise ClusterError("--routers and --engines must be at least 1")
+        if self.standby < 0 or (self.standby and (self.vllm or not self.mesh)):
+            raise ClusterError("--standby needs simulated engines and a mesh (the autoscaler's lease)")
         if not 0 <= self.port < 65536:
             raise ClusterError(f"--port {self.port} is not a TCP port")
 
@@ -94,9 +117,19 @@ def _start_redis(logs: Path, deadline: float) -> ProcessRecord:
 
 
 def _start_sim_engines(options: UpOptions, logs: Path, deadline: float) -> list[ProcessRecord]:
-    """One process per engine, so that chaos can kill or pause a single engine."""
-    records = []
-    for i in range(options.engines):
+    """One process per engine, so that chaos can kill or pause a single engine; the standby engines
+    (``STANDBY``-i) start beside them, at the same time."""
+    records: list[ProcessRecord] = []
+    with _stopped_on_failure(records):
+        _spawn_sim_engines(options, logs, records, options.engines, "engine")
+        _spawn_sim_engines(options, logs, records, options.standby, STANDBY)
+        for record in records:
+            _pin_sim_engine(record, deadline)
+    return records
+
+
+def _spawn_sim_engines(options: UpOptions, logs: Path, records: list[ProcessRecord], count: int, prefix: str) -> None:
+    for i in range(count):
         argv = _python(
             "sim.cli",
             "--engines",
@@ -114,25 +147,27 @@ def _start_sim_engines(options: UpOptions, logs: Path, deadline: float) -> list[
         )
         records.append(
             daemon.spawn(
-                ProcessRecord(role="engine", name=f"engine-{i}", argv=argv, log=str(logs / f"engine-{i}.log"))
+                ProcessRecord(role="engine", name=f"{prefix}-{i}", argv=argv, log=str(logs / f"{prefix}-{i}.log"))
             )
         )
-    for record in records:
-        info = daemon.wait_ready_line(record, SIM_READY, deadline)[0]
-        record.url = info["url"]
-        record.ports = {"http": info["port"], "events": info["event_port"], "replay": info["replay_port"]}
-        # Pin the ports the kernel chose, so a restart comes back where the routers look for it.
-        base = record.argv.index("--base-port")
-        record.argv[base : base + 2] = [
-            "--base-port",
-            str(info["port"]),
-            "--event-base-port",
-            str(info["event_port"]),
-            "--replay-base-port",
-            str(info["replay_port"]),
-        ]
-        daemon.wait_http_ok(record, record.url + "/health", deadline)
-    return records
+
+
+def _pin_sim_engine(record: ProcessRecord, deadline: float) -> None:
+    """Wait for the engine's ports and pin the ones the kernel chose, so a restart comes back where the routers
+    look for it."""
+    info = daemon.wait_ready_line(record, SIM_READY, deadline)[0]
+    record.url = info["url"]
+    record.ports = {"http": info["port"], "events": info["event_port"], "replay": info["replay_port"]}
+    base = record.argv.index("--base-port")
+    record.argv[base : base + 2] = [
+        "--base-port",
+        str(info["port"]),
+        "--event-base-port",
+        str(info["event_port"]),
+        "--replay-base-port",
+        str(info["replay_port"]),
+    ]
+    daemon.wait_http_ok(record, record.url + "/health", deadline)
 
 
 def _start_vllm_engines(options: UpOptions, logs: Path, deadline: float) -> list[ProcessRecord]:
@@ -140,7 +175,7 @@ def _start_vllm_engines(options: UpOptions, logs: Path, deadline: float) -> list
 
     vllm_engine.install()
     planned = vllm_engine.plan_engines(options.engines, vllm_engine.EngineOptions(log_dir=logs), "engine")
-    records = []
+    records: list[ProcessRecord] = []
     for engine in planned:
         # The record owns the process from here on; the engine object only knew how to build its command.
         extra_env = {k: v for k, v in engine.environment().items() if os.environ.get(k) != v}
@@ -155,8 +190,9 @@ def _start_vllm_engines(options: UpOptions, logs: Path, deadline: float) -> list
             ports={"http": engine.port, "events": engine.events_port, "replay": engine.replay_port},
         )
         records.append(daemon.spawn(record))
-    for record in records:
-        daemon.wait_http_ok(record, f"{record.url}/health", deadline)
+    with _stopped_on_failure(records):
+        for record in records:
+            daemon.wait_http_ok(record, f"{record.url}/health", deadline)
     return records
 
 
@@ -169,9 +205,12 @@ def router_argv(
     index: int,
     secret_file: Path,
     redis_url: str | None,
+    config: Path | None = None,
 ) -> list[str]:
     """Router ``index``'s command line: it seeds its gossip with every other replica's address."""
     args = ["router", "--host", HOST, "--port", str(port), "--policy", options.policy]
+    if config is not None:
+        args += ["--config", str(config)]
     for url in engines:
         args += ["--engine", url]
     if options.mesh:
@@ -198,28 +237,36 @@ def _start_routers(
     secret_file: Path,
     redis_url: str | None,
     deadline: float,
+    config: Path | None = None,
 ) -> list[ProcessRecord]:
+    """Start every router; each binds its HTTP port itself (0) and reports it, so no other process can take
+    it between a choice and the bind (a shared machine did, once). Gossip and replication ports are chosen
+    here, since each router's seeds are the others'. A failure stops the routers already started."""
     n = options.routers
-    ports = free_ports(3 * n, udp_too=True)
-    http, gossip, replication = ports[:n], ports[n : 2 * n], ports[2 * n :]
-    records = []
-    for i in range(n):
-        argv = router_argv(options, engines, http[i], gossip, replication, i, secret_file, redis_url)
-        records.append(
-            daemon.spawn(
-                ProcessRecord(
-                    role="router",
-                    name=f"router-{i}",
-                    argv=argv,
-                    log=str(logs / f"router-{i}.log"),
-                    url=f"http://{HOST}:{http[i]}",
-                    ports={"http": http[i], "gossip": gossip[i], "replication": replication[i]},
+    ports = free_ports(2 * n, udp_too=True)
+    gossip, replication = ports[:n], ports[n:]
+    records: list[ProcessRecord] = []
+    with _stopped_on_failure(records):
+        for i in range(n):
+            argv = router_argv(options, engines, 0, gossip, replication, i, secret_file, redis_url, config)
+            records.append(
+                daemon.spawn(
+                    ProcessRecord(
+                        role="router",
+                        name=f"router-{i}",
+                        argv=argv,
+                        log=str(logs / f"router-{i}.log"),
+                        ports={"gossip": gossip[i], "replication": replication[i]},
+                    )
                 )
             )
-        )
-    for record in records:
-        daemon.wait_ready_line(record, ROUTER_READY, deadline)
-        daemon.wait_http_ok(record, f"{record.url}/ready", deadline)
+        for record in records:
+            record.url = daemon.wait_ready_line(record, ROUTER_READY, deadline)["url"]
+            record.ports["http"] = int(urlsplit(record.url).port or 0)
+            # Pin the port it bound, so a restart comes back where HAProxy looks for it.
+            at = record.argv.index("--port")
+            record.argv[at + 1] = str(record.ports["http"])
+            daemon.wait_http_ok(record, f"{record.url}/ready", deadline)
     return records
 
 
@@ -263,6 +310,25 @@ def _write_secret(path: Path) -> None:
         f.write(os.urandom(32).hex() + "\n")
 
 
+def _write_router_config(options: UpOptions, state: ClusterState, engines: int, spares: list[str]) -> Path | None:
+    """The routers' TOML when they run an autoscaler or auth (None otherwise); records the pool and key files."""
+    if not spares and not options.auth:
+        return None
+    state_dir = Path(state.state_dir)
+    tables: dict[str, dict[str, object]] = {}
+    arrays: dict[str, list[dict[str, object]]] = {}
+    if spares:
+        state.pool_file = str(state_dir / "pool.json")
+        Path(state.pool_file).unlink(missing_ok=True)
+        tables["autoscaler"], arrays["autoscaler.offers"] = standby_autoscaler(
+            options.routers, engines, spares, Path(state.pool_file))
+    if options.auth:
+        keys = ClusterKeys.generate()
+        state.keys_file = str(keys.save(state_dir / "keys.json"))
+        tables["auth"], arrays["tenants"] = keys.tables()
+    return write_router_config(state_dir / "router.toml", {}, tables, arrays)
+
+
 def running(state_dir: Path) -> ClusterState | None:
     """The state of a cluster that still has a live process there, else None."""
     try:
@@ -297,11 +363,13 @@ def up(options: UpOptions) -> ClusterState:
             state.processes.append(_start_redis(logs, deadline))
             state.redis_url = state.processes[-1].url
         start_engines = _start_vllm_engines if options.vllm else _start_sim_engines
-        engines = start_engines(options, logs, deadline)
-        state.processes += engines
+        state.processes += start_engines(options, logs, deadline)
+        engines = [e for e in state.by_role("engine") if not e.name.startswith(STANDBY)]
+        spares = [e for e in state.by_role("engine") if e.name.startswith(STANDBY)]
+        config = _write_router_config(options, state, len(engines), [s.url or "" for s in spares])
         state.save()
         routers = _start_routers(
-            options, [e.url or "" for e in engines], logs, secret_file, state.redis_url, deadline
+            options, [e.url or "" for e in engines], logs, secret_file, state.redis_url, deadline, config
         )
         state.processes += routers
         state.save()
@@ -318,7 +386,7 @@ def up(options: UpOptions) -> ClusterState:
 
 
 def _remove_state(state_dir: Path) -> None:
-    for name in ("cluster.json", "cluster.tmp", "mesh.secret", "haproxy.cfg"):
+    for name in ("cluster.json", "cluster.tmp", "mesh.secret", "haproxy.cfg", "router.toml", "keys.json", "pool.json"):
         (state_dir / name).unlink(missing_ok=True)
 
 

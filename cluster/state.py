@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from cluster.daemon import ProcessRecord
+from cluster.router_config import ClusterKeys
 
 STATE_FILE = "cluster.json"
 DEFAULT_STATE_DIR = ".kvmesh"
@@ -25,6 +26,13 @@ class ClusterState:
     secret_file: str
     redis_url: str | None = None
     processes: list[ProcessRecord] = field(default_factory=list)
+    pool_file: str = ""
+    """The standby pool's state (provisions and their request ids) when the routers run an autoscaler."""
+    keys_file: str = ""
+    """The API keys (``cluster.router_config.ClusterKeys``) when the routers run with auth."""
+
+    def keys(self) -> ClusterKeys | None:
+        return ClusterKeys.load(Path(self.keys_file)) if self.keys_file else None
 
     def by_role(self, role: str) -> list[ProcessRecord]:
         return [p for p in self.processes if p.role == role]

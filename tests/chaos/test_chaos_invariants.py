@@ -156,7 +156,8 @@ def test_evaluate_flags_the_violations_and_keeps_allowed_failures():
     kill = action(rec.KILL, 5.0, role="router", target="router-1", pid=8, event=0)
     restart = action(rec.RESTART, 7.0, role="router", target="router-1", pid=9, done_at=8.0, event=0)
     same = {"e": "x"}
-    samples = [Sample(t / 2, processes={"router-1": proc(8 if t < 16 else 9, alive=not 10 <= t < 16)},
+    samples = [Sample(t / 2, processes={"router-0": proc(3),
+                                        "router-1": proc(8 if t < 16 else 9, alive=not 10 <= t < 16)},
                       indexes={"router-0": same, "router-1": same}, counters={"e": counters(t * 80, t * 100)})
                for t in range(40)]
     records = [request(4.0, 5.1, error=rec.TRANSPORT), request(1.0, 1.2, status=200)]

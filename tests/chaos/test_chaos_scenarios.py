@@ -6,15 +6,26 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from chaos.scenarios import FAULT_ROLES, INSTANT_HEAL, SCENARIOS, Topology, schedule, warmup_for
+from chaos.scenarios import (
+    FAULT_ROLES,
+    HOLDER_FAULTS,
+    INSTANT_HEAL,
+    MIXED_ORDER,
+    SCENARIOS,
+    Topology,
+    feasible,
+    schedule,
+    warmup_for,
+)
 
 FULL = Topology(routers=3, engines=3, redis=True)
 
 
-@given(st.sampled_from(SCENARIOS), st.floats(60, 600), st.integers(2, 5), st.integers(2, 5), st.booleans())
-def test_schedules_never_overlap_and_start_after_warmup(name, duration, routers, engines, redis):
-    topology = Topology(routers, engines, redis)
-    if name == "kill-redis" and not redis:
+@given(st.sampled_from(SCENARIOS), st.floats(60, 600), st.integers(2, 5), st.integers(2, 5), st.booleans(),
+       st.booleans())
+def test_schedules_never_overlap_and_start_after_warmup(name, duration, routers, engines, redis, autoscaler):
+    topology = Topology(routers, engines, redis, autoscaler)
+    if name in FAULT_ROLES and feasible(name, topology):
         with pytest.raises(ValueError):
             schedule(name, duration, topology)
         return
@@ -31,7 +42,7 @@ def test_schedules_never_overlap_and_start_after_warmup(name, duration, routers,
 
 def test_mixed_runs_every_kind_once_in_a_minute_and_rotates_targets():
     events = schedule("mixed", 60, FULL)
-    assert sorted(e.kind for e in events) == sorted(FAULT_ROLES)
+    assert sorted(e.kind for e in events) == sorted(MIXED_ORDER)
     routers = [e.target for e in events if e.role == "router"]
     assert routers == [0, 1, 2]
 
@@ -60,3 +71,15 @@ def test_infeasible_or_unknown_scenarios_are_refused(name, topology):
 def test_mixed_refuses_a_run_too_short_for_its_faults():
     with pytest.raises(ValueError, match="mixed needs"):
         schedule("mixed", 20, FULL)
+
+
+def test_the_holder_fault_runs_once_on_three_routers_with_an_autoscaler():
+    autoscaled = Topology(3, 2, False, autoscaler=True)
+    (event,) = schedule("partition-kill-holder", 120, autoscaled, fault_s=90)
+    assert event.kind in HOLDER_FAULTS and (event.inject_at, event.heal_at) == (10, 100)
+    with pytest.raises(ValueError, match="3 routers with an autoscaler"):
+        schedule("partition-kill-holder", 120, Topology(3, 2, False))
+    with pytest.raises(ValueError, match="3 routers"):
+        schedule("partition-kill-holder", 120, Topology(2, 2, False, autoscaler=True))
+    with pytest.raises(ValueError, match="at least 96 s"):
+        schedule("partition-kill-holder", 60, autoscaled, fault_s=90)

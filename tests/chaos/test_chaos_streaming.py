@@ -3,31 +3,15 @@ engines): every stream is finished by another engine, so no client sees a failur
 
 from __future__ import annotations
 
-import json
-import shutil
-import tempfile
-from pathlib import Path
-
 import pytest
-
-from gateway.cli import main as kvmesh
+from fresh_cluster import chaos_on_fresh_cluster
 
 
 @pytest.mark.integration
 @pytest.mark.mesh
 def test_killing_engines_under_streaming_load_fails_no_client():
-    work = Path(tempfile.mkdtemp(prefix="kvmesh-chaos-"))
-    state, report = str(work / "state"), work / "chaos.json"
-    try:
-        assert kvmesh(["up", "--routers", "2", "--engines", "3", "--state-dir", state]) == 0
-        try:
-            code = kvmesh(["chaos", "kill-engine-streaming", "--duration", "40", "--rate", "6", "--state-dir", state,
-                           "--report", str(report)])
-        finally:
-            assert kvmesh(["down", "--state-dir", state]) == 0
-        data = json.loads(report.read_text())
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    code, data, _ = chaos_on_fresh_cluster(["--routers", "2", "--engines", "3"],
+                                           ["kill-engine-streaming", "--duration", "40", "--rate", "6"])
     assert data["requests"]["failed"] == 0 and data["requests"]["ok"] > 0
     assert data["invariants"]["no_client_visible_failure_while_an_engine_lives"]
     assert data["continuations"]["streams"] > 0 and data["continuations"]["latency_p99_ms"] is not None

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from cluster import daemon, haproxy
 from cluster.cli import engines_arg
 from cluster.daemon import ProcessRecord
-from cluster.local import UpOptions, router_argv
+from cluster.local import ClusterError, UpOptions, router_argv
 from cluster.state import ClusterState, load
 from cluster.vllm_engine import EngineFailed, EngineOptions, VllmEngine
 
@@ -92,6 +92,16 @@ def test_unmeshed_routers_get_no_mesh_flags() -> None:
         UpOptions(routers=2, mesh=False), ["http://e:1"], 1, [2, 3], [4, 5], 0, Path("s"), None
     )
     assert not any(a.startswith(("--mesh", "--seeds", "--replication")) for a in argv)
+
+
+def test_routers_get_the_config_kvmesh_up_wrote_and_standby_needs_a_simulated_mesh() -> None:
+    argv = router_argv(UpOptions(routers=3, standby=2), ["http://e:1"], 1, [2, 3, 4], [5, 6, 7], 0, Path("s"), None,
+                       Path("state/router.toml"))
+    assert argv[argv.index("--config") + 1] == "state/router.toml"
+    UpOptions(standby=2, auth=True).validate()
+    for options in (UpOptions(standby=1, vllm=True), UpOptions(standby=1, mesh=False), UpOptions(standby=-1)):
+        with pytest.raises(ClusterError, match="--standby"):
+            options.validate()
 
 
 def test_state_round_trip_and_malformed(tmp_path: Path) -> None:

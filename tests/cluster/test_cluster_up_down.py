@@ -118,3 +118,27 @@ def test_a_failed_start_stops_what_it_started(tmp_path: Path) -> None:
     assert (state_dir / "logs" / "engine-1.log").exists()
     assert _writing_to(state_dir / "logs") == []
     assert not (state_dir / "cluster.json").exists()
+
+
+def test_routers_started_before_one_failed_are_stopped_too(tmp_path: Path, monkeypatch) -> None:
+    """router-1 cannot bind its replication port (the test holds it): up() fails, and router-0, already
+    running, is stopped with the engine (before, only the engines were: the router kept running)."""
+    import socket
+
+    from cluster import local
+    from cluster.ports import free_ports
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    chosen = free_ports(4, udp_too=True)
+    chosen[3] = taken.getsockname()[1]  # gossip 0-1, replication 2-3: router-1's replication
+    monkeypatch.setattr(local, "free_ports", lambda count, udp_too=False: chosen[:count])
+    state_dir = tmp_path / "state"
+    try:
+        with pytest.raises(StartError, match="router-1"):
+            up(UpOptions(routers=2, engines=1, profile="fast", state_dir=state_dir, timeout=60))
+    finally:
+        taken.close()
+    assert (state_dir / "logs" / "router-1.log").exists()
+    assert _writing_to(state_dir / "logs") == []

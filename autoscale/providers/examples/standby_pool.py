@@ -4,11 +4,13 @@
     command = ["python3", "autoscale/providers/examples/standby_pool.py", "/var/lib/kvmesh/pool.json",
                "http://10.0.0.7:8000", "http://10.0.0.8:8000"]
 
-The state file records which standby engines are in use and how many provisions were made (several router
-replicas may share it: each call holds an exclusive lock on it). provision takes the first free URL,
-terminate gives it back, list names those in use. A request whose lease term is older than the newest one
-seen is refused, so a replica that lost the lease cannot take or give back engines. Used by the tests and
-`kvmesh bench autoscale`.
+The state file records which standby engines are in use, how many provisions were made and the request id
+of each (several router replicas may share it: each call holds an exclusive lock on it; a reader takes a
+shared one). Two provisions with one request id mean two replicas acted for one lease term, since ids are
+``<provider>-<term>-<n>``. provision takes the first free URL, terminate gives it back, list names those
+in use. A request whose lease term is older than the newest one seen is refused, so a replica that lost the
+lease cannot take or give back engines. Used by the tests, `kvmesh up --standby` and `kvmesh bench
+autoscale`.
 """
 
 import fcntl
@@ -34,6 +36,7 @@ def main(state_path: str, urls: list[str], action: str) -> dict:
             if not free:
                 raise SystemExit("no standby engine left")
             state["provisions"] += 1
+            state.setdefault("requests", []).append(request.get("request_id"))
             engine_id = f"standby-{urls.index(free[0])}"
             state["in_use"][engine_id] = free[0]
             answer = {"id": engine_id, "url": free[0], "offer": request["offer"]["name"]}
