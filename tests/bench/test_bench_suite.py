@@ -161,3 +161,16 @@ def test_each_shape_measures_a_different_entry_first():
     firsts = [rotated(todo, shape)[0] for shape in shapes.draw_suite(0, 4)]
     assert firsts == [todo[0], todo[1], todo[2], todo[3]]
     assert all(sorted(rotated(todo, s), key=todo.index) == todo for s in shapes.draw_suite(0, 4))
+
+
+@settings(max_examples=50, deadline=None)
+@given(seed=st.integers(0, 10_000))
+def test_a_plan_counts_its_longest_session_and_overruns_only_at_both_floors(seed):
+    shape = shapes.draw_suite(seed, 1)[0]
+    planned = shapes.plan(shape, A40, 4.0)
+    per_request = shapes.service_s(shape, A40)
+    sent = sum(len(c.user_turns) for c in planned.conversations)
+    wall = shapes.wall_s(shape, per_request, sent) * planned.time_scale
+    assert wall >= per_request * planned.time_scale * max(len(c.user_turns) for c in planned.conversations)
+    at_floors = sent == shapes.REQUESTS[0] and planned.time_scale == shapes.MIN_TIME_SCALE
+    assert wall <= 4.0 * 1.01 or at_floors
