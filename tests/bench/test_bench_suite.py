@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from bench import suite_shapes as shapes
 from bench.report import Row
 from bench.stats import RequestResult, summarize
-from bench.suite import Entry, entries, rotated
+from bench.suite import Entry, chosen_shapes, entries, rotated
 from bench.suite_report import ShapeRun, format_overall, format_shapes, fraction, overall, plot, ttft_ratios, verdicts
 from sim.profiles import get_profile
 
@@ -174,3 +174,8 @@ def test_a_plan_counts_its_longest_session_and_overruns_only_at_both_floors(seed
     assert wall >= per_request * planned.time_scale * max(len(c.user_turns) for c in planned.conversations)
     at_floors = sent == shapes.REQUESTS[0] and planned.time_scale == shapes.MIN_TIME_SCALE
     assert wall <= 4.0 * 1.01 or at_floors
+
+
+def test_one_shape_of_a_suite_is_rerun_as_drawn():
+    assert chosen_shapes(0, 6, frozenset({12})) == [shapes.draw_suite(0, 20)[11]]
+    assert chosen_shapes(0, 6) == shapes.draw_suite(0, 6)
