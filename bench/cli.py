@@ -77,6 +77,8 @@ def parser() -> argparse.ArgumentParser:
                             "instead of running --workload")
     suite_args.add_argument("--quick", action="store_true", help=f"{suite.QUICK_SHAPES} shapes")
     suite_args.add_argument("--shapes", type=int, help="how many shapes to draw")
+    suite_args.add_argument("--only", type=_int_list, default=[], help="comma-separated shape numbers of the "
+                            "drawn suite to run (e.g. 12 reruns shape #12 as drawn)")
     suite_args.add_argument("--budget-s", type=float, default=suite.BUDGET_S, help="wall seconds one run is sized to")
     suite_args.add_argument("--mesh-replicas", type=int, default=3, help="meshed replicas of --mesh-policies "
                             "(0: none)")
@@ -168,10 +170,11 @@ def _suite(args: argparse.Namespace, log_dir: Path) -> int:
     todo = suite.entries(policies, _names(args.mesh_policies), args.mesh_replicas)
     fleet = _spec(args, "suite")
     options = _options(args, "suite")
-    runs = trio.run(suite.run_suite, args.seed, count, todo, fleet, options, args.budget_s, log_dir)
+    runs = trio.run(suite.run_suite, args.seed, count, todo, fleet, options, args.budget_s, log_dir,
+                    frozenset(args.only))
     print(suite_report.format_shapes(runs))
     print()
-    print(f"suite seed {args.seed}, {count} shapes, policies {', '.join(e.label for e in todo)}")
+    print(f"suite seed {args.seed}, {len(runs)} shapes, policies {', '.join(e.label for e in todo)}")
     print(suite_report.format_overall(runs))
     plot = args.plot or log_dir / f"suite-{args.seed}.png"
     suite_report.plot(runs, plot)

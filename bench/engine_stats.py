@@ -19,6 +19,16 @@ QUERIES = "vllm:prefix_cache_queries_total"
 SUCCESSES = "vllm:request_success_total"
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 COUNTERS = (HITS, QUERIES, SUCCESSES, PROMPT_TOKENS)
+DECISION_SUM = "kvmesh_route_decision_seconds_sum"
+DECISION_COUNT = "kvmesh_route_decision_seconds_count"
+ROUTER_COUNTERS = (DECISION_SUM, DECISION_COUNT)
+
+
+def mean_decision_ms(deltas: list[Snapshot]) -> float:
+    """A kvmesh router's mean time from a request to its ranked engines (tokenize and score), over its
+    replicas; NaN for routers that do not export it (peers)."""
+    count = sum(d.get(DECISION_COUNT, 0.0) for d in deltas)
+    return 1e3 * sum(d.get(DECISION_SUM, 0.0) for d in deltas) / count if count > 0 else math.nan
 
 Snapshot = dict[str, float]
 
@@ -62,8 +72,10 @@ class ScrapeResult:
     failures: int
 
 
-async def scrape(client: HttpClient, engine_urls: list[str], timeout: float = 5.0) -> ScrapeResult:
-    """One snapshot per engine, ``None`` for an engine that did not answer or answered nonsense."""
+async def scrape(client: HttpClient, engine_urls: list[str], timeout: float = 5.0,
+                 names: tuple[str, ...] = COUNTERS) -> ScrapeResult:
+    """One snapshot per engine (or router: ``names`` picks the samples), ``None`` for one that did not answer or
+    answered nonsense."""
     snapshots: list[Snapshot | None] = [None] * len(engine_urls)
 
     async def one(i: int, url: str) -> None:
@@ -71,7 +83,7 @@ async def scrape(client: HttpClient, engine_urls: list[str], timeout: float = 5.
             with trio.fail_after(timeout):
                 response = await client.request(url.rstrip("/") + "/metrics")
             if response.status == 200:
-                snapshots[i] = parse_counters(response.body.decode("utf-8", errors="replace"))
+                snapshots[i] = parse_counters(response.body.decode("utf-8", errors="replace"), names)
         except (*TRANSPORT_ERRORS, ValueError, trio.TooSlowError):
             snapshots[i] = None
 

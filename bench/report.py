@@ -32,6 +32,8 @@ class Row:
     bound_ttft_p50: float = math.nan
     run: int = 1
     """Which of the consecutive runs on the same engines and routers (1: fresh engines)."""
+    decision_ms: float = math.nan
+    """The router's mean tokenize-and-score time per request (kvmesh routers only)."""
 
     @property
     def cell(self) -> tuple[str, int, int, int]:

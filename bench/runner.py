@@ -255,6 +255,7 @@ async def measure_sent(
     warm = workloads.unique_prompts(options.seed, options.warmup) + list(primed)
     await run_closed_loop(client, urls, warm, max(1, len(engine_urls)), model, True, options.timeout)
     before = await engine_stats.scrape(client, engine_urls)
+    routers_before = await engine_stats.scrape(client, urls, names=engine_stats.ROUTER_COUNTERS)
     if load.arrival_rate is None:
         results, wall = await run_closed_loop(
             client, urls, convs, load.concurrency, model, True, options.timeout, options.route_header
@@ -264,6 +265,7 @@ async def measure_sent(
                                            random.Random(f"arrivals-{load.seed}"), True, options.timeout,
                                            options.route_header)
     after = await engine_stats.scrape(client, engine_urls)
+    routers_after = await engine_stats.scrape(client, urls, names=engine_stats.ROUTER_COUNTERS)
     deltas = engine_stats.deltas(before, after)
     ids = [urlsplit(u).netloc for u in engine_urls]
     block_size = fleet.block_size if fleet else options.block_size
@@ -294,6 +296,7 @@ async def measure_sent(
         bound_hit_rate=bound.hit_rate if bound else math.nan,
         bound_ttft_p50=bound.ttft_p50 if bound else math.nan,
         run=run,
+        decision_ms=engine_stats.mean_decision_ms(engine_stats.deltas(routers_before, routers_after)),
     )
 
 

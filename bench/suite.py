@@ -114,11 +114,18 @@ async def run_shape(shape: Shape, todo: list[Entry], fleet: FleetSpec, options: 
     return ShapeRun(shape, sized.time_scale, spec.num_blocks, rows)
 
 
+def chosen_shapes(seed: int, count: int, only: frozenset[int] = frozenset()) -> list[Shape]:
+    """The suite's ``count`` shapes, or only those numbered in ``only`` (drawn as in a full suite, so one shape
+    can be rerun as it was drawn)."""
+    drawn = draw_suite(seed, max(count, *only) if only else count)
+    return [s for s in drawn if s.index in only] if only else drawn
+
+
 async def run_suite(seed: int, count: int, todo: list[Entry], fleet: FleetSpec, options: MeasureOptions,
-                    budget_s: float, log_dir: Path) -> list[ShapeRun]:
+                    budget_s: float, log_dir: Path, only: frozenset[int] = frozenset()) -> list[ShapeRun]:
     out = []
     t0 = trio.current_time()
-    for shape in draw_suite(seed, count):
+    for shape in chosen_shapes(seed, count, only):
         print(f"suite shape {shape.label} at {trio.current_time() - t0:.0f} s", file=sys.stderr, flush=True)
         out.append(await run_shape(shape, todo, fleet, options, budget_s, log_dir))
     print(f"suite took {trio.current_time() - t0:.0f} s", file=sys.stderr, flush=True)

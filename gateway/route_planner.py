@@ -325,7 +325,8 @@ class RoutePlanner:
                 span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
         with tracing.step("route") as span:
             overlaps = self.cache.overlaps(chains, ids, now) if chains else {}
-            short_rest = deferred is not None and deferred.rest_chars < DEFER_CHARS
+            # A never-seen prefix is routed on its head only while that head decides, however long its rest.
+            short_rest = deferred is not None and (deferred.rest_chars < DEFER_CHARS or deferred.fresh)
             holders = head_holders(chains, overlaps) if short_rest and self._events_tell_all(ids) else None
             if short_rest and (holders is None or len(holders) > 1):  # the rest may matter whatever is chosen
                 deferred, token_ids, chains, overlaps = None, *await self._encode_now(parsed, deferred, ids, now)
@@ -346,7 +347,7 @@ class RoutePlanner:
             raise ApiError(503, f"no engine is available for model `{parsed.model}`", code="no_engine_available")
         self.metrics.decisions.labels(decision.policy, decision.reason.split(" ")[0]).inc()
         self.metrics.decision_latency.observe(trio.current_time() - started)
-        later = deferred if deferred is not None and deferred.rest_chars >= DEFER_CHARS else None
+        later = deferred if deferred is not None and (deferred.fresh or deferred.rest_chars >= DEFER_CHARS) else None
         return Plan(parsed, decision, ranked, chains, prompt_tokens, estimated=deferred is not None,
                     unencoded=later, batch_tokens=batch_tokens)
 

@@ -42,6 +42,13 @@ BATCH_SLICE_PROMPTS = 4_096
 """Prompts of a batch per tokenizer call: the call returns its results under the GIL, and one call for half a
 million prompts held it (and the event loop) for seconds."""
 RENDER_INLINE_MAX_CHARS = 1 << 20
+FRESH_HEAD_CHARS = 4_096
+"""A segment the cache has never seen that is longer than this (a new system prompt or document, ~600-1,000
+tokens) is encoded only up to about here before routing: enough blocks to find the prefix's home and whether
+any engine holds its start, on the loop and in ~1.5 ms. Encoding the whole of such prompts (1,250-3,800
+tokens) before routing took 90-555 ms of a request's time to first token (9-47 ms of CPU, the rest waiting
+for a thread on a busy 2-core machine), and those first requests of each prefix made kv_aware's TTFT p90 1.7x
+round robin's on a multi-turn suite shape."""
 """Text beyond this (1 MiB renders in ~1 ms, 8 MiB in ~10 ms) also renders in a thread."""
 
 
@@ -58,6 +65,10 @@ class DeferredIds:
     complete: Callable[[], Awaitable[list[int]]]
     rest_chars: int = 0
     """Characters of the uncached segments still to encode."""
+    fresh: bool = False
+    """The head ends inside a segment the cache had never seen (``FRESH_HEAD_CHARS``): the rest must be encoded
+    once the request is out, whatever its length, or the next request of the same prefix would see only its
+    head cached again and be routed on that."""
 
 
 @dataclass
@@ -72,6 +83,10 @@ class ServiceStats:
     segment_mismatches: int = 0
     deferred: int = 0
     """Prompts routed on their cached head while the fresh rest was still being encoded."""
+    fresh_heads: int = 0
+    """Of those, prompts whose head ends inside a never-seen segment (its first ``FRESH_HEAD_CHARS``)."""
+    fresh_head_mismatches: int = 0
+    """Fresh heads whose ids were not a prefix of the whole prompt's (then fresh heads stop for the tokenizer)."""
     thread_renders: int = 0
     batch_encodes: int = 0
     """Completions batches (more than one prompt), each encoded in one call in a thread."""
@@ -92,6 +107,7 @@ class TokenizerService:
         self.verify_every = verify_every
         self.stats = ServiceStats()
         self._segmented = {spec: tok.plan.segmentable for spec, tok in tokenizers.items()}
+        self._fresh_heads = dict.fromkeys(tokenizers, True)
         self._until_verify = dict.fromkeys(tokenizers, max(verify_every, 1))
 
     @classmethod
@@ -153,7 +169,9 @@ class TokenizerService:
                                 defer_chars: int) -> list[int] | DeferredIds:
         """The prompt's ids, or, when its uncached segments hold at least ``defer_chars`` characters, its
         cached head at once and the rest to encode later: a long fresh user turn adds nothing a KV index
-        could match, and encoding it first delayed the first byte by milliseconds per thousand tokens.
+        could match, and encoding it first delayed the first byte by milliseconds per thousand tokens. A prompt
+        whose long first segment was never seen (a new system prompt) is routed on that segment's first
+        ``FRESH_HEAD_CHARS``.
 
         Only a lone text prompt without truncation is split this way (truncation may cut the head)."""
         tok = self.tokenizers[self.registry.spec_for(model)]
@@ -166,18 +184,37 @@ class TokenizerService:
         cached = [self.cache.peek(tok.spec, piece) for piece in pieces]
         first_miss = next((i for i, ids in enumerate(cached) if ids is None), len(pieces))
         rest_chars = sum(len(p) for p, ids in zip(pieces, cached, strict=True) if ids is None)
-        if affixes is None or first_miss == 0 or rest_chars < defer_chars:
+        fresh_text = self._fresh_head_text(tok.spec, pieces[0]) if first_miss == 0 and pieces else ""
+        if affixes is None or (first_miss == 0 and not fresh_text) or rest_chars < defer_chars:
             return (await self._ids_of(tok, found))[0]
         self.stats.deferred += 1
-        head = list(chain(affixes[0], *cached[:first_miss]))  # type: ignore[arg-type]  # no None before first_miss
-        head_chars = sum(map(len, pieces[:first_miss]))
+        fresh = encode_plain(tok.hf, [fresh_text])[0] if fresh_text else []
+        self.stats.fresh_heads += bool(fresh_text)
+        head = list(chain(affixes[0], *cached[:first_miss], fresh))  # type: ignore[arg-type]  # no None before first_miss
+        head_chars = sum(map(len, pieces[:first_miss])) + len(fresh_text)
         rest = len(prompt.text) - head_chars
         estimated = len(head) + len(affixes[1]) + round(rest * (len(head) or 1) / max(head_chars, 1))
 
         async def complete() -> list[int]:
-            return (await self._ids_of(tok, found))[0]
+            ids = (await self._ids_of(tok, found))[0]
+            if fresh_text and ids[:len(head)] != head:
+                self.stats.fresh_head_mismatches += 1
+                self._fresh_heads[tok.spec] = False
+            return ids
 
-        return DeferredIds(head, estimated, complete, rest_chars)
+        return DeferredIds(head, estimated, complete, rest_chars - len(fresh_text), fresh=bool(fresh_text))
+
+    def _fresh_head_text(self, spec: str, segment: str) -> str:
+        """The start of a never-seen segment longer than ``FRESH_HEAD_CHARS`` whose ids begin the whole segment's:
+        cut before a space that follows a non-space within the first ``FRESH_HEAD_CHARS``, so the last word is
+        whole (pre-tokenizers split words at spaces; a run of spaces is not cut). Checked when the whole prompt is
+        encoded: one mismatch turns fresh heads off for the tokenizer. Empty when there is none to take."""
+        if not self._fresh_heads[spec] or len(segment) <= FRESH_HEAD_CHARS:
+            return ""
+        cut = segment.rfind(" ", 1, FRESH_HEAD_CHARS)
+        while cut > 0 and segment[cut - 1].isspace():
+            cut = segment.rfind(" ", 1, cut - 1)
+        return segment[:cut] if cut > 0 else ""
 
     async def _text_ids(self, tok: LoadedTokenizer, prompt: TextPrompt) -> list[int]:
         affixes = tok.plan.affixes if prompt.add_special_tokens else ((), ())

@@ -11,7 +11,12 @@ At low concurrency every engine's batch is empty, this term is equal everywhere,
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+import numpy as np
+
+from gateway.routing.pooling import between_engine_variance
 
 _MAX_TPOT_S = 10.0
 _MAX_TOKENS = 1_000_000
@@ -21,10 +26,14 @@ _MAX_TOKENS = 1_000_000
 class DecodePrior:
     """Before-data beliefs (A40-class engine, ~1.5B model) and how fast observations replace them.
 
-    ``weight``: what the fixed prior is worth in observations; ``engine_weight``: what the fleet's fit is
-    worth as the prior of one engine. An engine is judged by the fleet's speed until its own streams say
-    otherwise: an engine that has served nothing yet (new, or restarted) must not look slower than its
-    twins because only they have data, or it would never get the traffic that teaches otherwise.
+    ``weight``: what the fixed prior is worth in observations; the fleet's fit is worth between
+    ``engine_weight`` and ``max_engine_weight`` observations as the prior of one engine, by how far the
+    engines' own lines scatter beyond their noise (``DecodeModel.engine_weight``). An engine is judged by the
+    fleet's speed until its own streams say otherwise: an engine that has served nothing yet (new, or
+    restarted) must not look slower than its twins because only they have data, or it would never get the
+    traffic that teaches otherwise; nor may twins look different because of their noise (ten identical
+    engines were learned 317-420 ms apart for one answer on a loaded machine, which sent every new prefix to
+    the engines that had served).
     """
 
     base_s: float = 0.010
@@ -32,6 +41,9 @@ class DecodePrior:
     output_tokens: float = 128.0
     weight: float = 1.0
     engine_weight: float = 4.0
+    max_engine_weight: float = 4096.0
+    min_noise_s: float = 1e-4
+    """The smallest noise of a time per token assumed when judging engines apart (streams that all agree)."""
     decay: float = 0.98
     output_decay: float = 0.95
 
@@ -48,21 +60,32 @@ class _Stats:
     sy: float = 0.0
     sxx: float = 0.0
     sxy: float = 0.0
+    syy: float = 0.0
 
     def add(self, x: float, y: float, decay: float) -> None:
         self.n, self.sx, self.sy = self.n * decay + 1, self.sx * decay + x, self.sy * decay + y
-        self.sxx, self.sxy = self.sxx * decay + x * x, self.sxy * decay + x * y
+        self.sxx, self.sxy, self.syy = self.sxx * decay + x * x, self.sxy * decay + x * y, self.syy * decay + y * y
 
     def plus(self, other: _Stats) -> _Stats:
         return _Stats(self.n + other.n, self.sx + other.sx, self.sy + other.sy, self.sxx + other.sxx,
-                      self.sxy + other.sxy)
+                      self.sxy + other.sxy, self.syy + other.syy)
+
+    def squared_residuals(self, base: float, slope: float) -> float:
+        """Sum of squared distances of the data from a line."""
+        fitted = base * base * self.n + 2 * base * slope * self.sx + slope * slope * self.sxx
+        return max(0.0, self.syy - 2 * (base * self.sy + slope * self.sxy) + fitted)
+
+    def line_variances(self) -> tuple[float, float]:
+        """Sampling variances of a line's base and slope fitted to these data, per unit of noise variance."""
+        det = self.n * self.sxx - self.sx * self.sx
+        return (self.sxx / det, self.n / det) if det > 1e-12 else (math.inf, math.inf)
 
     @staticmethod
     def line_as_data(base: float, slope: float, weight: float) -> _Stats:
         """``weight`` pseudo-observations split between depth 0 and PSEUDO_DEPTH on a given line."""
         half, y8 = weight / 2, base + slope * PSEUDO_DEPTH
         return _Stats(weight, half * PSEUDO_DEPTH, half * (base + y8), half * PSEUDO_DEPTH ** 2,
-                      half * PSEUDO_DEPTH * y8)
+                      half * PSEUDO_DEPTH * y8, half * (base * base + y8 * y8))
 
     def line(self) -> tuple[float, float]:
         var = self.n * self.sxx - self.sx * self.sx
@@ -76,6 +99,7 @@ class DecodeModel:
     _stats: dict[str, _Stats] = field(default_factory=dict)
     _lines: dict[str, tuple[float, float]] = field(default_factory=dict)
     _fleet: tuple[float, float] | None = None
+    _engine_weight: float | None = None
     _output_tokens: float | None = None
     rejected: int = 0
 
@@ -89,8 +113,34 @@ class DecodeModel:
                     fleet = fleet.plus(stats)
                 self._fleet = fleet.line()
             own = self._stats.get(engine_id, _Stats())
-            line = self._lines[engine_id] = own.plus(_Stats.line_as_data(*self._fleet, p.engine_weight)).line()
+            line = self._lines[engine_id] = own.plus(_Stats.line_as_data(*self._fleet, self.engine_weight())).line()
         return line
+
+    def engine_weight(self) -> float:
+        """What the fleet's line is worth as one engine's prior, in observations: ``max_engine_weight`` while the
+        engines' own lines (each against the fixed prior) scatter only as their noise explains, down to
+        ``engine_weight`` as a real difference shows (gateway/routing/pooling.py), and while fewer than two
+        engines have streams (the fleet's line is then mostly the one engine's own). The prior's pseudo-data, half
+        at depth 0 and half at ``PSEUDO_DEPTH``, give a line's base a variance of 2/w and its slope 4/(w D^2)
+        noise variances: the weight is the one that matches the larger real spread."""
+        if self._engine_weight is None:
+            self._engine_weight = self._pooled_weight()
+        return self._engine_weight
+
+    def _pooled_weight(self) -> float:
+        p = self.prior
+        own = [s for s in self._stats.values() if s.n > 3]
+        if len(own) < 2:
+            return p.engine_weight
+        fixed = _Stats.line_as_data(p.base_s, p.per_request_s, p.weight)
+        fits = [s.plus(fixed) for s in own]
+        lines = [f.line() for f in fits]
+        residual = sum(s.squared_residuals(*line) for s, line in zip(own, lines, strict=True))
+        noise = max(residual / sum(s.n - 2 for s in own), p.min_noise_s ** 2)
+        spread = between_engine_variance(np.array(lines), noise * np.array([f.line_variances() for f in fits]))
+        per_unit = (2.0, 4.0 / PSEUDO_DEPTH ** 2)
+        weights = [u * noise / t for u, t in zip(per_unit, spread.tolist(), strict=True) if t > 0]
+        return min(p.max_engine_weight, max(p.engine_weight, min(weights, default=p.max_engine_weight)))
 
     def time_per_token_s(self, engine_id: str, batch_depth: int) -> float:
         base, slope = self._line(engine_id)
@@ -131,3 +181,4 @@ class DecodeModel:
         """Every line leans on the fleet's, which any observation moves: both are recomputed on next use."""
         self._lines.clear()
         self._fleet = None
+        self._engine_weight = None

@@ -10,10 +10,12 @@ stalled request barely moves the fit.
 
 Engines of one fleet share most of their behaviour, so each engine's fit is pulled toward the fit of
 the other engines' data (partial pooling) rather than toward the fixed priors: an engine's own difference
-from the fleet counts only once its own observations back it (``engine_weight``). Without this, a router
-replica that sees a fraction of the traffic (one of N behind a balancer) learns each engine from a
-handful of TTFTs, and the noise of one slow response makes one engine look milliseconds "faster" than
-its twins, which outweighs the cache of a short multi-turn history and sends the turn elsewhere.
+from the fleet counts only once its own observations back it, and only as far as the engines' fits scatter
+beyond their noise (gateway/routing/pooling.py). Without this, a router replica that sees a fraction of
+the traffic (one of N behind a balancer) learns each engine from a handful of TTFTs, and the noise of one
+slow response makes one engine look milliseconds "faster" than its twins, which outweighs the cache of a
+short multi-turn history and sends the turn elsewhere, or sends every new prefix to the engines that
+happened to look fast.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from gateway.routing.pooling import between_engine_variance
 
 _TOKEN_UNIT = 1000.0
 _MAX_TOKENS = 10_000_000
@@ -32,8 +36,9 @@ _MAX_TTFT_S = 3600.0
 class TTFTPrior:
     """Before-data beliefs, sized for an A40-class GPU serving a ~1.5B model, plus the learner's settings.
 
-    ``weight``: how many observations the fixed priors are worth; ``engine_weight``: how many the fleet's
-    fit is worth as the prior of one engine.
+    ``weight``: how many observations the fixed priors are worth; the fleet's fit is worth between
+    ``engine_weight`` (engines that really differ) and ``max_engine_weight`` (twins: their differences are
+    within their noise) observations as the prior of one engine.
     """
 
     overhead_s: float = 0.015
@@ -42,6 +47,7 @@ class TTFTPrior:
     service_s: float = 2.0
     weight: float = 1.0
     engine_weight: float = 8.0
+    max_engine_weight: float = 4096.0
     decay: float = 0.995
     huber_k: float = 3.0
     scale_rate: float = 0.1
@@ -97,6 +103,7 @@ class EngineTTFTModel:
     observations: int = 0
     _xtx: list[list[float]] = field(default_factory=lambda: [[0.0] * 4 for _ in range(4)])
     _xty: list[float] = field(default_factory=lambda: [0.0] * 4)
+    _yty: float = 0.0
     _relative_scale: float = 0.25
     _params: TTFTParams | None = None
 
@@ -143,6 +150,7 @@ class EngineTTFTModel:
         residual = ttft_s - predicted
         weight = self._robust_weight(residual, predicted)
         keep = self.prior.decay
+        self._yty = keep * self._yty + weight * ttft_s * ttft_s
         for i in range(4):
             self._xty[i] = keep * self._xty[i] + weight * x[i] * ttft_s
             row = self._xtx[i]
@@ -199,7 +207,8 @@ class TTFTLearner:
         xty = np.array([m._xty for m in models])
         prior_mean = np.array([_coefficients(m.prior_params()) for m in models])
         fleet_precision = np.array(_precision(self.prior.weight))
-        spread = np.diag(1.0 / np.array(_precision(self.prior.engine_weight)))
+        yty = np.array([m._yty for m in models])
+        spread = np.diag(self._spread(xtx, xty, yty, prior_mean, fleet_precision))
         others = xtx.sum(axis=0) - xtx + np.diag(fleet_precision)
         rhs = xty.sum(axis=0) - xty + fleet_precision * prior_mean
         center = np.linalg.solve(others, rhs[..., None])
@@ -213,6 +222,29 @@ class TTFTLearner:
                 slot_wait_s_per_request=max(0.0, d),
             )
         self._stale = False
+
+    def _spread(self, xtx: np.ndarray, xty: np.ndarray, yty: np.ndarray, prior_mean: np.ndarray,
+                fixed_precision: np.ndarray) -> np.ndarray:
+        """Per coefficient, how far one engine's true value may sit from its fleet's, in units of the TTFT noise
+        variance that the sums are in: the between-engine variance of the engines' own fits (against the fixed
+        priors only; gateway/routing/pooling.py) over the pooled residual variance, kept between what
+        ``max_engine_weight`` and ``engine_weight`` observations at a typical size of each feature allow. Fewer
+        than two engines with data beyond their four coefficients show no difference: the narrowest spread."""
+        p = self.prior
+        widest = 1.0 / np.array(_precision(p.engine_weight))
+        narrowest = 1.0 / np.array(_precision(p.max_engine_weight))
+        counts = xtx[:, 0, 0]
+        own = counts > len(_FEATURE_SCALES) + 1
+        if own.sum() < 2:
+            return narrowest
+        a = xtx[own] + np.diag(fixed_precision)
+        estimates = np.linalg.solve(a, (xty[own] + fixed_precision * prior_mean[own])[..., None])[..., 0]
+        fitted_xty = np.einsum("ek,ek->e", estimates, xty[own])
+        fitted_xtx = np.einsum("ej,ejk,ek->e", estimates, xtx[own], estimates)
+        residual = np.maximum(0.0, yty[own] - 2 * fitted_xty + fitted_xtx).sum()
+        noise = max(residual / (counts[own] - len(_FEATURE_SCALES)).sum(), p.min_scale_s ** 2)
+        variances = noise * np.diagonal(np.linalg.inv(a), axis1=1, axis2=2)
+        return np.clip(between_engine_variance(estimates, variances) / noise, narrowest, widest)
 
     def observe(self, engine_id: str, uncached_tokens: float, queue_depth: int, ttft_s: float) -> bool:
         valid = (

@@ -166,3 +166,15 @@ def test_fleet_hit_rate_weights_by_tokens():
     big = {engine_stats.HITS: 900.0, engine_stats.QUERIES: 1000.0}
     small = {engine_stats.HITS: 0.0, engine_stats.QUERIES: 100.0}
     assert engine_stats.fleet_hit_rate([big, small, {}]) == 900.0 / 1100.0
+
+
+def test_a_routers_mean_decision_time_comes_from_its_histogram_over_replicas():
+    text = ("# TYPE kvmesh_route_decision_seconds histogram\n"
+            'kvmesh_route_decision_seconds_bucket{le="+Inf"} 4.0\n'
+            "kvmesh_route_decision_seconds_sum 0.02\nkvmesh_route_decision_seconds_count 4.0\n")
+    before = engine_stats.parse_counters(text, engine_stats.ROUTER_COUNTERS)
+    after = engine_stats.parse_counters(text.replace("0.02", "0.05").replace("4.0", "10.0"),
+                                        engine_stats.ROUTER_COUNTERS)
+    replica = engine_stats.delta(before, after)
+    assert math.isclose(engine_stats.mean_decision_ms([replica, replica]), 5.0)
+    assert math.isnan(engine_stats.mean_decision_ms([{}]))

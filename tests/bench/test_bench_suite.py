@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from bench import suite_shapes as shapes
 from bench.report import Row
 from bench.stats import RequestResult, summarize
-from bench.suite import Entry, entries, rotated
+from bench.suite import Entry, chosen_shapes, entries, rotated
 from bench.suite_report import ShapeRun, format_overall, format_shapes, fraction, overall, plot, ttft_ratios, verdicts
 from sim.profiles import get_profile
 
@@ -161,3 +161,22 @@ def test_each_shape_measures_a_different_entry_first():
     firsts = [rotated(todo, shape)[0] for shape in shapes.draw_suite(0, 4)]
     assert firsts == [todo[0], todo[1], todo[2], todo[3]]
     assert all(sorted(rotated(todo, s), key=todo.index) == todo for s in shapes.draw_suite(0, 4))
+
+
+@settings(max_examples=50, deadline=None)
+@given(seed=st.integers(0, 10_000))
+def test_a_plan_counts_its_longest_session_and_overruns_only_at_both_floors(seed):
+    shape = shapes.draw_suite(seed, 1)[0]
+    planned = shapes.plan(shape, A40, 4.0)
+    per_request = shapes.service_s(shape, A40)
+    sent = sum(len(c.user_turns) for c in planned.conversations)
+    wall = shapes.wall_s(shape, per_request, sent) * planned.time_scale
+    longest = max(len(c.user_turns) for c in planned.conversations)
+    assert wall >= per_request * planned.time_scale * longest * (1 - 1e-9)
+    at_floors = sent == shapes.REQUESTS[0] and planned.time_scale == shapes.MIN_TIME_SCALE
+    assert wall <= 4.0 * 1.01 or at_floors
+
+
+def test_one_shape_of_a_suite_is_rerun_as_drawn():
+    assert chosen_shapes(0, 6, frozenset({12})) == [shapes.draw_suite(0, 20)[11]]
+    assert chosen_shapes(0, 6) == shapes.draw_suite(0, 6)

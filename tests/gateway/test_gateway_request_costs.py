@@ -175,6 +175,46 @@ async def test_a_short_fresh_rest_is_encoded_before_routing_when_two_engines_hol
     assert all(len(blocks) == 400 // size for size, blocks in shared.chains.items())
 
 
+class FreshHead(HeadFirst):
+    """Defers every prompt as one whose first segment was never seen (``DeferredIds.fresh``)."""
+
+    async def token_ids_or_head(self, model, body, kind, defer_chars):
+        found = await super().token_ids_or_head(model, body, kind, defer_chars)
+        return dataclasses.replace(found, fresh=True)
+
+
+async def test_a_new_prefix_is_routed_on_its_head_and_encoded_after_even_when_short(monkeypatch):
+    """A new system prompt's first request goes out on its head's blocks; its rest is encoded once the answer
+    has begun, so the prefix's next request is routed on all its blocks."""
+    router = make_router(policy="kv_aware")
+    planner = router.planner
+    log: list[str] = []
+    planner.tokenizers = FreshHead(64, 400, 1500, log)
+    async with trio.open_nursery() as nursery:
+        planner._background = nursery
+        plan = await planner.plan(parse_request(STREAMED_CHAT, "chat", LimitsConfig()), {})
+        assert plan.estimated and plan.unencoded is not None and not log
+        planner.encode_rest(plan)
+    assert log == ["encoded"]
+
+
+async def test_a_long_new_prefix_whose_head_two_engines_hold_is_encoded_before_routing(monkeypatch):
+    """A prompt new to this router but not to the fleet (another replica sent it): its head alone would credit
+    its holders a fraction of what they hold, so it is encoded first, however long."""
+    router = make_router(policy="kv_aware")
+    planner = router.planner
+    log: list[str] = []
+    planner.tokenizers = FreshHead(64, 5000, DEFER_CHARS * 2, log)
+    async with trio.open_nursery() as nursery:
+        planner._background = nursery
+        first = await planner.plan(parse_request(STREAMED_CHAT, "chat", LimitsConfig()), {})
+        for engine in router.engines.all():
+            planner.cache.record_dispatch(engine.id, first.chains, trio.current_time())
+        shared = await planner.plan(parse_request(STREAMED_CHAT, "chat", LimitsConfig()), {})
+    assert log == ["encoded"]
+    assert (shared.estimated, shared.prompt_tokens, shared.unencoded) == (False, 5000, None)
+
+
 @pytest.mark.parametrize("policy", ["approximate", "kv_aware_without_events"])
 async def test_a_short_fresh_rest_is_encoded_first_where_the_router_only_knows_what_it_sent(monkeypatch, policy):
     """Without events the router knows an engine's cache only by the blocks it recorded sending there: an

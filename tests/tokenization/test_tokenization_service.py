@@ -268,3 +268,51 @@ async def test_a_prompt_is_rendered_once_whether_or_not_it_is_deferred(monkeypat
         assert isinstance(found, DeferredIds)
         await found.complete()
     assert len(renders) == 2
+
+
+async def test_a_new_long_system_prompt_is_routed_on_its_head_encoded_on_the_loop() -> None:
+    """The first request of a new 1-4k-token system prompt waited 90-555 ms for its whole encode on a busy
+    machine; its head (the first ~4 KB) finds its home and any engine holding its start."""
+    rnd = random.Random(8)
+    async with TokenizerService.open(TokenizerRegistry(default=SPEC)) as svc:
+        body = {"messages": [{"role": "system", "content": excerpt(rnd, 20_000)}, {"role": "user", "content": "hi"}]}
+        exact = all_prompt_token_ids_sync(HF, body, "chat")[0]
+        found = await svc.token_ids_or_head(None, body, "chat", defer_chars=1_024)
+        assert isinstance(found, DeferredIds) and found.fresh
+        assert 64 <= len(found.head) < len(exact) and exact[:len(found.head)] == found.head
+        assert 0.5 * len(exact) < found.estimated_tokens < 2 * len(exact)
+        assert svc.stats.thread_encodes == 0 and svc.stats.fresh_heads == 1
+        assert await found.complete() == exact
+        assert svc.stats.fresh_head_mismatches == 0
+        assert await svc.token_ids_or_head(None, body, "chat", defer_chars=1_024) == exact  # now cached
+        short = {"messages": [{"role": "system", "content": excerpt(rnd, 3_000)}, {"role": "user", "content": "hi"}]}
+        assert await svc.token_ids_or_head(None, short, "chat", defer_chars=1_024) == \
+            all_prompt_token_ids_sync(HF, short, "chat")[0]
+
+
+async def test_fresh_head_ids_begin_the_whole_segments_ids_wherever_the_text_is_cut() -> None:
+    """Source text (runs of spaces, tabs, newlines, unicode) cut at many places: the head's ids must begin the
+    whole prompt's, or it would be routed on blocks no engine will ever hold."""
+    rnd = random.Random(9)
+    async with TokenizerService.open(TokenizerRegistry(default=SPEC)) as svc:
+        for _ in range(40):
+            body = {"messages": [{"role": "system", "content": excerpt(rnd, rnd.randint(4_200, 9_000))}]}
+            found = await svc.token_ids_or_head(None, body, "chat", defer_chars=1_024)
+            assert isinstance(found, DeferredIds)
+            await found.complete()
+            svc.cache.clear(SPEC)
+        assert svc.stats.fresh_heads == 40 and svc.stats.fresh_head_mismatches == 0
+
+
+async def test_a_fresh_head_that_does_not_begin_the_whole_turns_fresh_heads_off() -> None:
+    rnd = random.Random(10)
+    async with TokenizerService.open(TokenizerRegistry(default=SPEC)) as svc:
+        body = {"messages": [{"role": "system", "content": excerpt(rnd, 9_000)}]}
+        found = await svc.token_ids_or_head(None, body, "chat", defer_chars=1_024)
+        assert isinstance(found, DeferredIds)
+        found.head[-1] += 1  # as if the cut had changed the last token
+        await found.complete()
+        assert svc.stats.fresh_head_mismatches == 1
+        other = {"messages": [{"role": "system", "content": excerpt(rnd, 9_000)}]}
+        assert await svc.token_ids_or_head(None, other, "chat", defer_chars=1_024) == \
+            all_prompt_token_ids_sync(HF, other, "chat")[0]
