@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from gateway.routing.pooling import between_engine_variance
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=20, deadline=None, derandomize=True)  # a 1% test over 400 draws: no flaky seeds
 @given(st.integers(2, 40), st.floats(1e-4, 1.0), st.integers(0, 2**32))
 def test_twins_whose_estimates_scatter_within_their_noise_mostly_show_no_spread(engines, sd, seed):
     rng = np.random.default_rng(seed)
