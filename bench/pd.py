@@ -1,11 +1,11 @@
 """``kvmesh bench pd``: prefill/decode disaggregation side by side on one simulated fleet, in one run.
 
-Four simulated engines, three setups in front of them: kvmesh with two prefill and two decode engines
-(handoff protocol), kvmesh with the four serving whole requests, and the same P/D split with round-robin
-choices (prefill and decode engines taken in turn, no index). Caches are reset before each measurement.
-Prints TTFT and inter-token latency percentiles, output throughput and why requests skipped the prefill
-leg, then judges the two claims (P/D's ITL p99 at the top concurrency; kvmesh's P choice vs round robin
-on TTFT p50), and draws TTFT and ITL against concurrency (PNG).
+Four simulated engines (two processes of two), three setups in front of them: kvmesh with two
+prefill and two decode engines (handoff protocol), kvmesh with the four serving whole requests, and the
+same P/D split with round-robin choices (prefill and decode engines taken in turn, no index). Caches are
+reset before each measurement. Prints TTFT and inter-token latency percentiles, output throughput and
+why requests skipped the prefill leg, then judges the two claims (P/D's ITL p99 at the top concurrency;
+kvmesh's P choice vs round robin on TTFT p50), and draws TTFT and ITL against concurrency (PNG).
 """
 
 from __future__ import annotations
@@ -47,6 +47,18 @@ async def all_routable(client: HttpClient, url: str, engines: int) -> None:
             if len(up) == engines:
                 return
             await trio.sleep(0.1)
+
+
+async def prefix_counters(client: HttpClient, urls: list[str]) -> tuple[float, float]:
+    """Prefix-cache (hits, queried tokens) summed over engines: how much prefill the choice of engine saved."""
+    hits = queries = 0.0
+    for url in urls:
+        for line in (await client.request(url + "/metrics")).body.decode().splitlines():
+            if line.startswith("vllm:prefix_cache_hits_total{"):
+                hits += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("vllm:prefix_cache_queries_total{"):
+                queries += float(line.rsplit(" ", 1)[1])
+    return hits, queries
 
 
 async def skip_counts(client: HttpClient, url: str) -> dict[str, int]:
@@ -106,12 +118,15 @@ async def reset_caches(client: HttpClient, urls: list[str]) -> None:
 
 async def run(args: argparse.Namespace, log_dir: Path) -> list[PdRow]:
     client = HttpClient()
-    spec = FleetSpec(engines=4, profile=args.profile, time_scale=args.time_scale, num_blocks=args.num_blocks,
+    spec = FleetSpec(engines=2, profile=args.profile, time_scale=args.time_scale, num_blocks=args.num_blocks,
                      max_num_seqs=args.max_num_seqs)
     workload = PdWorkload(documents=args.documents, doc_tokens=(args.doc_min, args.doc_max), seed=args.seed)
     docs = workload.docs()
     rows: list[PdRow] = []
-    async with sim_fleet(client, spec, log_dir) as urls:
+    # Two processes of two engines: a simulated engine's own CPU (hashing a 16k-token prompt's blocks) stalls
+    # the other engines of its process, so prefill engines must not share one with decode engines.
+    async with sim_fleet(client, spec, log_dir) as first, sim_fleet(client, spec, log_dir) as second:
+        urls = first + second
         for name, policy, roles in SETUPS:
             config = router_config(log_dir / f"router-{policy}-{roles[0]}.toml", urls, roles)
             async with router(client, [], policy, log_dir, extra_args=["--config", str(config)]) as url:
@@ -120,12 +135,14 @@ async def run(args: argparse.Namespace, log_dir: Path) -> list[PdRow]:
                     await reset_caches(client, urls)
                     count = args.requests or max(8, 2 * concurrency)
                     bodies = workload.requests(count, docs, MODEL, offset=concurrency * 1000)
-                    before = await skip_counts(client, url)
+                    prefilling = [u for u, role in zip(urls, roles, strict=True) if role != "decode"]
+                    before, counted = await skip_counts(client, url), await prefix_counters(client, prefilling)
                     runs, wall = await closed_loop(client, url, bodies, concurrency, args.timeout)
-                    after = await skip_counts(client, url)
+                    after, (hits, queries) = await skip_counts(client, url), await prefix_counters(client, prefilling)
                     skipped = {k.removeprefix("skipped_"): after[k] - before.get(k, 0) for k in after
                                if k != "disaggregated" and after[k] - before.get(k, 0)}
-                    row = summarize(name, concurrency, runs, wall, skipped)
+                    hit_rate = (hits - counted[0]) / max(queries - counted[1], 1.0)
+                    row = summarize(name, concurrency, runs, wall, skipped, hit_rate)
                     print(format_rows([row]).splitlines()[1], file=sys.stderr, flush=True)
                     rows.append(row)
     return rows

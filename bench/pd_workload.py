@@ -75,27 +75,32 @@ class PdRow:
     itl_p99: float
     tokens_per_s: float
     skipped: dict[str, int]
+    hit_rate: float = 0.0
+    """Share of the prompt tokens sent to prefilling engines (prefill engines, or all four aggregated) that
+    they found in their prefix cache."""
 
 
-def summarize(setup: str, concurrency: int, runs: list[StreamTimes], wall: float, skipped: dict[str, int]) -> PdRow:
+def summarize(setup: str, concurrency: int, runs: list[StreamTimes], wall: float, skipped: dict[str, int],
+              hit_rate: float = 0.0) -> PdRow:
     good = [r for r in runs if r.ok and r.tokens]
     ttfts = [r.ttft for r in good if r.ttft is not None]
     gaps = [g for r in good for g in r.gaps()]
     return PdRow(setup, concurrency, len(runs), len(runs) - len(good), percentile(ttfts, 50), percentile(ttfts, 99),
                  percentile(gaps, 50), percentile(gaps, 99),
-                 sum(r.output_tokens for r in good) / wall if wall > 0 else math.nan, skipped)
+                 sum(r.output_tokens for r in good) / wall if wall > 0 else math.nan, skipped, hit_rate)
 
 
 def format_rows(rows: list[PdRow]) -> str:
     head = (f"{'setup':<22} {'c':>3} {'req':>4} {'err':>3} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
-            f"{'ITL p99':>8} {'out tok/s':>10}  P leg skipped (why)")
+            f"{'ITL p99':>8} {'out tok/s':>10} {'hit %':>6}  P leg skipped (why)")
     lines = [head]
     for r in rows:
         skipped = ", ".join(f"{k} {v}" for k, v in sorted(r.skipped.items())) or "-"
         lines.append(f"{r.setup:<22} {r.concurrency:>3} {r.requests:>4} {r.errors:>3} {r.ttft_p50 * 1e3:>9.0f} "
                      f"{r.ttft_p99 * 1e3:>9.0f} {r.itl_p50 * 1e3:>8.1f} {r.itl_p99 * 1e3:>8.1f} "
-                     f"{r.tokens_per_s:>10.0f}  {skipped}")
-    lines.append("(TTFT and ITL in ms of wall time, measured at the client through the router)")
+                     f"{r.tokens_per_s:>10.0f} {r.hit_rate * 100:>6.1f}  {skipped}")
+    lines.append("(TTFT and ITL in ms of wall time, measured at the client through the router; hit %: prompt "
+                 "tokens the prefilling engines served from cache)")
     return "\n".join(lines)
 
 

@@ -16,7 +16,7 @@ from gateway import http_app, tracing
 from gateway.admin import AdminApi, handle_admin
 from gateway.config import RouterConfig
 from gateway.continuation import ContinuationSpec
-from gateway.disaggregation.flow import Disaggregation, PdRoute, explain, overlaps_of
+from gateway.disaggregation.flow import Disaggregation, PdRoute, explain
 from gateway.engines import EngineRegistry, EngineState
 from gateway.fleet import Fleet
 from gateway.gatekeeper import Gatekeeper
@@ -284,7 +284,7 @@ class Router:
     def _pd_route(self, plan: Plan) -> PdRoute | None:
         """The request's prefill/decode route in a disaggregated fleet; None otherwise."""
         return self.disaggregation.route(self.engines.for_model(plan.parsed.model), plan.engines,
-                                         overlaps_of(plan.decision.table), plan.counted_tokens, plan.parsed.body)
+                                         plan.decision.table, plan.counted_tokens, plan.parsed.body)
 
     async def _proxy(self, plan: Plan, pd: PdRoute | None, exchange: Exchange, detailed: bool) -> ProxyResult:
         if pd is None:

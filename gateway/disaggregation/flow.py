@@ -26,6 +26,7 @@ from gateway.engines import EngineState
 from gateway.metrics import RouterMetrics
 from gateway.proxy import Exchange, Forward, ProxyResult, UpstreamFailure
 from gateway.routing import public_engine_name
+from gateway.routing.types import CandidateScore
 
 log = logging.getLogger("kvmesh.pd")
 PD_HEADER = b"x-kvmesh-pd"
@@ -47,14 +48,16 @@ class Disaggregation:
         self.config = config
         self.metrics = metrics
 
-    def route(self, fleet: list[EngineState], ranked: list[EngineState], overlaps: dict[str, int],
+    def route(self, fleet: list[EngineState], ranked: list[EngineState], table: list[CandidateScore],
               prompt_tokens: int, body: dict[str, Any]) -> PdRoute | None:
         """The P/D route of a request whose candidates are ``ranked`` (the routing decision's order) among the
         model's ``fleet``; None when that fleet is not disaggregated (no prefill-only engine)."""
         if not disaggregated([e.config.role for e in fleet]):
             return None
-        members = [Member(e.id, e.config.role, e.config.kv_protocol, overlaps.get(e.id, 0), e.block_size)
-                   for e in ranked]
+        scores = {score.engine: score for score in table}
+        members = [Member(e.id, e.config.role, e.config.kv_protocol,
+                          scores[e.id].overlap_tokens if e.id in scores else 0, e.block_size,
+                          scores[e.id].ttft_s if e.id in scores else 0.0) for e in ranked]
         n = body.get("n")
         choice = choose(members, prompt_tokens, n if type(n) is int else 1, self.config)
         by_id = {e.id: e for e in ranked}
@@ -91,8 +94,6 @@ class Disaggregation:
 
         def body_for(engine: EngineState) -> bytes:
             first, state["first"] = state["first"], False
-            if not handed:
-                return plain
             if not first:
                 self.metrics.pd_handoffs.labels("retried_without_params").inc()
                 return plain
@@ -153,11 +154,6 @@ class Disaggregation:
             return f"prefill=none; outcome={outcome}".encode()
         name = prefill if detailed else public_engine_name(prefill)
         return f"prefill={name}; protocol={choice.protocol}; outcome={outcome}".encode()
-
-
-def overlaps_of(table: list[Any]) -> dict[str, int]:
-    """Leading prompt tokens each engine holds, from the routing decision's explanation rows."""
-    return {score.engine: score.overlap_tokens for score in table}
 
 
 def explain(route: PdRoute | None) -> dict[str, Any] | None:

@@ -69,6 +69,12 @@ def test_the_decider_skips_the_prefill_leg_only_when_it_cannot_help():
     assert not disaggregated(["both", "decode"]) and disaggregated(["prefill", "both"])
 
 
+def test_prefill_engines_are_ordered_by_their_estimated_prefill_not_by_whole_request_rank():
+    busy_holder = Member("p1", "prefill", "handoff", overlap_tokens=3000, ttft_s=2.5)  # ranked first overall
+    idle = Member("p2", "prefill", "handoff", overlap_tokens=0, ttft_s=0.4)
+    assert choose([D1, busy_holder, idle], 4000, 1, CONFIG).prefill == ["p2", "p1"]
+
+
 members = st.lists(st.builds(Member, st.sampled_from(["a", "b", "c", "d", "e"]),
                              st.sampled_from(["prefill", "decode", "both"]), st.sampled_from(["handoff", "opaque"]),
                              st.integers(0, 10_000)), min_size=1, max_size=6, unique_by=lambda m: m.id)
