@@ -96,6 +96,8 @@ class EngineOptions:
     log_dir: Path = LOG_DIR
     startup_timeout: float = 300.0
     stop_grace: float = 15.0
+    kv_transfer_config: dict[str, object] | None = None
+    """vLLM's ``--kv-transfer-config`` (a KV connector and its role), for prefill/decode pairs."""
 
 
 @dataclass
@@ -156,6 +158,8 @@ class VllmEngine:
         ]
         if opts.num_gpu_blocks is not None:
             cmd += ["--num-gpu-blocks-override", str(opts.num_gpu_blocks)]
+        if opts.kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(opts.kv_transfer_config)]
         return cmd
 
     def environment(self) -> dict[str, str]:
@@ -341,7 +345,13 @@ def vllm_engines(
     count: int, options: EngineOptions | None = None, prefix: str = "vllm"
 ) -> Iterator[list[VllmEngine]]:
     """Start ``count`` engines together, wait until all are healthy, stop them all on exit."""
-    engines = plan_engines(count, options or EngineOptions(), prefix)
+    with running(plan_engines(count, options or EngineOptions(), prefix)) as engines:
+        yield engines
+
+
+@contextmanager
+def running(engines: list[VllmEngine]) -> Iterator[list[VllmEngine]]:
+    """Start planned engines (each with options of its own) together; stop them all on exit."""
     try:
         for engine in engines:
             engine.start()

@@ -22,6 +22,8 @@ from events.discovery import check_topic
 from gateway.admission.config import AdmissionConfig
 from gateway.body_limits import LimitsConfig
 from gateway.config_errors import ConfigError
+from gateway.disaggregation.config import PdConfig
+from gateway.disaggregation.roles import check_protocol, check_role
 from gateway.security.config import AuthConfig, TenantConfig, validate_security
 from tokenization.worker import default_workers
 
@@ -80,6 +82,10 @@ class EngineConfig:
     block_size: int | None = None
     curve_server_key: str | None = None
     """The event publisher's CURVE public key (Z85): its events are read over CURVE (events/curve.py)."""
+    role: str = "both"
+    """prefill | decode | both (gateway/disaggregation/roles.py)."""
+    kv_protocol: str = "handoff"
+    """How its KV cache is handed over in a prefill/decode pair: handoff | opaque."""
 
     def validate(self, where: str) -> None:
         try:
@@ -101,10 +107,11 @@ class EngineConfig:
                 raise ConfigError(f"{where}.{key}: expected a tcp:// or ipc:// ZeroMQ endpoint, got {value!r}")
         if self.block_size is not None and self.block_size <= 0:
             raise ConfigError(f"{where}.block_size: must be positive")
-        try:
-            check_engine_label("island", self.island)
-        except ValueError as exc:
-            raise ConfigError(f"{where}.island: {exc}") from None
+        for key, check in (("island", check_engine_label), ("role", check_role), ("kv_protocol", check_protocol)):
+            try:
+                check(key, getattr(self, key))
+            except ValueError as exc:
+                raise ConfigError(f"{where}.{key}: {exc}") from None
 
 
 @dataclass
@@ -158,6 +165,7 @@ class RouterConfig:
     tracing: TracingConfig = field(default_factory=TracingConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     autoscaler: AutoscaleConfig = field(default_factory=AutoscaleConfig)
+    pd: PdConfig = field(default_factory=PdConfig)
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -192,6 +200,7 @@ class RouterConfig:
         self.admission.validate("admission")
         self.tracing.validate()
         self.limits.validate("limits")
+        self.pd.validate("pd")
         try:
             self.autoscaler.validate()  # the autoscaler's own rules name the key; this makes them a ConfigError
         except ValueError as exc:

@@ -69,12 +69,15 @@ def registry_settings(entry: dict[str, Any]) -> dict[str, Any]:
     return settings
 
 
-ENGINE_FIELDS = ("url", "model", "events", "replay", "topic", "block_size", "curve_server_key")
+ENGINE_FIELDS = ("url", "model", "events", "replay", "topic", "block_size", "curve_server_key", "role",
+                 "kv_protocol")
 """What an engine's registry entry carries beside its admin state: all of its EngineConfig, so an engine
 added on one replica is read the same way on every other (its event endpoints, topic, model, block size
 and CURVE server key; before, only the URL travelled and CURVE was silently off elsewhere). None of it is
 a secret: the server key is the publisher's public key, and each replica reads events with the key pair in
-its own ``events_curve_secret_file`` (a secret by reference: a replica without one refuses the channel)."""
+its own ``events_curve_secret_file`` (a secret by reference: a replica without one refuses the channel).
+The role and KV protocol travel too: a replica that took a prefill engine for a whole-request one would
+send it decodes."""
 
 
 def registry_entry(engine: EngineState) -> dict[str, Any]:

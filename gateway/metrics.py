@@ -67,6 +67,16 @@ class RouterMetrics:
                                                   "Deferred encodes of a prompt's fresh rest that failed after "
                                                   "the request went out (the next turn misses that rest)",
                                                   ["reason"], registry=r)
+        self.engine_role = Gauge("kvmesh_engine_role", "1 for the role each engine plays: prefill, decode, both",
+                                 ["engine", "role"], registry=r)
+        self.pd_requests = Counter("kvmesh_pd_requests", "Requests of a disaggregated fleet: disaggregated, "
+                                   "prefill_failed (served whole on decode) or skipped_<why>", ["outcome"],
+                                   registry=r)
+        self.pd_handoffs = Counter("kvmesh_pd_handoffs", "Decode legs of the handoff protocol by what their "
+                                   "attempts carried: sent, missing_params, lease_expired, retried_without_params,"
+                                   " unpaired_decode", ["outcome"], registry=r)
+        self.pd_leg_failures = Counter("kvmesh_pd_leg_failures", "Failed prefill-leg attempts (the client never "
+                                       "sees them)", ["leg", "cause"], registry=r)
         self._refresh: Callable[[RouterMetrics], None] = lambda metrics: None
 
     def forget_engine(self, engine_id: str) -> None:
@@ -74,7 +84,7 @@ class RouterMetrics:
         with an autoscaler adding and removing engines all day, series of engines long gone would otherwise
         grow the scrape (and this process) without bound."""
         per_engine = (self.ttft, self.upstream_errors, self.in_flight, self.engine_healthy, self.breaker_state,
-                      self.index_blocks, self.confidence)
+                      self.index_blocks, self.confidence, self.engine_role)
         for metric in (*per_engine, *ENGINE_COUNTERS):
             metric.remove_by_labels({"engine": engine_id})
 

@@ -205,6 +205,9 @@ class Exchange:
     is_stream: bool
     continuation: ContinuationSpec | None = None
     """Set for a stream that may be continued on another engine when it breaks."""
+    body_for: Callable[[EngineState], bytes] | None = None
+    """The body of each attempt, when it depends on the engine and the moment (a decode leg carries the
+    prefill's handoff only to its first engine, and only within the lease)."""
 
 
 @dataclass
@@ -324,7 +327,8 @@ async def _attempt(engine: EngineState, exchange: Exchange, result: ProxyResult,
                    start: float, candidates: list[EngineState]) -> bool | ErrorAnswer:
     try:
         headers = tracing.inject(exchange.headers)
-        upstream = await engine.pool.request(exchange.method, exchange.target, exchange.body, headers,
+        body = exchange.body if exchange.body_for is None else exchange.body_for(engine)
+        upstream = await engine.pool.request(exchange.method, exchange.target, body, headers,
                                              exchange.timeouts.connect, exchange.timeouts.first_byte,
                                              exchange.timeouts.send)
     except UpstreamTimeout as exc:

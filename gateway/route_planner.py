@@ -398,11 +398,18 @@ class RoutePlanner:
         """The request passed admission and goes to its first choice: remember the prompt's blocks there
         until the engine's events confirm them, so a burst of siblings does not race ahead of the events."""
         self.policy.dispatched(plan.decision, plan.engines[0].id)
+        self._record_dispatch(plan, plan.engines[0].id)
+
+    def dispatched_prefill(self, plan: Plan, engines: list[EngineState]) -> None:
+        """A prefill leg will compute the prompt there too: remember its blocks on that engine as well."""
+        for engine in engines:
+            self._record_dispatch(plan, engine.id)
+
+    def _record_dispatch(self, plan: Plan, engine_id: str) -> None:
         if plan.chains:
-            engine = plan.engines[0].id
-            keys, ttl = self.cache.record_dispatch(engine, plan.chains, trio.current_time())
+            keys, ttl = self.cache.record_dispatch(engine_id, plan.chains, trio.current_time())
             if keys and self.share_dispatch is not None:
-                self.share_dispatch(engine, keys, ttl)
+                self.share_dispatch(engine_id, keys, ttl)
 
     def observe(self, plan: Plan, result: ProxyResult) -> None:
         """Feed the measured time to first byte back into the cost model of the engine that served it.

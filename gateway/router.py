@@ -17,14 +17,24 @@ from gateway.admin import AdminApi, handle_admin
 from gateway.asgi_server import HANGUP_EXTENSION
 from gateway.config import RouterConfig
 from gateway.continuation import ContinuationSpec
+from gateway.disaggregation.flow import Disaggregation, PdRoute, explain
 from gateway.engines import EngineRegistry, EngineState
 from gateway.fleet import Fleet
 from gateway.gatekeeper import Gatekeeper
 from gateway.metrics import RouterMetrics
 from gateway.openai_errors import ApiError, error_type, sse_error_event
-from gateway.proxy import Attempt, Exchange, Forward, Timeouts, UpstreamFailure, forward, report_continued
+from gateway.proxy import (
+    Attempt,
+    Exchange,
+    Forward,
+    ProxyResult,
+    Timeouts,
+    UpstreamFailure,
+    forward,
+    report_continued,
+)
 from gateway.request_body import Kind, check_body_headers, parse_request
-from gateway.route_planner import RoutePlanner
+from gateway.route_planner import Plan, RoutePlanner
 from mesh.node import MeshNode
 from tokenization.worker import REQUESTER
 
@@ -59,6 +69,7 @@ class Router:
         self.mesh = mesh
         self.admin = admin
         self.forward = forward
+        self.disaggregation = Disaggregation(config.pd, metrics)
         self.timeouts = Timeouts(config.connect_timeout_s, config.first_byte_timeout_s, config.idle_timeout_s)
         self.active_requests = 0
         self.shutting_down = False
@@ -75,7 +86,9 @@ class Router:
                       metrics.confidence)
         _drop_labels(per_engine, self._exported_engines - {e.id for e in engines})
         self._exported_engines = {e.id for e in engines}
+        metrics.engine_role.clear()
         for engine in engines:
+            metrics.engine_role.labels(engine.id, engine.config.role).set(1)
             metrics.in_flight.labels(engine.id).set(engine.in_flight)
             metrics.engine_healthy.labels(engine.id).set(1 if engine.routable else 0)
             metrics.breaker_state.labels(engine.id).set(engine.health.breaker.state_code(now))
@@ -153,7 +166,7 @@ class Router:
             self.gate.precheck(tenant, priority, self.engines.for_model(parsed.model))
             plan = await self.planner.plan(parsed, headers)
             self.gate.admit(tenant, priority, parsed, plan.charged_tokens, plan.engines)
-            await http_app.send_json(send, 200, plan.explain())
+            await http_app.send_json(send, 200, {**plan.explain(), "pd": explain(self._pd_route(plan))})
             return 200
         if method == "HEAD" and path in HEAD_PATHS:
             method, send = "GET", _without_body(send)
@@ -211,6 +224,10 @@ class Router:
             plan = await self.planner.plan(parsed, headers)
             span.set_attribute("gen_ai.usage.input_tokens", plan.prompt_tokens)
             self.gate.admit(tenant, priority, parsed, plan.charged_tokens, plan.engines)
+            pd = self._pd_route(plan)
+            if pd is not None:
+                plan.engines = pd.decode  # the request is served there; prefill-only engines never decode
+                self.planner.dispatched_prefill(plan, pd.prefill[:1])
             self.planner.dispatched(plan)
             upstream_headers = [*forwarded_headers(headers), ("x-request-id", request_id)]
             detailed = self.gate.sees_cache_state(headers)
@@ -226,10 +243,10 @@ class Router:
                 with cut:
                     result = await _forward_until_disconnect(
                         scope, receive, response, lambda: self.planner.encode_rest(plan),
-                        lambda send_: self.forward(plan.engines, Exchange("POST", scope["path"], plan.parsed.raw,
+                        lambda send_: self._proxy(plan, pd, Exchange("POST", scope["path"], plan.parsed.raw,
                                                                      upstream_headers, send_, self.timeouts,
                                                                      route_header, parsed.stream, continuation),
-                                              self.config.max_attempts),
+                                                  detailed),
                     )
                 if cut.cancelled_caught:
                     raise ApiError(503, "the router shut down before the answer was complete; retry the request",
@@ -251,7 +268,8 @@ class Router:
             for attempt in result.attempts:
                 if attempt.outcome != "ok":
                     self.metrics.upstream_errors.labels(attempt.engine, attempt.outcome.split(" ")[0]).inc()
-            self.planner.observe(plan, result)
+            if pd is None or not pd.prefill:  # a decode leg's first token is no prefill to learn from
+                self.planner.observe(plan, result)
             if result.continuations:
                 final = plan.header(result.continuations[-1].to_engine or "", len(result.attempts))
                 report_continued(self.metrics, request_id, result.continuations, final)
@@ -265,6 +283,17 @@ class Router:
             return result.status
         finally:
             self.active_requests -= 1
+
+    def _pd_route(self, plan: Plan) -> PdRoute | None:
+        """The request's prefill/decode route in a disaggregated fleet; None otherwise."""
+        return self.disaggregation.route(self.engines.for_model(plan.parsed.model), plan.engines,
+                                         plan.decision.table, plan.counted_tokens, plan.parsed.body)
+
+    async def _proxy(self, plan: Plan, pd: PdRoute | None, exchange: Exchange, detailed: bool) -> ProxyResult:
+        if pd is None:
+            return await self.forward(plan.engines, exchange, self.config.max_attempts)
+        return await self.disaggregation.serve(pd, plan.parsed.body, plan.parsed.raw, exchange, self.forward,
+                                               self.config.max_attempts, detailed)
 
 
 def _attempt_records(attempts: list[Attempt]) -> list[dict[str, Any]]:

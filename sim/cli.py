@@ -7,6 +7,7 @@ import json
 import logging
 import signal
 import sys
+from dataclasses import replace
 
 import trio
 import zmq
@@ -14,6 +15,7 @@ import zmq
 from sim.config import EngineConfig, FleetConfig
 from sim.fleet import describe, run_fleet
 from sim.profiles import DEFAULT_PROFILE, PROFILES
+from sim.roles import ROLES
 from tokenization.registry import DEFAULT_TOKENIZER_DIR
 
 READY_PREFIX = "KVMESH_SIM_READY "
@@ -43,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-alive-race", type=float, default=0.0,
                    help="a request on a reused connection arriving this long before the keep-alive close is "
                         "reset, as when it races uvicorn's close")
+    p.add_argument("--role", default="both", help="prefill | decode | both, or one per engine, comma-separated: "
+                   "a prefill engine answers a handoff request with kv_transfer_params, a decode engine loads them")
+    p.add_argument("--kv-lease", type=float, default=30.0, help="seconds a prefill engine holds handed-over blocks")
     p.add_argument("--log-level", default="WARNING")
     return p
 
@@ -61,8 +66,14 @@ def config_from_args(args: argparse.Namespace) -> FleetConfig:
         topic=args.topic, hash_seed=args.seed_hash, buffer_steps=args.buffer_steps,
         keep_alive_s=args.keep_alive, keep_alive_race_s=args.keep_alive_race,
     )
+    roles = [r.strip() for r in args.role.split(",")]
+    if any(r not in ROLES for r in roles) or len(roles) not in (1, args.engines):
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, once or once per engine")
+    if args.kv_lease <= 0:
+        raise ValueError("kv-lease must be positive")
+    engine = replace(engine, kv_lease_s=args.kv_lease)
     return FleetConfig(engines=args.engines, base_port=args.base_port, event_base_port=args.event_base_port,
-                       replay_base_port=args.replay_base_port, engine=engine)
+                       replay_base_port=args.replay_base_port, engine=engine, roles=tuple(roles))
 
 
 async def run(config: FleetConfig) -> None:

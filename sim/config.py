@@ -34,6 +34,10 @@ class EngineConfig:
     keep_alive_s: float = 5.0
     keep_alive_race_s: float = 0.0
     """Requests on a reused connection arriving this close to the keep-alive close lose the race to it."""
+    role: str = "both"
+    """prefill | decode | both: the engine's side of a disaggregated pair (sim/roles.py)."""
+    kv_lease_s: float = 30.0
+    """How long a prefill engine holds handed-over blocks (vLLM's ``kv_lease_duration``)."""
     stream_interval: int = 1
     """Tokens per streamed event, as vLLM's ``--stream-interval``: the first and the last token go out at
     once, the others in groups of this many (speculative decoding also puts several tokens in one event)."""
@@ -49,13 +53,18 @@ class FleetConfig:
     event_base_port: int | None = None
     replay_base_port: int | None = None
     engine: EngineConfig = EngineConfig()
+    roles: tuple[str, ...] = ()
+    """One role for every engine, or one per engine (empty: the engine config's)."""
+
+    def _role(self, i: int) -> str:
+        return self.roles[i % len(self.roles)] if self.roles else self.engine.role
 
     def engine_configs(self) -> list[EngineConfig]:
         if self.base_port == 0:
-            return [replace(self.engine, index=i, port=0, event_port=0, replay_port=0)
+            return [replace(self.engine, index=i, port=0, event_port=0, replay_port=0, role=self._role(i))
                     for i in range(self.engines)]
         ev = self.event_base_port if self.event_base_port is not None else self.base_port + 1000
         rp = self.replay_base_port if self.replay_base_port is not None else self.base_port + 2000
-        return [replace(self.engine, index=i, port=self.base_port + i, event_port=ev + i, replay_port=rp + i)
-                for i in range(self.engines)]
+        return [replace(self.engine, index=i, port=self.base_port + i, event_port=ev + i, replay_port=rp + i,
+                        role=self._role(i)) for i in range(self.engines)]
 

@@ -43,6 +43,7 @@ from sim.openai_api import (
 )
 from sim.profiles import get_profile
 from sim.publisher import EventPublisher
+from sim.roles import handoff_params, loadable_tokens, remote_load, transfer_s, wants_handoff
 from sim.tokenizer import SimTokenizer
 from tokenization.messages import RenderError
 
@@ -66,6 +67,13 @@ class Faults:
     """Streams end with vLLM's mid-stream SSE error event (then ``[DONE]``) after this many tokens (0: never)."""
     die_after: int = 0
     """The engine dies (as with ``die``) once a request has generated this many tokens (0: never)."""
+    hold_s: float = 0.0
+    """Plain (non-streamed) answers leave this long after their generation ended, as over a congested link."""
+    fail_kv_load: bool = False
+    """Every load of a prefill engine's blocks fails (an error finish), whatever its lease."""
+    omit_handoff: bool = False
+    """A prefill engine answers a handoff request without ``kv_transfer_params`` (as vLLM does for a request
+    its connector did not keep blocks for)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +116,7 @@ class SimEngine:
         st = self.core.stats
         return Snapshot(len(self.core.running), len(self.core.waiting), self.core.cache.usage,
                         st.prefix_queries, st.prefix_hits, st.prompt_tokens, st.generation_tokens,
-                        st.preemptions, dict(self.success))
+                        st.preemptions, dict(self.success), st.external_queries, st.external_hits)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -261,6 +269,11 @@ class SimEngine:
                     if type(body[key]) is not int or body[key] < 0:
                         raise ValueError(f"{key} must be a token count >= 0")
                     setattr(f, key, body[key])
+            if "hold" in body:
+                f.hold_s = max(float(body["hold"]), 0.0)
+            for key in ("fail_kv_load", "omit_handoff"):
+                if key in body:
+                    setattr(f, key, bool(body[key]))
             if "stall" in body:
                 f.stall_s = max(float(body["stall"]), 0.0)
                 self._wakeup()
@@ -311,6 +324,11 @@ class SimEngine:
         ids = self._prompt_ids(body, chat)
         sreq = self._make_request(params, ids)
         head = ResponseHead(new_id(chat), int(time.time()), self.cfg.model, chat)
+        load = remote_load(body, time.time()) if self.cfg.role != "prefill" else None
+        if load is not None:
+            if load.expired or self.faults.fail_kv_load:
+                return self._failed_load(head, params)
+            sreq.external_tokens = loadable_tokens(load, len(ids), self.cfg.block_size)
         if params.stream:
             return HttpResponse(200, content_type=SSE, stream=self._stream(head, sreq, params))
         texts: list[str] = []
@@ -320,7 +338,33 @@ class SimEngine:
             last = out
         assert last is not None and last.finish_reason is not None
         use = usage(len(ids), len(texts), last.cached_tokens)
-        return HttpResponse(200, head.full_response("".join(texts), last.finish_reason, use))
+        asked = self.cfg.role != "decode" and wants_handoff(body) and not self.faults.omit_handoff
+        extra = self._handoff(sreq) if asked else None
+        await trio.sleep(self.faults.hold_s)
+        return HttpResponse(200, head.full_response("".join(texts), last.finish_reason, use, extra))
+
+    def _handoff(self, sreq: SimRequest) -> dict[str, Any]:
+        """A prefill answer's ``kv_transfer_params``: the prompt's cached blocks, held for the lease."""
+        assert sreq.hasher is not None and self.info is not None
+        ids = sreq.prompt_ids
+        blocks = self.core.cache.find_cached_prefix(sreq.hasher.hashes, len(ids) // self.cfg.block_size)
+        return handoff_params(f"sim-{self.info.port}", sreq.request_id, self.cfg.host, self.info.port,
+                              [b.block_id for b in blocks], len(ids), self.cfg.kv_lease_s)
+
+    def _failed_load(self, head: ResponseHead, params: GenParams) -> HttpResponse:
+        """vLLM's answer to a request whose KV load failed (``kv_load_failure_policy = "fail"``)."""
+        self.success["error"] = self.success.get("error", 0) + 1
+        error = ApiError("Internal server error", status=500)
+        if not params.stream:
+            return HttpResponse(500, error.body())
+
+        async def events() -> AsyncIterator[bytes]:
+            if head.chat:
+                yield head.role_chunk()
+            yield sse(json.loads(error.body()))
+            yield DONE
+
+        return HttpResponse(200, content_type=SSE, stream=events())
 
     async def _stream(self, head: ResponseHead, sreq: SimRequest, params: GenParams) -> AsyncIterator[bytes]:
         n = 0
@@ -353,6 +397,9 @@ class SimEngine:
         finished = False
         try:
             await trio.sleep(self.profile.frontend_s * self.cfg.time_scale * self.faults.slow)
+            if sreq.external_tokens:  # a decode engine pulls the prefill's blocks instead of computing them
+                await trio.sleep(transfer_s(self.profile, sreq.external_tokens) * self.cfg.time_scale
+                                 * self.faults.slow)
             self._channels[sreq.request_id] = send
             self.core.add(sreq)
             self._wakeup()

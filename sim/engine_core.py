@@ -41,6 +41,8 @@ class SimRequest:
     cached_tokens: int | None = None
     hasher: BlockHasher | None = None
     aborted: bool = False
+    external_tokens: int = 0
+    """Leading prompt tokens a decode engine loads from a prefill engine instead of computing (sim/roles.py)."""
 
     @property
     def num_tokens(self) -> int:
@@ -77,6 +79,8 @@ class CoreStats:
     preemptions: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    external_queries: int = 0
+    external_hits: int = 0
 
 
 class EngineCore:
@@ -188,21 +192,25 @@ class EngineCore:
         max_hit_blocks = (req.num_tokens - 1) // self.block_size
         hit = self.cache.find_cached_prefix(hashes, max_hit_blocks)
         hit_tokens = len(hit) * self.block_size
-        num_new = min(req.num_tokens - hit_tokens, budget)
-        need = -(-(hit_tokens + num_new) // self.block_size) - len(hit)
+        loaded = max(0, req.external_tokens - hit_tokens) if not req.output_ids else 0
+        num_new = min(req.num_tokens - hit_tokens - loaded, budget)
+        need = -(-(hit_tokens + loaded + num_new) // self.block_size) - len(hit)
         if need + self.cache.evictable_among(hit) > self.cache.num_free:
             return None
         self.cache.touch(hit)
         got = self.cache.allocate(need)
         assert got is not None
         req.blocks = hit + got
-        req.num_computed = hit_tokens
+        req.num_computed = hit_tokens + loaded
         req.num_cached_blocks = len(hit)
         if req.cached_tokens is None:
-            req.cached_tokens = hit_tokens
+            req.cached_tokens = hit_tokens + loaded
             self.stats.prefix_queries += req.num_tokens
             self.stats.prefix_hits += hit_tokens
             self.stats.prompt_tokens += req.num_tokens
+            if req.external_tokens:
+                self.stats.external_queries += req.num_tokens - hit_tokens
+                self.stats.external_hits += loaded
         if req.report_full and hit:
             self.cache.announce_reused(hashes[: len(hit)], req.all_token_ids(), self._extra_keys(req, len(hit)))
         return num_new

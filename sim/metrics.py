@@ -53,6 +53,8 @@ class Snapshot:
     generation_tokens: int
     preemptions: int
     success: dict[str, int]
+    external_queries: int = 0
+    external_hits: int = 0
 
 
 class EngineMetrics:
@@ -93,6 +95,11 @@ class EngineMetrics:
         yield self._counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                             s.prefix_hits)
         yield self._counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens.", s.prefix_hits)
+        yield self._counter("vllm:external_prefix_cache_queries", "External prefix cache queries from KV "
+                            "connector cross-instance cache sharing, in terms of number of queried tokens.",
+                            s.external_queries)
+        yield self._counter("vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector "
+                            "cross-instance cache sharing, in terms of number of cached tokens.", s.external_hits)
         yield self._counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
                             s.preemptions)
         yield self._counter("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens)

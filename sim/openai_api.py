@@ -162,7 +162,8 @@ class ResponseHead:
         obj["usage"] = use
         return sse(obj)
 
-    def full_response(self, text: str, finish_reason: str, use: dict[str, Any]) -> bytes:
+    def full_response(self, text: str, finish_reason: str, use: dict[str, Any],
+                      kv_transfer_params: dict[str, Any] | None = None) -> bytes:
         if self.chat:
             choice: dict[str, Any] = {
                 "index": 0,
@@ -179,7 +180,7 @@ class ResponseHead:
             obj = "text_completion"
         return dumps({"id": self.id, "object": obj, "created": self.created, "model": self.model,
                       "choices": [choice], "service_tier": None, "system_fingerprint": None, "usage": use,
-                      "prompt_logprobs": None, "kv_transfer_params": None})
+                      "prompt_logprobs": None, "kv_transfer_params": kv_transfer_params})
 
 
 def models_body(model: str, root: str, max_model_len: int, created: int) -> bytes:

@@ -38,6 +38,11 @@ class Profile:
     """Cost per context token read by decoding sequences (memory bandwidth)."""
     max_num_batched_tokens: int
     """Token budget of one step (chunked prefill splits longer prompts)."""
+    kv_bytes_per_token: float = 28_672.0
+    """KV cache bytes of one token, what a decode engine pulls from a prefill engine (sim/roles.py): layers x
+    2 (K and V) x KV heads x head dim x 2 bytes; Qwen2.5-1.5B: 28 x 2 x 2 x 128 x 2."""
+    link_bytes_per_s: float = 25e9
+    """The prefill-to-decode link (200 Gb/s RDMA): a 4k-token prompt's 117 MB take 4.7 ms on it."""
 
 
 PROFILES: dict[str, Profile] = {
@@ -62,6 +67,8 @@ PROFILES: dict[str, Profile] = {
             decode_seq_s=4.0e-4,
             kv_read_token_s=1.0e-7,
             max_num_batched_tokens=8192,
+            kv_bytes_per_token=327_680.0,  # 80 layers x 2 x 8 KV heads x 128 x 2 bytes
+            link_bytes_per_s=50e9,
         ),
         Profile(
             name="fast",

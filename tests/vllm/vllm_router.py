@@ -103,6 +103,10 @@ class RouterClient:
         finally:
             conn.close()
 
+    def post(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, str], dict[str, Any]]:
+        """Any POST, answered as (status, headers, JSON body)."""
+        return self._request("POST", path, body, None)
+
     def chat(self, messages: list[dict[str, Any]], **extra: Any) -> Routed:
         body = chat_body(messages, **extra)
         status, headers, body = self._request("POST", "/v1/chat/completions", body, None)

@@ -1,0 +1,163 @@
+"""One request through a prefill engine and then a decode engine (the I/O edge of the P/D flow).
+
+The prefill leg goes through the same proxy as any request (ranked prefill engines, breakers, failover
+before the first byte), with its answer kept from the client. Whatever goes wrong on it, the client never
+sees it: a prefill leg that fails, on ``prefill_attempts`` engines or under ``prefill_failover = "decode"``
+on the first, or that answers anything but 200, leaves the decode engine to serve the request whole. The
+decode leg is the client's request, proxied as usual (failover before the first token, mid-stream
+continuation after it); with the ``handoff`` protocol its first attempt carries the prefill's
+``kv_transfer_params``, unless they are missing or the lease would be over when it starts, and any later
+attempt carries none (a handoff has one consumer): those decode engines recompute the prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import trio
+
+from gateway.disaggregation.config import PdConfig
+from gateway.disaggregation.decider import Member, PdChoice, choose, disaggregated
+from gateway.disaggregation.wire import decode_body, expires_in, handoff_params, prefill_body
+from gateway.engines import EngineState
+from gateway.metrics import RouterMetrics
+from gateway.proxy import Exchange, Forward, ProxyResult, UpstreamFailure
+from gateway.routing import public_engine_name
+from gateway.routing.types import CandidateScore
+
+log = logging.getLogger("kvmesh.pd")
+PD_HEADER = b"x-kvmesh-pd"
+
+
+@dataclass
+class PdRoute:
+    """A request's engines in a disaggregated fleet: ``decode`` serve it, ``prefill`` (maybe none) go first."""
+
+    choice: PdChoice
+    decode: list[EngineState]
+    prefill: list[EngineState]
+
+
+class Disaggregation:
+    """Chooses each request's P/D route and drives its two legs."""
+
+    def __init__(self, config: PdConfig, metrics: RouterMetrics) -> None:
+        self.config = config
+        self.metrics = metrics
+
+    def route(self, fleet: list[EngineState], ranked: list[EngineState], table: list[CandidateScore],
+              prompt_tokens: int, body: dict[str, Any]) -> PdRoute | None:
+        """The P/D route of a request whose candidates are ``ranked`` (the routing decision's order) among the
+        model's ``fleet``; None when that fleet is not disaggregated (no prefill-only engine)."""
+        if not disaggregated([e.config.role for e in fleet]):
+            return None
+        scores = {score.engine: score for score in table}
+        members = [Member(e.id, e.config.role, e.config.kv_protocol,
+                          scores[e.id].overlap_tokens if e.id in scores else 0, e.block_size,
+                          scores[e.id].ttft_s if e.id in scores else 0.0) for e in ranked]
+        n = body.get("n")
+        choice = choose(members, prompt_tokens, n if type(n) is int else 1, self.config)
+        by_id = {e.id: e for e in ranked}
+        return PdRoute(choice, [by_id[i] for i in choice.decode], [by_id[i] for i in choice.prefill])
+
+    async def serve(self, route: PdRoute, body: dict[str, Any], raw: bytes, exchange: Exchange, forward: Forward,
+                    max_attempts: int, detailed: bool) -> ProxyResult:
+        """Run the prefill leg when there is one, then the decode leg to the client."""
+        choice = route.choice
+        params: dict[str, Any] | None = None
+        deadline = trio.current_time()
+        served_by: str | None = None
+        outcome = f"skipped_{choice.skipped}"
+        if route.prefill:
+            answer = await self._prefill(route, body, exchange, forward)
+            if answer is None:
+                outcome = "prefill_failed"
+            else:
+                served_by, text = answer
+                outcome = "disaggregated"
+                received = trio.current_time()
+                if choice.protocol == "handoff":
+                    params = handoff_params(text)
+                    if params is None:
+                        self.metrics.pd_handoffs.labels("missing_params").inc()
+                    deadline = received + self.config.lease_s - self.config.lease_margin_s
+                    left = expires_in(params or {}, time.time())
+                    if left is not None:
+                        deadline = min(deadline, received + left - self.config.lease_margin_s)
+        self.metrics.pd_requests.labels(outcome).inc()
+        plain = decode_body(body, None) if "kv_transfer_params" in body else raw
+        handed = params is not None and choice.protocol == "handoff"
+        state = {"first": True}
+
+        def body_for(engine: EngineState) -> bytes:
+            first, state["first"] = state["first"], False
+            if not first:
+                self.metrics.pd_handoffs.labels("retried_without_params").inc()
+                return plain
+            if engine.config.kv_protocol != choice.protocol:
+                self.metrics.pd_handoffs.labels("unpaired_decode").inc()
+                return plain
+            if trio.current_time() > deadline:
+                self.metrics.pd_handoffs.labels("lease_expired").inc()
+                return plain
+            self.metrics.pd_handoffs.labels("sent").inc()
+            return decode_body(body, params)
+
+        note = self._note(served_by, choice, outcome, detailed)
+        route_header = exchange.route_header
+
+        def with_note(engine: EngineState, attempts: list) -> list[tuple[bytes, bytes]]:
+            return [*route_header(engine, attempts), (PD_HEADER, note)]
+
+        leg = replace(exchange, body=plain, body_for=body_for if handed else None, route_header=with_note)
+        return await forward(route.decode, leg, max_attempts)
+
+    async def _prefill(self, route: PdRoute, body: dict[str, Any], exchange: Exchange, forward: Forward
+                       ) -> tuple[str, bytes] | None:
+        """The prefill leg: (engine, its JSON answer), or None when no prefill engine answered 200."""
+        captured: dict[str, Any] = {"status": 0, "body": []}
+
+        async def keep(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                captured["status"] = message["status"]
+            elif message["type"] == "http.response.body":
+                captured["body"].append(message.get("body", b""))
+
+        attempts = 1 if self.config.prefill_failover == "decode" else self.config.prefill_attempts
+        leg = replace(exchange, body=prefill_body(body, route.choice.protocol or "opaque"), send=keep,
+                      is_stream=False, continuation=None, body_for=None)
+        try:
+            result = await forward(route.prefill, leg, attempts)
+        except UpstreamFailure as failure:
+            self._count_failures(failure.attempts)
+            log.warning("prefill leg failed; the decode engine serves the request whole",
+                        extra={"attempts": [(a.engine, a.outcome) for a in failure.attempts]})
+            return None
+        self._count_failures(result.attempts)
+        if result.engine is None or captured["status"] != 200:
+            self.metrics.pd_leg_failures.labels("prefill", f"status_{captured['status']}"[:16]).inc()
+            return None
+        return result.engine.id, b"".join(captured["body"])
+
+    def _count_failures(self, attempts: list) -> None:
+        for attempt in attempts:
+            if attempt.outcome != "ok":
+                self.metrics.pd_leg_failures.labels("prefill", attempt.outcome.split(" ")[0]).inc()
+                self.metrics.upstream_errors.labels(attempt.engine, attempt.outcome.split(" ")[0]).inc()
+
+    @staticmethod
+    def _note(prefill: str | None, choice: PdChoice, outcome: str, detailed: bool) -> bytes:
+        if prefill is None:
+            return f"prefill=none; outcome={outcome}".encode()
+        name = prefill if detailed else public_engine_name(prefill)
+        return f"prefill={name}; protocol={choice.protocol}; outcome={outcome}".encode()
+
+
+def explain(route: PdRoute | None) -> dict[str, Any] | None:
+    return None if route is None else route.choice.explain()
+
+
+
