@@ -23,6 +23,7 @@ from gateway.admission.config import AdmissionConfig
 from gateway.body_limits import LimitsConfig
 from gateway.config_errors import ConfigError
 from gateway.security.config import AuthConfig, TenantConfig, validate_security
+from gateway.tier_config import TierConfig
 from tokenization.worker import default_workers
 
 __all__ = ["AdmissionConfig", "AuthConfig", "AutoscaleConfig", "ConfigError", "EngineConfig", "LimitsConfig",
@@ -80,6 +81,8 @@ class EngineConfig:
     block_size: int | None = None
     curve_server_key: str | None = None
     """The event publisher's CURVE public key (Z85): its events are read over CURVE (events/curve.py)."""
+    tiers: TierConfig = field(default_factory=TierConfig)
+    """What a hit in the engine's offloaded CPU/storage tiers costs (gateway/tier_config.py)."""
 
     def validate(self, where: str) -> None:
         try:
@@ -105,6 +108,7 @@ class EngineConfig:
             check_engine_label("island", self.island)
         except ValueError as exc:
             raise ConfigError(f"{where}.island: {exc}") from None
+        self.tiers.validate(f"{where}.tiers")
 
 
 @dataclass

@@ -374,6 +374,7 @@ class RoutePlanner:
                 block_size=engine.block_size, exact_blocks=found.exact_blocks if found else 0,
                 approx_blocks=found.approx_blocks if found else 0, confidence=found.confidence if found else 0.0,
                 held_blocks=held, approx_held_blocks=recorded, reuse_ratio=engine.load.reuse.ratio,
+                tier_runs=engine.config.tiers.priced_runs(found.tiers, engine.block_size) if found else (),
             ))
         block_size = min(chains) if chains else 16
         session = bounded_key(next((headers[h] for h in SESSION_HEADERS if headers.get(h)), None) or parsed.user)

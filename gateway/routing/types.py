@@ -51,6 +51,9 @@ class EngineView:
     max_num_seqs: int | None = None
     rejoining: bool = False
     """Back from being down and not yet served again by this router (see KvAwarePolicy's rejoin probe)."""
+    tier_runs: tuple[tuple[str, int, float], ...] = ()
+    """Prompt blocks right after ``exact_blocks`` that the engine's offloaded tiers hold, as runs of
+    (medium, blocks, seconds to load one block): credited as cached, charged their load time."""
 
     @property
     def live(self) -> bool:
@@ -109,6 +112,10 @@ class CandidateScore:
     """For a prefix without a home: the queueing its later requests meet beside the traffic homed there."""
     stall_s: float = 0.0
     """How much this request's prefill delays the streams decoding on the engine (see ``CostModel.stall_s``)."""
+    tier_runs: tuple[tuple[str, int, float], ...] = ()
+    """The engine's lower-tier runs after its GPU prefix (``EngineView.tier_runs``) when they were credited."""
+    load_s: float = 0.0
+    """Loading those runs back into the engine's KV cache; part of ``prefill_s``."""
 
     @property
     def penalties_s(self) -> float:
