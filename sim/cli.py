@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=4096, help="KV capacity per engine (incl. null block)")
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--cpu-blocks", type=int, default=0, help="blocks of a CPU offload tier (0: none)")
+    p.add_argument("--cpu-bandwidth-gbps", type=float, default=20.0, help="CPU tier -> KV cache copy speed")
+    p.add_argument("--kv-bytes-per-token", type=int, default=131_072, help="KV bytes per token (tier load time)")
     p.add_argument("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE)
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply every modelled duration")
     p.add_argument("--event-encoding", choices=["map", "array"], default="map")
@@ -50,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> FleetConfig:
     if args.engines < 1 or args.block_size < 1 or args.num_blocks < 2 or args.max_num_seqs < 1:
         raise ValueError("engines, block size and max-num-seqs must be >= 1, num-blocks >= 2")
+    if args.cpu_blocks < 0 or args.cpu_bandwidth_gbps <= 0 or args.kv_bytes_per_token < 1:
+        raise ValueError("cpu-blocks must be >= 0, cpu-bandwidth-gbps and kv-bytes-per-token positive")
     if args.time_scale <= 0:
         raise ValueError("time-scale must be positive")
     if args.keep_alive <= 0 or args.keep_alive_race < 0:
@@ -59,7 +64,8 @@ def config_from_args(args: argparse.Namespace) -> FleetConfig:
         num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs, profile=args.profile,
         time_scale=args.time_scale, event_encoding=args.event_encoding, events=not args.no_events,
         topic=args.topic, hash_seed=args.seed_hash, buffer_steps=args.buffer_steps,
-        keep_alive_s=args.keep_alive, keep_alive_race_s=args.keep_alive_race,
+        keep_alive_s=args.keep_alive, keep_alive_race_s=args.keep_alive_race, cpu_blocks=args.cpu_blocks,
+        cpu_bandwidth_gbps=args.cpu_bandwidth_gbps, kv_bytes_per_token=args.kv_bytes_per_token,
     )
     return FleetConfig(engines=args.engines, base_port=args.base_port, event_base_port=args.event_base_port,
                        replay_base_port=args.replay_base_port, engine=engine)

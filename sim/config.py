@@ -34,6 +34,12 @@ class EngineConfig:
     keep_alive_s: float = 5.0
     keep_alive_race_s: float = 0.0
     """Requests on a reused connection arriving this close to the keep-alive close lose the race to it."""
+    cpu_blocks: int = 0
+    """Blocks of the optional CPU tier (sim/cpu_tier.py); 0: none, as vLLM without an offloading connector."""
+    cpu_bandwidth_gbps: float = 20.0
+    kv_bytes_per_token: int = 131_072
+    """With the bandwidth, what loading a block back from the CPU tier costs (defaults: an 8B-class model in
+    bf16 over PCIe 4.0, as the router's own tier defaults)."""
     stream_interval: int = 1
     """Tokens per streamed event, as vLLM's ``--stream-interval``: the first and the last token go out at
     once, the others in groups of this many (speculative decoding also puts several tokens in one event)."""

@@ -23,6 +23,7 @@ import xxhash
 import zmq
 
 from sim.config import EngineConfig
+from sim.cpu_tier import CpuTier
 from sim.engine_core import EngineCore, SimRequest, TokenOutput
 from sim.event_encoding import encode_batch
 from sim.http_server import HttpRequest, HttpResponse, serve_http
@@ -84,8 +85,10 @@ class SimEngine:
         self.cfg = cfg
         self.tok = tokenizer
         self.profile = get_profile(cfg.profile)
+        tier = None if not cfg.cpu_blocks else CpuTier(
+            cfg.cpu_blocks, cfg.block_size * cfg.kv_bytes_per_token / (cfg.cpu_bandwidth_gbps * 1e9))
         self.core = EngineCore(KVCache(cfg.num_blocks, cfg.block_size), self.profile, cfg.max_num_seqs,
-                               tokenizer.gen_vocab, cfg.hash_seed)
+                               tokenizer.gen_vocab, cfg.hash_seed, tier)
         self.faults = Faults()
         self.created = int(time.time())
         self.success: dict[str, int] = {}

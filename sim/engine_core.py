@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from index.vllm_hash import BlockHasher, salt_extra_keys
+from sim.cpu_tier import CpuTier
 from sim.kv_cache import Block, KVCache, KVEvent
 from sim.profiles import Profile
 from sim.timing import DecodeSeq, PrefillChunk, step_duration
@@ -89,6 +90,7 @@ class EngineCore:
         max_num_seqs: int,
         vocab: Sequence[int],
         hash_seed: str | None = None,
+        tier: CpuTier | None = None,
     ) -> None:
         if not vocab:
             raise ValueError("vocab for generated tokens is empty")
@@ -97,6 +99,9 @@ class EngineCore:
         self.max_num_seqs = max_num_seqs
         self.vocab = list(vocab)
         self.hash_seed = hash_seed
+        self.tier = tier
+        self._load_s = 0.0
+        """Engine time spent this step loading blocks back from the CPU tier."""
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.stats = CoreStats()
@@ -187,7 +192,8 @@ class EngineCore:
         hashes = self._hashes(req)
         max_hit_blocks = (req.num_tokens - 1) // self.block_size
         hit = self.cache.find_cached_prefix(hashes, max_hit_blocks)
-        hit_tokens = len(hit) * self.block_size
+        loaded = self.tier.match(hashes, len(hit), max_hit_blocks) if self.tier is not None else 0
+        hit_tokens = (len(hit) + loaded) * self.block_size
         num_new = min(req.num_tokens - hit_tokens, budget)
         need = -(-(hit_tokens + num_new) // self.block_size) - len(hit)
         if need + self.cache.evictable_among(hit) > self.cache.num_free:
@@ -197,15 +203,25 @@ class EngineCore:
         assert got is not None
         req.blocks = hit + got
         req.num_computed = hit_tokens
-        req.num_cached_blocks = len(hit)
+        req.num_cached_blocks = len(hit) + loaded
+        if loaded:
+            self._load(req, hashes, len(hit), len(hit) + loaded)
         if req.cached_tokens is None:
             req.cached_tokens = hit_tokens
             self.stats.prefix_queries += req.num_tokens
-            self.stats.prefix_hits += hit_tokens
+            self.stats.prefix_hits += len(hit) * self.block_size
             self.stats.prompt_tokens += req.num_tokens
         if req.report_full and hit:
             self.cache.announce_reused(hashes[: len(hit)], req.all_token_ids(), self._extra_keys(req, len(hit)))
         return num_new
+
+    def _load(self, req: SimRequest, hashes: list[bytes], start: int, end: int) -> None:
+        """Blocks ``start..end-1`` come back from the CPU tier: cached in the GPU again (announced there, as
+        vLLM does for blocks a connector loaded), their copy time charged to this step."""
+        assert self.tier is not None
+        self.tier.touch(hashes[start:end])
+        self.cache.cache_blocks(req.blocks, hashes, start, end, req.all_token_ids(), self._extra_keys(req, end))
+        self._load_s += (end - start) * self.tier.block_load_s
 
     def _schedule_waiting(self, budget: int) -> list[tuple[SimRequest, int]]:
         scheduled: list[tuple[SimRequest, int]] = []
@@ -233,6 +249,9 @@ class EngineCore:
                 req.all_token_ids(),
                 self._extra_keys(req, num_full),
             )
+            if self.tier is not None:
+                self.cache.extend_events(self.tier.store(hashes, req.num_cached_blocks, num_full, req.all_token_ids(),
+                                                         self.block_size, self._extra_keys(req, num_full)))
             req.num_cached_blocks = num_full
         if req.num_computed < req.num_tokens:
             return
@@ -266,8 +285,9 @@ class EngineCore:
         outputs: list[TokenOutput] = []
         for req, num_new in scheduled:
             self._advance(req, num_new, outputs)
+        load_s, self._load_s = self._load_s, 0.0
         return StepResult(
-            duration=step_duration(self.profile, prefills, decodes),
+            duration=step_duration(self.profile, prefills, decodes) + load_s,
             outputs=outputs,
             events=self.cache.drain_events(),
             preempted=preempted,

@@ -16,7 +16,6 @@ from index.vllm_hash import to_u64
 from sim.kv_cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 Encoding = Literal["map", "array"]
-MEDIUM_GPU = "GPU"
 SPEC_KIND = "full_attention"
 
 
@@ -34,7 +33,7 @@ def event_fields(event: KVEvent, int_hashes: bool = True) -> tuple[str, list[tup
             ("token_ids", event.token_ids),
             ("block_size", event.block_size),
             ("lora_id", None),
-            ("medium", MEDIUM_GPU),
+            ("medium", event.medium),
             ("lora_name", None),
             ("extra_keys", event.extra_keys),
             ("group_idx", 0),
@@ -43,7 +42,7 @@ def event_fields(event: KVEvent, int_hashes: bool = True) -> tuple[str, list[tup
     if isinstance(event, BlockRemoved):
         return "BlockRemoved", [
             ("block_hashes", [_h(h, int_hashes) for h in event.block_hashes]),
-            ("medium", MEDIUM_GPU),
+            ("medium", event.medium),
             ("group_idx", 0),
         ]
     if isinstance(event, AllBlocksCleared):

@@ -33,11 +33,13 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
     extra_keys: list[tuple[Any, ...] | None]
+    medium: str = "GPU"
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
     block_hashes: list[bytes]
+    medium: str = "GPU"
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +197,10 @@ class KVCache:
             b.block_hash = None
         self._cached.clear()
         self._events.append(AllBlocksCleared())
+
+    def extend_events(self, events: Sequence[KVEvent]) -> None:
+        """Events of another tier of the engine, published in this step's batch."""
+        self._events.extend(events)
 
     def drain_events(self) -> list[KVEvent]:
         events, self._events = self._events, []
