@@ -179,9 +179,10 @@ class CostModel:
         uncached = max(0, math.ceil(_count(request.prompt_tokens) - cached - 1e-9))
         depth = queue_depth(engine)
         load_s = tier_load_s(engine, request, knowledge)
+        exact = overlap_tokens(engine, request, engine.exact_blocks)
         return CandidateScore(
             engine=engine.id,
-            exact_tokens=overlap_tokens(engine, request, engine.exact_blocks),
+            exact_tokens=exact,
             approx_tokens=overlap_tokens(engine, request, engine.approx_blocks),
             cached_tokens=cached,
             uncached_tokens=uncached,
@@ -195,5 +196,6 @@ class CostModel:
             decode_s=self.decode.decode_s(engine.id, depth, _max_tokens(request)),
             eviction_s=self.eviction_s(engine, request, uncached, params, knowledge),
             tier_runs=engine.tier_runs if load_s else (),
+            tier_tokens=overlap_tokens(engine, request, engine.exact_blocks + tier_blocks(engine, knowledge)) - exact,
             load_s=load_s,
         )

@@ -114,6 +114,8 @@ class CandidateScore:
     """How much this request's prefill delays the streams decoding on the engine (see ``CostModel.stall_s``)."""
     tier_runs: tuple[tuple[str, int, float], ...] = ()
     """The engine's lower-tier runs after its GPU prefix (``EngineView.tier_runs``) when they were credited."""
+    tier_tokens: int = 0
+    """Prompt tokens those runs hold (beyond ``exact_tokens``, the GPU's)."""
     load_s: float = 0.0
     """Loading those runs back into the engine's KV cache; part of ``prefill_s``."""
 
@@ -138,8 +140,9 @@ class CandidateScore:
 
     @property
     def overlap_tokens(self) -> int:
-        """Leading prompt tokens the router believes the engine holds, by either kind of knowledge."""
-        return max(self.exact_tokens, self.approx_tokens)
+        """Leading prompt tokens the router believes the engine holds, by either kind of knowledge (its
+        offloaded tiers included)."""
+        return max(self.exact_tokens + self.tier_tokens, self.approx_tokens)
 
 
 @dataclass(frozen=True, slots=True)

@@ -78,3 +78,10 @@ def test_tier_settings_load_from_the_config_file(tmp_path):
                     '[engines.tiers]\nkv_bytes_per_token = 4096\nbandwidth_gbps = {CPU = 8}\n')
     tiers = load_config(path, environ={}).engines[0].tiers
     assert (tiers.enabled, tiers.kv_bytes_per_token, tiers.bandwidth_gbps) == (True, 4096, {"CPU": 8.0})
+
+
+def test_route_header_counts_tier_blocks_as_overlap():
+    from gateway.routing import route_header
+
+    decision = make_policy("kv_aware").choose(REQUEST, [view("cpu", runs=(("CPU", 64, CPU_BLOCK_S),))])
+    assert "overlap=1024/1024" in route_header(decision) and "cache-hit-100%" in route_header(decision)
