@@ -22,6 +22,7 @@ from events.discovery import check_topic
 from gateway.admission.config import AdmissionConfig
 from gateway.body_limits import LimitsConfig
 from gateway.config_errors import ConfigError
+from gateway.engine_priority import EnginePriorityConfig
 from gateway.security.config import AuthConfig, TenantConfig, validate_security
 from gateway.tier_config import TierConfig
 from tokenization.worker import default_workers
@@ -162,6 +163,8 @@ class RouterConfig:
     tracing: TracingConfig = field(default_factory=TracingConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     autoscaler: AutoscaleConfig = field(default_factory=AutoscaleConfig)
+    engine_priority: EnginePriorityConfig = field(default_factory=EnginePriorityConfig)
+    """Priority classes sent to the engines as vLLM's ``priority`` (gateway/engine_priority.py)."""
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -194,6 +197,7 @@ class RouterConfig:
         validate_security(self.auth, self.tenants)
         self.auth.check_exposure(self.host)
         self.admission.validate("admission")
+        self.engine_priority.validate("engine_priority")
         self.tracing.validate()
         self.limits.validate("limits")
         try:
