@@ -15,6 +15,7 @@ from typing import Any
 import trio
 
 from gateway import tracing
+from gateway.adapters import chain_model
 from gateway.config import RouterConfig
 from gateway.engines import EngineRegistry, EngineState
 from gateway.metrics import RouterMetrics
@@ -297,7 +298,8 @@ class RoutePlanner:
                            param="messages" if parsed.kind == "chat" else "prompt", code="context_length_exceeded")
 
     def _chains(self, parsed: ParsedRequest, token_ids: list[int], engine_ids: list[str]) -> dict[int, list[int]]:
-        seed = root_seed(parsed.model, None, parsed.cache_salt)
+        base, adapter = chain_model(parsed.model, filter(None, map(self.engines.get, engine_ids)))
+        seed = root_seed(base, adapter, parsed.cache_salt)
         return {size: chain(token_ids, size, seed) for size in self.cache.block_sizes(engine_ids)}
 
     async def plan(self, parsed: ParsedRequest, headers: Mapping[str, str]) -> Plan:

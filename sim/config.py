@@ -34,6 +34,9 @@ class EngineConfig:
     keep_alive_s: float = 5.0
     keep_alive_race_s: float = 0.0
     """Requests on a reused connection arriving this close to the keep-alive close lose the race to it."""
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    """LoRA adapters served beside the base model, as vLLM's ``--lora-modules name=path``: requests naming one
+    are keyed with it (events and block hashes) and it is listed in /v1/models with the base as parent."""
     cpu_blocks: int = 0
     """Blocks of the optional CPU tier (sim/cpu_tier.py); 0: none, as vLLM without an offloading connector."""
     cpu_bandwidth_gbps: float = 20.0

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sim.kv_cache import BlockRemoved, BlockStored, KVEvent
+from sim.kv_cache import Adapter, BlockRemoved, BlockStored, KVEvent
 
 MEDIUM_CPU = "CPU"
 
@@ -54,14 +54,14 @@ class CpuTier:
             self._blocks.move_to_end(h)
 
     def store(self, hashes: Sequence[bytes], start: int, end: int, token_ids: Sequence[int], block_size: int,
-              extra_keys: Sequence[tuple[Any, ...] | None]) -> list[KVEvent]:
+              extra_keys: Sequence[tuple[Any, ...] | None], lora: Adapter | None = None) -> list[KVEvent]:
         """Offload blocks ``start..end-1`` of a sequence (``token_ids``/``extra_keys`` cover all of it)."""
         events: list[KVEvent] = []
         run: list[int] = []
         for i in range(start, end):
             if hashes[i] in self._blocks:
                 self._blocks.move_to_end(hashes[i])
-                self._announce(run, hashes, token_ids, block_size, extra_keys, events)
+                self._announce(run, hashes, token_ids, block_size, extra_keys, lora, events)
                 run = []
                 continue
             while len(self._blocks) >= self.capacity_blocks:
@@ -69,12 +69,12 @@ class CpuTier:
                 events.append(BlockRemoved([evicted], medium=MEDIUM_CPU))
             self._blocks[hashes[i]] = None
             run.append(i)
-        self._announce(run, hashes, token_ids, block_size, extra_keys, events)
+        self._announce(run, hashes, token_ids, block_size, extra_keys, lora, events)
         return events
 
     @staticmethod
     def _announce(run: list[int], hashes: Sequence[bytes], token_ids: Sequence[int], block_size: int,
-                  extra_keys: Sequence[tuple[Any, ...] | None], events: list[KVEvent]) -> None:
+                  extra_keys: Sequence[tuple[Any, ...] | None], lora: Adapter | None, events: list[KVEvent]) -> None:
         if not run:
             return
         first, last = run[0], run[-1] + 1
@@ -85,6 +85,7 @@ class CpuTier:
             block_size=block_size,
             extra_keys=list(extra_keys[first:last]),
             medium=MEDIUM_CPU,
+            lora=lora,
         ))
 
     def reset(self) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 from index.vllm_hash import BlockHasher, salt_extra_keys
 from sim.cpu_tier import CpuTier
-from sim.kv_cache import Block, KVCache, KVEvent
+from sim.kv_cache import Adapter, Block, KVCache, KVEvent
 from sim.profiles import Profile
 from sim.timing import DecodeSeq, PrefillChunk, step_duration
 
@@ -34,6 +34,7 @@ class SimRequest:
     """What ends the request after `max_tokens` tokens: "length" or "stop"."""
     rng: random.Random
     cache_salt: str | None = None
+    lora: Adapter | None = None
     report_full: bool = False
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
@@ -122,7 +123,8 @@ class EngineCore:
 
     def add(self, req: SimRequest) -> None:
         """Queue a request; the caller has checked prompt + max_tokens <= max_model_len."""
-        req.hasher = BlockHasher(self.block_size, req.cache_salt, self.hash_seed)
+        lora = None if req.lora is None else (req.lora.name, req.lora.path)
+        req.hasher = BlockHasher(self.block_size, req.cache_salt, self.hash_seed, lora)
         self.waiting.append(req)
         self._by_id[req.request_id] = req
 
@@ -144,7 +146,8 @@ class EngineCore:
         self._pending_reset = True
 
     def _extra_keys(self, req: SimRequest, n_blocks: int) -> list[tuple[Any, ...] | None]:
-        return [salt_extra_keys(i, req.cache_salt) for i in range(n_blocks)]
+        lora = None if req.lora is None else (req.lora.name, req.lora.path)
+        return [salt_extra_keys(i, req.cache_salt, lora) for i in range(n_blocks)]
 
     def _hashes(self, req: SimRequest) -> list[bytes]:
         assert req.hasher is not None
@@ -212,7 +215,8 @@ class EngineCore:
             self.stats.prefix_hits += len(hit) * self.block_size
             self.stats.prompt_tokens += req.num_tokens
         if req.report_full and hit:
-            self.cache.announce_reused(hashes[: len(hit)], req.all_token_ids(), self._extra_keys(req, len(hit)))
+            self.cache.announce_reused(hashes[: len(hit)], req.all_token_ids(), self._extra_keys(req, len(hit)),
+                                       req.lora)
         return num_new
 
     def _load(self, req: SimRequest, hashes: list[bytes], start: int, end: int) -> None:
@@ -220,7 +224,8 @@ class EngineCore:
         vLLM does for blocks a connector loaded), their copy time charged to this step."""
         assert self.tier is not None
         self.tier.touch(hashes[start:end])
-        self.cache.cache_blocks(req.blocks, hashes, start, end, req.all_token_ids(), self._extra_keys(req, end))
+        self.cache.cache_blocks(req.blocks, hashes, start, end, req.all_token_ids(), self._extra_keys(req, end),
+                                req.lora)
         self._load_s += (end - start) * self.tier.block_load_s
 
     def _schedule_waiting(self, budget: int) -> list[tuple[SimRequest, int]]:
@@ -248,10 +253,11 @@ class EngineCore:
                 num_full,
                 req.all_token_ids(),
                 self._extra_keys(req, num_full),
+                req.lora,
             )
             if self.tier is not None:
                 self.cache.extend_events(self.tier.store(hashes, req.num_cached_blocks, num_full, req.all_token_ids(),
-                                                         self.block_size, self._extra_keys(req, num_full)))
+                                                         self.block_size, self._extra_keys(req, num_full), req.lora))
             req.num_cached_blocks = num_full
         if req.num_computed < req.num_tokens:
             return

@@ -19,6 +19,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+@dataclass(frozen=True, slots=True)
+class Adapter:
+    """A LoRA adapter as a request names it: what vLLM's events carry (``lora_name``, ``lora_id``) and what
+    its block hashes are keyed with (name and path)."""
+
+    name: str
+    path: str
+    id: int
+
+
 @dataclass(slots=True)
 class Block:
     block_id: int
@@ -34,6 +44,7 @@ class BlockStored:
     block_size: int
     extra_keys: list[tuple[Any, ...] | None]
     medium: str = "GPU"
+    lora: Adapter | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +156,7 @@ class KVCache:
         end: int,
         token_ids: Sequence[int],
         extra_keys: Sequence[tuple[Any, ...] | None],
+        lora: Adapter | None = None,
     ) -> None:
         """Register blocks[start:end] (now full) under their hashes and announce them in one event.
 
@@ -164,11 +176,13 @@ class KVCache:
                 token_ids=list(token_ids[start * bs : end * bs]),
                 block_size=bs,
                 extra_keys=list(extra_keys[start:end]),
+                lora=lora,
             )
         )
 
     def announce_reused(
-        self, hashes: Sequence[bytes], token_ids: Sequence[int], extra_keys: Sequence[tuple[Any, ...] | None]
+        self, hashes: Sequence[bytes], token_ids: Sequence[int], extra_keys: Sequence[tuple[Any, ...] | None],
+        lora: Adapter | None = None,
     ) -> None:
         """kv_cache_report_mode=full: re-announce hit blocks, with parent None as vLLM does."""
         if not hashes:
@@ -181,6 +195,7 @@ class KVCache:
                 token_ids=list(token_ids[: n * self.block_size]),
                 block_size=self.block_size,
                 extra_keys=list(extra_keys[:n]),
+                lora=lora,
             )
         )
 
