@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from gateway.engines import EngineState
+from gateway.engines import EngineLoad, EngineState
 
 
 def base_model(engine: EngineState) -> str:
@@ -27,3 +27,12 @@ def chain_model(model: str, engines: Iterable[EngineState]) -> tuple[str, str | 
         if base is not None:
             return base, model
     return model, None
+
+
+def adapter_terms(adapter: str | None, load: EngineLoad, load_s: float) -> tuple[float, bool]:
+    """(adapter load to charge, whether every LoRA slot is held by other adapters) for a request of ``adapter``
+    on an engine: nothing for a base-model request, an adapter already running, or an engine that reports no
+    LoRA slots (it loads adapters no router can see)."""
+    if adapter is None or load.max_lora is None or adapter in load.running_adapters:
+        return 0.0, False
+    return load_s, len(load.running_adapters) >= load.max_lora

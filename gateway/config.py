@@ -163,6 +163,9 @@ class RouterConfig:
     tracing: TracingConfig = field(default_factory=TracingConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     autoscaler: AutoscaleConfig = field(default_factory=AutoscaleConfig)
+    adapter_load_s: float = 0.01
+    """What loading a LoRA adapter into an engine's slot costs a request (gateway/adapters.py): a rank-16
+    adapter of an 8B model is ~40 MB, a few ms from host memory into a GPU slot, more from disk."""
     engine_priority: EnginePriorityConfig = field(default_factory=EnginePriorityConfig)
     """Priority classes sent to the engines as vLLM's ``priority`` (gateway/engine_priority.py)."""
 
@@ -198,6 +201,8 @@ class RouterConfig:
         self.auth.check_exposure(self.host)
         self.admission.validate("admission")
         self.engine_priority.validate("engine_priority")
+        if not 0 <= self.adapter_load_s <= 60:
+            raise ConfigError("adapter_load_s: must be between 0 and 60 seconds")
         self.tracing.validate()
         self.limits.validate("limits")
         try:

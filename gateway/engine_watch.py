@@ -138,6 +138,7 @@ async def _watch(engine: EngineState, planner, ingest: EventIngest, interval_s: 
             engine.load.kv_usage, engine.load.polled_at = load.kv_cache_usage, now
             engine.load.num_blocks = load.num_gpu_blocks
             engine.load.block_size = load.block_size
+            engine.load.max_lora, engine.load.running_adapters = load.max_lora, load.running_adapters
             engine.load.poll_generation += 1
             engine.load.finished_since_poll = 0
             engine.load.reuse.record(load.prefix_cache_queries, load.prefix_cache_hits)

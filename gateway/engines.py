@@ -59,6 +59,9 @@ class EngineLoad:
     finished_since_poll: int = 0
     """This router's requests to the engine that ended after the last poll (still counted as running)."""
     reuse: PrefixReuse = field(default_factory=PrefixReuse)
+    max_lora: int | None = None
+    """LoRA slots, for an engine reporting ``vllm:lora_requests_info``."""
+    running_adapters: frozenset[str] = frozenset()
 
 
 @dataclass

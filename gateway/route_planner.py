@@ -15,7 +15,7 @@ from typing import Any
 import trio
 
 from gateway import tracing
-from gateway.adapters import chain_model
+from gateway.adapters import adapter_terms, chain_model
 from gateway.config import RouterConfig
 from gateway.engines import EngineRegistry, EngineState
 from gateway.metrics import RouterMetrics
@@ -364,9 +364,11 @@ class RoutePlanner:
                 prompt_tokens: int, chains: dict[int, list[int]], overlaps: Mapping[str, CacheOverlap]) -> Decision:
         peers = self.peer_in_flight()
         views = []
+        _, adapter = chain_model(parsed.model, candidates)
         for engine in candidates:
             found = overlaps.get(engine.id)
             held, recorded = self.cache.held_blocks(engine.id)
+            adapter_load_s, slots_full = adapter_terms(adapter, engine.load, self.config.adapter_load_s)
             views.append(EngineView(
                 id=engine.id, url=engine.url, island=engine.config.island,
                 healthy=engine.healthy and not engine.maintenance, draining=engine.draining,
@@ -377,6 +379,7 @@ class RoutePlanner:
                 approx_blocks=found.approx_blocks if found else 0, confidence=found.confidence if found else 0.0,
                 held_blocks=held, approx_held_blocks=recorded, reuse_ratio=engine.load.reuse.ratio,
                 tier_runs=engine.config.tiers.priced_runs(found.tiers, engine.block_size) if found else (),
+                adapter_load_s=adapter_load_s, adapter_slots_full=slots_full,
             ))
         block_size = min(chains) if chains else 16
         session = bounded_key(next((headers[h] for h in SESSION_HEADERS if headers.get(h)), None) or parsed.user)

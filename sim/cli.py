@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
                    help="LoRA adapters served beside the base model, as vLLM's flag")
+    p.add_argument("--max-loras", type=int, default=1, help="LoRA slots: adapters batched together")
+    p.add_argument("--lora-load-s", type=float, default=0.01, help="loading an adapter into a slot, seconds")
     p.add_argument("--cpu-blocks", type=int, default=0, help="blocks of a CPU offload tier (0: none)")
     p.add_argument("--cpu-bandwidth-gbps", type=float, default=20.0, help="CPU tier -> KV cache copy speed")
     p.add_argument("--kv-bytes-per-token", type=int, default=131_072, help="KV bytes per token (tier load time)")
@@ -58,6 +60,8 @@ def config_from_args(args: argparse.Namespace) -> FleetConfig:
     adapters = tuple(tuple(item.split("=", 1)) for item in args.lora_modules)
     if any(len(a) != 2 or not all(a) for a in adapters):
         raise ValueError("lora-modules take NAME=PATH")
+    if args.max_loras < 1 or args.lora_load_s < 0:
+        raise ValueError("max-loras must be >= 1 and lora-load-s not negative")
     if args.cpu_blocks < 0 or args.cpu_bandwidth_gbps <= 0 or args.kv_bytes_per_token < 1:
         raise ValueError("cpu-blocks must be >= 0, cpu-bandwidth-gbps and kv-bytes-per-token positive")
     if args.time_scale <= 0:
@@ -71,7 +75,7 @@ def config_from_args(args: argparse.Namespace) -> FleetConfig:
         topic=args.topic, hash_seed=args.seed_hash, buffer_steps=args.buffer_steps,
         keep_alive_s=args.keep_alive, keep_alive_race_s=args.keep_alive_race, cpu_blocks=args.cpu_blocks,
         cpu_bandwidth_gbps=args.cpu_bandwidth_gbps, kv_bytes_per_token=args.kv_bytes_per_token,
-        lora_modules=adapters,
+        lora_modules=adapters, max_loras=args.max_loras, lora_load_s=args.lora_load_s,
     )
     return FleetConfig(engines=args.engines, base_port=args.base_port, event_base_port=args.event_base_port,
                        replay_base_port=args.replay_base_port, engine=engine)

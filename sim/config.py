@@ -37,6 +37,9 @@ class EngineConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()
     """LoRA adapters served beside the base model, as vLLM's ``--lora-modules name=path``: requests naming one
     are keyed with it (events and block hashes) and it is listed in /v1/models with the base as parent."""
+    max_loras: int = 1
+    lora_load_s: float = 0.01
+    """LoRA slots (vLLM's ``--max-loras``, default 1) and what loading an adapter into one costs."""
     cpu_blocks: int = 0
     """Blocks of the optional CPU tier (sim/cpu_tier.py); 0: none, as vLLM without an offloading connector."""
     cpu_bandwidth_gbps: float = 20.0

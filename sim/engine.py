@@ -90,7 +90,7 @@ class SimEngine:
         tier = None if not cfg.cpu_blocks else CpuTier(
             cfg.cpu_blocks, cfg.block_size * cfg.kv_bytes_per_token / (cfg.cpu_bandwidth_gbps * 1e9))
         self.core = EngineCore(KVCache(cfg.num_blocks, cfg.block_size), self.profile, cfg.max_num_seqs,
-                               tokenizer.gen_vocab, cfg.hash_seed, tier)
+                               tokenizer.gen_vocab, cfg.hash_seed, tier, cfg.max_loras, cfg.lora_load_s)
         self.faults = Faults()
         self.created = int(time.time())
         self.success: dict[str, int] = {}
@@ -113,7 +113,15 @@ class SimEngine:
         st = self.core.stats
         return Snapshot(len(self.core.running), len(self.core.waiting), self.core.cache.usage,
                         st.prefix_queries, st.prefix_hits, st.prompt_tokens, st.generation_tokens,
-                        st.preemptions, dict(self.success))
+                        st.preemptions, dict(self.success), self._lora_info())
+
+    def _lora_info(self) -> dict[str, str] | None:
+        """vllm:lora_requests_info's labels, for an engine serving adapters (vLLM exports it with LoRA on)."""
+        if not self.adapters:
+            return None
+        waiting = {r.lora.name for r in self.core.waiting if r.lora is not None}
+        return {"max_lora": str(self.core.max_loras), "waiting_lora_adapters": ",".join(sorted(waiting)),
+                "running_lora_adapters": ",".join(sorted(self.core.running_adapters()))}
 
     # ---- lifecycle ---------------------------------------------------------------------------
 

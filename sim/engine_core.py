@@ -11,7 +11,7 @@ Blocks are cached as soon as they are full, including blocks completed by genera
 from __future__ import annotations
 
 import random
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,6 +92,8 @@ class EngineCore:
         vocab: Sequence[int],
         hash_seed: str | None = None,
         tier: CpuTier | None = None,
+        max_loras: int = 1,
+        lora_load_s: float = 0.0,
     ) -> None:
         if not vocab:
             raise ValueError("vocab for generated tokens is empty")
@@ -101,6 +103,10 @@ class EngineCore:
         self.vocab = list(vocab)
         self.hash_seed = hash_seed
         self.tier = tier
+        self.max_loras = max_loras
+        self.lora_load_s = lora_load_s
+        self._lora_slots: OrderedDict[str, None] = OrderedDict()
+        """Adapters loaded in the engine's LoRA slots, least recently used first."""
         self._load_s = 0.0
         """Engine time spent this step loading blocks back from the CPU tier."""
         self.waiting: deque[SimRequest] = deque()
@@ -228,17 +234,46 @@ class EngineCore:
                                 req.lora)
         self._load_s += (end - start) * self.tier.block_load_s
 
+    def running_adapters(self) -> set[str]:
+        return {r.lora.name for r in self.running if r.lora is not None}
+
+    def _lora_fits(self, req: SimRequest) -> bool:
+        """vLLM batches requests of at most ``max_loras`` adapters; a request of a further one is skipped."""
+        if req.lora is None:
+            return True
+        active = self.running_adapters()
+        return req.lora.name in active or len(active) < self.max_loras
+
+    def _use_lora(self, req: SimRequest) -> None:
+        """An adapter not in a slot is loaded into the least recently used one; the load is charged to the step."""
+        if req.lora is None:
+            return
+        name = req.lora.name
+        if name in self._lora_slots:
+            self._lora_slots.move_to_end(name)
+            return
+        if len(self._lora_slots) >= self.max_loras:
+            self._lora_slots.popitem(last=False)
+        self._lora_slots[name] = None
+        self._load_s += self.lora_load_s
+
     def _schedule_waiting(self, budget: int) -> list[tuple[SimRequest, int]]:
         scheduled: list[tuple[SimRequest, int]] = []
+        skipped: list[SimRequest] = []
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             req = self.waiting[0]
+            if not self._lora_fits(req):
+                skipped.append(self.waiting.popleft())
+                continue
             num_new = self._admit(req, budget)
             if num_new is None:
                 break
             self.waiting.popleft()
+            self._use_lora(req)
             self.running.append(req)
             scheduled.append((req, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
         return scheduled
 
     def _advance(self, req: SimRequest, num_new: int, outputs: list[TokenOutput]) -> None:

@@ -168,6 +168,15 @@ class CostModel:
         in_batch, _ = split_depth(depth, slots)
         return in_batch * p.prefill_s(uncached)
 
+    def adapter_s(self, engine: EngineView, depth: int) -> float:
+        """A LoRA request where its adapter is not running: the adapter's load into a slot and, when other
+        adapters hold every slot, a wait until one frees, about the time a running request takes to finish
+        (vLLM schedules no request of a further adapter while ``max_loras`` are in the batch). Where the
+        adapter runs already this is 0, so an adapter's requests gather on the engines running it until their
+        queues cost more."""
+        wait = self.decode.decode_s(engine.id, depth, None) if engine.adapter_slots_full else 0.0
+        return _clamp(engine.adapter_load_s, 0.0, 60.0) + wait
+
     def topology_penalty_s(self, engine: EngineView, request: RouteRequest) -> float:
         crosses = request.router_island is not None and engine.island not in (None, request.router_island)
         return self.settings.cross_island_s if crosses else 0.0
@@ -179,6 +188,7 @@ class CostModel:
         uncached = max(0, math.ceil(_count(request.prompt_tokens) - cached - 1e-9))
         depth = queue_depth(engine)
         load_s = tier_load_s(engine, request, knowledge)
+        adapter_s = self.adapter_s(engine, depth)
         exact = overlap_tokens(engine, request, engine.exact_blocks)
         return CandidateScore(
             engine=engine.id,
@@ -188,7 +198,7 @@ class CostModel:
             uncached_tokens=uncached,
             confidence=trust,
             queue_depth=depth,
-            queue_s=params.queue_s(depth, slots),
+            queue_s=params.queue_s(depth, slots) + adapter_s,
             prefill_s=params.overhead_s + params.prefill_s(uncached) + load_s,
             pressure_penalty_s=self.pressure_penalty_s(engine, request, uncached, params),
             topology_penalty_s=self.topology_penalty_s(engine, request),
@@ -198,4 +208,5 @@ class CostModel:
             tier_runs=engine.tier_runs if load_s else (),
             tier_tokens=overlap_tokens(engine, request, engine.exact_blocks + tier_blocks(engine, knowledge)) - exact,
             load_s=load_s,
+            adapter_s=adapter_s,
         )

@@ -66,6 +66,7 @@ def _row(rank: int, score: CandidateScore) -> dict[str, Any]:
         "overlap_approx_tokens": score.approx_tokens,
         "matched_runs": _runs(score),
         "load_ms": _ms(score.load_s),
+        "adapter_ms": _ms(score.adapter_s),
         "credited_cached_tokens": round(score.cached_tokens, 1),
         "uncached_tokens": score.uncached_tokens,
         "confidence": round(score.confidence, 3),

@@ -51,6 +51,10 @@ class EngineView:
     max_num_seqs: int | None = None
     rejoining: bool = False
     """Back from being down and not yet served again by this router (see KvAwarePolicy's rejoin probe)."""
+    adapter_load_s: float = 0.0
+    """Loading the request's LoRA adapter into one of the engine's slots: none where it is running already."""
+    adapter_slots_full: bool = False
+    """The adapter is not running there and every LoRA slot is held by other adapters' requests."""
     tier_runs: tuple[tuple[str, int, float], ...] = ()
     """Prompt blocks right after ``exact_blocks`` that the engine's offloaded tiers hold, as runs of
     (medium, blocks, seconds to load one block): credited as cached, charged their load time."""
@@ -118,6 +122,8 @@ class CandidateScore:
     """Prompt tokens those runs hold (beyond ``exact_tokens``, the GPU's)."""
     load_s: float = 0.0
     """Loading those runs back into the engine's KV cache; part of ``prefill_s``."""
+    adapter_s: float = 0.0
+    """Loading the request's LoRA adapter there, and waiting for a slot when all are taken; in ``queue_s``."""
 
     @property
     def penalties_s(self) -> float:

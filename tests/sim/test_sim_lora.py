@@ -54,3 +54,30 @@ def test_models_list_adapters_with_the_base_as_parent():
     assert parse_adapters(body) == {"sql": "base"}
     orphan = json.dumps({"data": [{"id": "x", "parent": "gone"}, {"id": "y", "parent": "y"}, "junk"]})
     assert parse_adapters(orphan) == {} and parse_adapters(b'{"data": null}') == {}
+
+
+def test_slots_batch_at_most_max_loras_adapters_and_a_load_is_charged_once():
+    core = EngineCore(KVCache(64, 4), get_profile("fast"), 8, list(range(10, 20)), "seed", max_loras=1,
+                      lora_load_s=1.0)
+    other = Adapter("chat", "/adapters/chat", 2)
+    for rid, lora in (("a", ADAPTER), ("b", other), ("c", ADAPTER)):
+        core.add(SimRequest(rid, PROMPT, 3, "length", random.Random(0), lora=lora))
+    first = core.step()
+    assert [r.request_id for r in core.running] == ["a", "c"], "chat waits: sql holds the only slot"
+    assert [r.request_id for r in core.waiting] == ["b"] and 1.0 <= first.duration < 1.1
+    assert core.running_adapters() == {"sql"}
+    durations = []
+    while core.has_work():
+        durations.append(core.step().duration)
+    assert sum(d >= 1.0 for d in durations) == 1, "chat is loaded once, when sql's requests are done"
+
+
+def test_metrics_report_slots_and_running_adapters_as_vllm_does():
+    from events.metrics_poller import parse_vllm_metrics
+    from sim.metrics import EngineMetrics, Snapshot
+
+    snapshot = Snapshot(1, 0, 0.1, 0, 0, 0, 0, 0, {}, {"max_lora": "2", "waiting_lora_adapters": "",
+                                                       "running_lora_adapters": "sql"})
+    text = EngineMetrics("base", {"block_size": "4"}, lambda: snapshot).render().decode()
+    load = parse_vllm_metrics(text)
+    assert (load.max_lora, load.running_adapters) == (2, frozenset({"sql"}))
