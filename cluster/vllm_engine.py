@@ -96,6 +96,8 @@ class EngineOptions:
     log_dir: Path = LOG_DIR
     startup_timeout: float = 300.0
     stop_grace: float = 15.0
+    extra_args: tuple[str, ...] = ()
+    """More engine flags (LoRA modules, a scheduling policy)."""
 
 
 @dataclass
@@ -156,7 +158,7 @@ class VllmEngine:
         ]
         if opts.num_gpu_blocks is not None:
             cmd += ["--num-gpu-blocks-override", str(opts.num_gpu_blocks)]
-        return cmd
+        return cmd + list(opts.extra_args)
 
     def environment(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}

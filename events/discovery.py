@@ -50,7 +50,8 @@ def parse_models(body: bytes | str) -> tuple[set[str], int | None]:
     if not isinstance(models, list):
         raise ValueError(f"/v1/models: data must be a list, got {type(models).__name__}")
     cards = [m for m in models if isinstance(m, dict) and _is_model_id(m.get("id"))]
-    lengths = [m.get("max_model_len") for m in cards]
+    # vLLM lists a LoRA adapter with "max_model_len": null; the context is its base model's.
+    lengths = [m.get("max_model_len") for m in cards if m.get("max_model_len") is not None or not m.get("parent")]
     sane = lengths and all(type(n) is int and 0 < n <= MAX_MODEL_LEN for n in lengths)
     return {m["id"] for m in cards}, max(lengths) if sane else None
 

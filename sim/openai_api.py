@@ -189,12 +189,12 @@ class ResponseHead:
 
 def models_body(model: str, root: str, max_model_len: int, created: int,
                 adapters: Sequence[tuple[str, str]] = ()) -> bytes:
-    """The base model's card, then one per LoRA adapter: vLLM names the base as an adapter's ``parent`` and
-    its path as ``root``."""
+    """The base model's card, then one per LoRA adapter: vLLM names the base as an adapter's ``parent``, its
+    path as ``root``, and gives it no ``max_model_len`` (null)."""
 
     def card(name: str, root: str, parent: str | None) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": created, "owned_by": "vllm", "root": root,
-                "parent": parent, "max_model_len": max_model_len,
+                "parent": parent, "max_model_len": max_model_len if parent is None else None,
                 "permission": [{"id": "modelperm-" + uuid.uuid5(uuid.NAMESPACE_URL, name).hex,
                                 "object": "model_permission", "created": created, "allow_create_engine": False,
                                 "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False,

@@ -81,3 +81,12 @@ def test_metrics_report_slots_and_running_adapters_as_vllm_does():
     text = EngineMetrics("base", {"block_size": "4"}, lambda: snapshot).render().decode()
     load = parse_vllm_metrics(text)
     assert (load.max_lora, load.running_adapters) == (2, frozenset({"sql"}))
+
+
+def test_an_adapters_null_context_length_leaves_the_bases():
+    from events.discovery import parse_models
+
+    body = models_body("base", "/models/base", 4096, 0, [("sql", "/adapters/sql")])
+    data = json.loads(body)
+    data["data"][1]["max_model_len"] = None  # what vLLM 0.32 lists for an adapter
+    assert parse_models(json.dumps(data)) == ({"base", "sql"}, 4096)
