@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sim.kv_cache import Adapter, BlockRemoved, BlockStored, KVEvent
+from sim.kv_cache import Adapter, BlockRemoved, KVEvent, stored_run
 
 MEDIUM_CPU = "CPU"
 
@@ -77,16 +77,7 @@ class CpuTier:
                   extra_keys: Sequence[tuple[Any, ...] | None], lora: Adapter | None, events: list[KVEvent]) -> None:
         if not run:
             return
-        first, last = run[0], run[-1] + 1
-        events.append(BlockStored(
-            block_hashes=list(hashes[first:last]),
-            parent_block_hash=hashes[first - 1] if first > 0 else None,
-            token_ids=list(token_ids[first * block_size : last * block_size]),
-            block_size=block_size,
-            extra_keys=list(extra_keys[first:last]),
-            medium=MEDIUM_CPU,
-            lora=lora,
-        ))
+        events.append(stored_run(hashes, run[0], run[-1] + 1, token_ids, block_size, extra_keys, lora, MEDIUM_CPU))
 
     def reset(self) -> None:
         """The tier's contents are gone (the engine restarted)."""

@@ -61,6 +61,20 @@ class AllBlocksCleared:
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
+def stored_run(hashes: Sequence[bytes], start: int, end: int, token_ids: Sequence[int], block_size: int,
+               extra_keys: Sequence[tuple[Any, ...] | None], lora: Adapter | None, medium: str = "GPU") -> BlockStored:
+    """The event announcing blocks ``start..end-1`` of a sequence (``token_ids``/``extra_keys`` cover all of it)."""
+    return BlockStored(
+        block_hashes=list(hashes[start:end]),
+        parent_block_hash=hashes[start - 1] if start > 0 else None,
+        token_ids=list(token_ids[start * block_size : end * block_size]),
+        block_size=block_size,
+        extra_keys=list(extra_keys[start:end]),
+        medium=medium,
+        lora=lora,
+    )
+
+
 @dataclass(slots=True)
 class KVCache:
     """The block pool of one engine. Events accumulate until `drain_events` (one batch per step)."""
@@ -168,17 +182,7 @@ class KVCache:
             b = blocks[i]
             b.block_hash = hashes[i]
             self._cached.setdefault(hashes[i], {})[b.block_id] = b
-        bs = self.block_size
-        self._events.append(
-            BlockStored(
-                block_hashes=list(hashes[start:end]),
-                parent_block_hash=hashes[start - 1] if start > 0 else None,
-                token_ids=list(token_ids[start * bs : end * bs]),
-                block_size=bs,
-                extra_keys=list(extra_keys[start:end]),
-                lora=lora,
-            )
-        )
+        self._events.append(stored_run(hashes, start, end, token_ids, self.block_size, extra_keys, lora))
 
     def announce_reused(
         self, hashes: Sequence[bytes], token_ids: Sequence[int], extra_keys: Sequence[tuple[Any, ...] | None],
