@@ -66,7 +66,10 @@ def test_adapter_requests_go_to_its_engine_and_hit_its_blocks_on_the_next_turn(
 
 
 def _chat(client: RouterClient, priority: str, words: int, max_tokens: int, done: dict[str, float], name: str) -> None:
-    body = {"model": ADAPTER, "messages": user(unique_text(words)), "max_tokens": max_tokens, "ignore_eos": True}
+    """One chat at ``priority``; streamed (a non-streamed answer's head waits for its last token, and a long one
+    would meet the router's first-byte timeout on a loaded machine)."""
+    body = {"model": ADAPTER, "messages": user(unique_text(words)), "max_tokens": max_tokens, "ignore_eos": True,
+            "stream": True}
     conn = http.client.HTTPConnection(client.host, client.port, timeout=120)
     try:
         conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
@@ -85,7 +88,7 @@ def test_a_high_priority_request_overtakes_a_low_one_queued_before_it(
     """The engine has one sequence slot: while a long answer holds it, a low request queues, then a high one.
     The engine serves the high one first only if the router's priority reached it."""
     done: dict[str, float] = {}
-    threads = [threading.Thread(target=_chat, args=(routed, "low", 20, 1500, done, "holder"))]
+    threads = [threading.Thread(target=_chat, args=(routed, "low", 20, 400, done, "holder"))]
     threads[0].start()
     wait_until(lambda: metric(lora_engine, "vllm:num_requests_running") >= 1)
     for name, priority in (("low", "low"), ("high", "high")):
