@@ -31,7 +31,7 @@ replica only knows the requests it sent itself."""
 # Measurements with a command line of their own: name -> module with main(argv) -> int.
 DELEGATED = {"tokenize": "bench.tokenize_cost", "index": "bench.index_cost", "admission": "bench.admission",
              "tenants": "bench.tenants", "decide": "bench.decide_cost", "autoscale": "bench.autoscale",
-             "ingest": "bench.ingest_cost", "pd": "bench.pd"}
+             "ingest": "bench.ingest_cost", "pd": "bench.pd", "tiers": "bench.tiers"}
 
 SMALL_CACHE_BLOCKS = 256
 """Blocks per engine for workload d, so its working set is a few times the fleet's capacity."""

@@ -98,6 +98,8 @@ class EngineOptions:
     stop_grace: float = 15.0
     kv_transfer_config: dict[str, object] | None = None
     """vLLM's ``--kv-transfer-config`` (a KV connector and its role), for prefill/decode pairs."""
+    extra_args: tuple[str, ...] = ()
+    """More engine flags (LoRA modules, a scheduling policy)."""
 
 
 @dataclass
@@ -160,7 +162,7 @@ class VllmEngine:
             cmd += ["--num-gpu-blocks-override", str(opts.num_gpu_blocks)]
         if opts.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(opts.kv_transfer_config)]
-        return cmd
+        return cmd + list(opts.extra_args)
 
     def environment(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}

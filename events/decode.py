@@ -239,6 +239,8 @@ def _event(raw: Any) -> Event | None:
     else:
         raise DecodeError("event_shape")
     if kind == "BlockStored":
+        if fields.get("block_size") == 0 and fields.get("token_ids") == []:
+            return None  # an offloading connector's placeholder (no self-describing events): nothing to key
         return _stored(fields)
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()

@@ -31,6 +31,10 @@ class EngineLoad:
     prefix_cache_hits: float
     rejected: tuple[str, ...] = ()
     """Values the engine reported out of range: left out (None, 0 or clamped) and counted by the poller."""
+    max_lora: int | None = None
+    """LoRA slots (``--max-loras``) of an engine serving adapters; None: it reports none."""
+    running_adapters: frozenset[str] = frozenset()
+    """Adapters of the requests running at the engine's last stats update (they hold its LoRA slots)."""
 
 
 class MetricsParseError(ValueError):
@@ -61,7 +65,10 @@ _SUMMED = {
 }
 
 
-_READ = (*(name.removesuffix("_total") for name in _SUMMED), "vllm:kv_cache_usage_perc", "vllm:cache_config_info")
+LORA_INFO = "vllm:lora_requests_info"
+"""A gauge set to the time of each stats update, one series per label set ever seen: the newest is current."""
+_READ = (*(name.removesuffix("_total") for name in _SUMMED), "vllm:kv_cache_usage_perc", "vllm:cache_config_info",
+         LORA_INFO)
 """Family names: a counter's TYPE line names it without the ``_total`` its samples carry."""
 _COMMENT_PREFIXES = ("# HELP ", "# TYPE ")
 _COMMENT_LEN = len(_COMMENT_PREFIXES[0])
@@ -90,6 +97,7 @@ def parse_vllm_metrics(text: str) -> EngineLoad:
     rejected: list[str] = []
     usage = 0.0
     block_size = num_blocks = None
+    lora: tuple[float, dict[str, str]] | None = None
     try:
         for family in text_string_to_metric_families(relevant_lines(text)):
             for sample in family.samples:
@@ -101,6 +109,9 @@ def parse_vllm_metrics(text: str) -> EngineLoad:
                     seen.add(sample.name)
                 elif sample.name == "vllm:kv_cache_usage_perc":
                     usage = max(usage, value)
+                elif sample.name == LORA_INFO:
+                    if lora is None or value > lora[0]:
+                        lora = (value, sample.labels)
                 elif sample.name == "vllm:cache_config_info":
                     block_size = _int_label(sample.labels.get("block_size"), MAX_BLOCK_SIZE, "block_size",
                                             rejected) or block_size
@@ -117,8 +128,23 @@ def parse_vllm_metrics(text: str) -> EngineLoad:
         if not 0 <= sums[name] <= MAX_COUNTER:
             rejected.append(f"prefix_cache_{name}")
             sums[name] = 0.0
+    max_lora, running_adapters = _lora_slots(lora, rejected)
     return EngineLoad(int(sums["running"]), int(sums["waiting"]), min(1.0, max(0.0, usage)), block_size,
-                      num_blocks, sums["queries"], sums["hits"], tuple(rejected))
+                      num_blocks, sums["queries"], sums["hits"], tuple(rejected), max_lora, running_adapters)
+
+
+MAX_LORAS = 4096
+
+
+def _lora_slots(newest: tuple[float, dict[str, str]] | None, rejected: list[str]) -> tuple[int | None, frozenset[str]]:
+    """(LoRA slots, adapters running) from the newest ``vllm:lora_requests_info`` series, if any."""
+    if newest is None:
+        return None, frozenset()
+    labels = newest[1]
+    slots = _int_label(labels.get("max_lora"), MAX_LORAS, "max_lora", rejected)
+    running = labels.get("running_lora_adapters", "")
+    names = frozenset(name for name in running.split(",") if name)
+    return slots, names if len(names) <= MAX_LORAS else frozenset()
 
 
 def _int_label(value: str | None, maximum: int, name: str, rejected: list[str]) -> int | None:

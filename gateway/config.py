@@ -24,7 +24,9 @@ from gateway.body_limits import LimitsConfig
 from gateway.config_errors import ConfigError
 from gateway.disaggregation.config import PdConfig
 from gateway.disaggregation.roles import check_protocol, check_role
+from gateway.engine_priority import EnginePriorityConfig
 from gateway.security.config import AuthConfig, TenantConfig, validate_security
+from gateway.tier_config import TierConfig
 from tokenization.worker import default_workers
 
 __all__ = ["AdmissionConfig", "AuthConfig", "AutoscaleConfig", "ConfigError", "EngineConfig", "LimitsConfig",
@@ -86,6 +88,8 @@ class EngineConfig:
     """prefill | decode | both (gateway/disaggregation/roles.py)."""
     kv_protocol: str = "handoff"
     """How its KV cache is handed over in a prefill/decode pair: handoff | opaque."""
+    tiers: TierConfig = field(default_factory=TierConfig)
+    """What a hit in the engine's offloaded CPU/storage tiers costs (gateway/tier_config.py)."""
 
     def validate(self, where: str) -> None:
         try:
@@ -112,6 +116,7 @@ class EngineConfig:
                 check(key, getattr(self, key))
             except ValueError as exc:
                 raise ConfigError(f"{where}.{key}: {exc}") from None
+        self.tiers.validate(f"{where}.tiers")
 
 
 @dataclass
@@ -166,6 +171,11 @@ class RouterConfig:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     autoscaler: AutoscaleConfig = field(default_factory=AutoscaleConfig)
     pd: PdConfig = field(default_factory=PdConfig)
+    adapter_load_s: float = 0.01
+    """What loading a LoRA adapter into an engine's slot costs a request (gateway/adapters.py): a rank-16
+    adapter of an 8B model is ~40 MB, a few ms from host memory into a GPU slot, more from disk."""
+    engine_priority: EnginePriorityConfig = field(default_factory=EnginePriorityConfig)
+    """Priority classes sent to the engines as vLLM's ``priority`` (gateway/engine_priority.py)."""
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -198,6 +208,9 @@ class RouterConfig:
         validate_security(self.auth, self.tenants)
         self.auth.check_exposure(self.host)
         self.admission.validate("admission")
+        self.engine_priority.validate("engine_priority")
+        if not 0 <= self.adapter_load_s <= 60:
+            raise ConfigError("adapter_load_s: must be between 0 and 60 seconds")
         self.tracing.validate()
         self.limits.validate("limits")
         self.pd.validate("pd")

@@ -19,9 +19,10 @@ import logging
 
 import trio
 
-from events.discovery import EventSource, parse_kv_event_sources, parse_models
+from events.discovery import EventSource, parse_adapters, parse_kv_event_sources, parse_models
 from events.metrics_poller import EngineLoad as PolledLoad
 from events.metrics_poller import poll_metrics
+from gateway.adapters import base_model
 from gateway.engine_faults import EngineFaults, supervise
 from gateway.engines import EngineState
 from gateway.event_ingest import EventIngest
@@ -46,6 +47,7 @@ class Discovery:
         ids, max_model_len = parse_models(body)
         if max_model_len is not None:
             self.engine.max_model_len = max_model_len
+        self.engine.adapters = parse_adapters(body)
         return ids
 
     async def event_sources(self) -> list[EventSource]:
@@ -125,7 +127,7 @@ async def _watch(engine: EngineState, planner, ingest: EventIngest, interval_s: 
         if not planner.reads_events:
             sources = []  # `approximate` stands for routers that never see events: it knows what it sent
         engine.models = models or engine.models
-        model = engine.config.model or (sorted(engine.models)[0] if engine.models else "")
+        model = engine.config.model or base_model(engine)
         engine.event_sources = [s.endpoint for s in sources]
         planner.register_engine(engine, has_events=bool(sources))
 
@@ -136,6 +138,7 @@ async def _watch(engine: EngineState, planner, ingest: EventIngest, interval_s: 
             engine.load.kv_usage, engine.load.polled_at = load.kv_cache_usage, now
             engine.load.num_blocks = load.num_gpu_blocks
             engine.load.block_size = load.block_size
+            engine.load.max_lora, engine.load.running_adapters = load.max_lora, load.running_adapters
             engine.load.poll_generation += 1
             engine.load.finished_since_poll = 0
             engine.load.reuse.record(load.prefix_cache_queries, load.prefix_cache_hits)

@@ -59,6 +59,9 @@ class EngineLoad:
     finished_since_poll: int = 0
     """This router's requests to the engine that ended after the last poll (still counted as running)."""
     reuse: PrefixReuse = field(default_factory=PrefixReuse)
+    max_lora: int | None = None
+    """LoRA slots, for an engine reporting ``vllm:lora_requests_info``."""
+    running_adapters: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -77,6 +80,8 @@ class EngineState:
     event_sources: list[str] = field(default_factory=list)
     max_model_len: int | None = None
     """The context length the engine reports in ``/v1/models`` (vLLM does), if any."""
+    adapters: dict[str, str] = field(default_factory=dict)
+    """LoRA adapters the engine serves (listed in ``models`` too) -> their base model."""
     first_tokens: PendingFirstTokens = field(default_factory=PendingFirstTokens)
     """Streams sent to it whose first token has not reached the client (its event ingest lets them go first)."""
 

@@ -15,6 +15,7 @@ from typing import Any
 import trio
 
 from gateway import tracing
+from gateway.adapters import adapter_terms, chain_model
 from gateway.config import RouterConfig
 from gateway.engines import EngineRegistry, EngineState
 from gateway.metrics import RouterMetrics
@@ -297,7 +298,8 @@ class RoutePlanner:
                            param="messages" if parsed.kind == "chat" else "prompt", code="context_length_exceeded")
 
     def _chains(self, parsed: ParsedRequest, token_ids: list[int], engine_ids: list[str]) -> dict[int, list[int]]:
-        seed = root_seed(parsed.model, None, parsed.cache_salt)
+        base, adapter = chain_model(parsed.model, filter(None, map(self.engines.get, engine_ids)))
+        seed = root_seed(base, adapter, parsed.cache_salt)
         return {size: chain(token_ids, size, seed) for size in self.cache.block_sizes(engine_ids)}
 
     async def plan(self, parsed: ParsedRequest, headers: Mapping[str, str]) -> Plan:
@@ -363,9 +365,11 @@ class RoutePlanner:
                 prompt_tokens: int, chains: dict[int, list[int]], overlaps: Mapping[str, CacheOverlap]) -> Decision:
         peers = self.peer_in_flight()
         views = []
+        _, adapter = chain_model(parsed.model, candidates)
         for engine in candidates:
             found = overlaps.get(engine.id)
             held, recorded = self.cache.held_blocks(engine.id)
+            adapter_load_s, slots_full = adapter_terms(adapter, engine.load, self.config.adapter_load_s)
             views.append(EngineView(
                 id=engine.id, url=engine.url, island=engine.config.island,
                 healthy=engine.healthy and not engine.maintenance, draining=engine.draining,
@@ -375,6 +379,8 @@ class RoutePlanner:
                 block_size=engine.block_size, exact_blocks=found.exact_blocks if found else 0,
                 approx_blocks=found.approx_blocks if found else 0, confidence=found.confidence if found else 0.0,
                 held_blocks=held, approx_held_blocks=recorded, reuse_ratio=engine.load.reuse.ratio,
+                tier_runs=engine.config.tiers.priced_runs(found.tiers, engine.block_size) if found else (),
+                adapter_load_s=adapter_load_s, adapter_slots_full=slots_full,
             ))
         block_size = min(chains) if chains else 16
         session = bounded_key(next((headers[h] for h in SESSION_HEADERS if headers.get(h)), None) or parsed.user)

@@ -18,6 +18,7 @@ from gateway.asgi_server import HANGUP_EXTENSION
 from gateway.config import RouterConfig
 from gateway.continuation import ContinuationSpec
 from gateway.disaggregation.flow import Disaggregation, PdRoute, explain
+from gateway.engine_priority import with_engine_priority
 from gateway.engines import EngineRegistry, EngineState
 from gateway.fleet import Fleet
 from gateway.gatekeeper import Gatekeeper
@@ -215,6 +216,7 @@ class Router:
             priority = self.gate.priority(tenant, headers)
             self.gate.check_rate(tenant, priority)
             parsed = self.gate.isolate(tenant, await self._read_request(kind, scope, receive, headers))
+            parsed = with_engine_priority(self.config.engine_priority, priority, parsed)
             record.body_read = True
         tracing.name_request(span, kind, parsed.model, parsed.max_tokens, tenant.name)
         request_id = record.request_id

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from index.tiers import source_of
+
 _RANK_MARK = "#dp"
 
 
@@ -20,6 +22,7 @@ def holder_keys(engine: str, ranks: Sequence[int]) -> tuple[str, ...]:
 
 
 def engine_of(holder: str) -> str:
-    """The engine a holder key belongs to (the key itself for a first rank)."""
-    engine, mark, rank = holder.rpartition(_RANK_MARK)
-    return engine if mark and engine and rank.isdigit() else holder
+    """The engine a holder key belongs to (the key itself for a first rank); a rank's lower tiers
+    (index/tiers.py) belong to its engine too."""
+    engine, mark, rank = source_of(holder).rpartition(_RANK_MARK)
+    return engine if mark and engine and rank.isdigit() else source_of(holder)

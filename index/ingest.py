@@ -21,8 +21,9 @@ import msgpack
 from index.block_hash import chain_from, next_key, root_seed
 from index.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from index.store import BlockStore
+from index.tiers import TIER_MEDIA, tier_holder
 
-# Only the engine's own KV cache is indexed; offloaded tiers and non-primary groups are skipped.
+# The engine's own KV cache; offloaded tiers go to tier holders (index/tiers.py), other groups are skipped.
 INDEXED_MEDIA = frozenset({None, "GPU"})
 INDEXED_GROUPS = frozenset({None, 0})
 _MAX_ROOTS = 1024
@@ -97,6 +98,8 @@ class EngineIngest:
             elif isinstance(event, BlockRemoved):
                 if event.medium in INDEXED_MEDIA and event.group_idx in INDEXED_GROUPS:
                     stats.removed += self.store.remove(self.holder, event.block_hashes)
+                elif event.medium in TIER_MEDIA and event.group_idx in INDEXED_GROUPS:
+                    stats.removed += self.store.remove(tier_holder(self.holder, event.medium), event.block_hashes)
                 else:
                     stats.skipped += 1
             elif isinstance(event, AllBlocksCleared):
@@ -105,9 +108,12 @@ class EngineIngest:
         return stats
 
     def _stored(self, event: BlockStored, stats: IngestStats) -> None:
+        holder = self.holder
         if event.medium not in INDEXED_MEDIA or event.group_idx not in INDEXED_GROUPS:
-            stats.skipped += 1
-            return
+            if event.medium not in TIER_MEDIA or event.group_idx not in INDEXED_GROUPS:
+                stats.skipped += 1
+                return
+            holder = tier_holder(holder, event.medium)
         extras = event.extra_keys
         first = event.parent_block_hash is None
         plain = extras is None or all(extra is None for extra in extras[1 if first else 0 :])
@@ -116,7 +122,9 @@ class EngineIngest:
             parent: int | None = self._root(head.lora_name, head.cache_salt)
             plain = plain and head.other is None
         else:
-            parent = self.store.own_key(self.holder, event.parent_block_hash)
+            parent = self.store.own_key(holder, event.parent_block_hash)
+            if parent is None and holder is not self.holder:
+                parent = self._tier_parent(event.parent_block_hash)
             if parent is None:
                 stats.orphaned += 1
                 return
@@ -132,7 +140,16 @@ class EngineIngest:
                 keys.append(parent)
         stats.stored_keys.extend(keys)
         self.block_size = size
-        stats.stored += self.store.store_many(self.holder, event.block_hashes, keys)
+        stats.stored += self.store.store_many(holder, event.block_hashes, keys)
+
+    def _tier_parent(self, engine_hash: int) -> int | None:
+        """A tier block's parent held elsewhere in the engine (an engine hash names the same content in
+        every medium, so any of its holders gives the same own key)."""
+        for holder in (self.holder, *(tier_holder(self.holder, m) for m in TIER_MEDIA)):
+            key = self.store.own_key(holder, engine_hash)
+            if key is not None:
+                return key
+        return None
 
     def _root(self, lora_name: str | None, cache_salt: str | None) -> int:
         """The chain seed, remembered per (LoRA, salt): one hash per prefill event less."""
@@ -145,5 +162,5 @@ class EngineIngest:
         return seed
 
     def reset(self) -> int:
-        """The stream's publisher restarted: its cache is empty; returns the number of blocks dropped."""
-        return self.store.clear(self.holder)
+        """The stream's publisher restarted: its cache and lower tiers are empty; returns the blocks dropped."""
+        return self.store.clear(self.holder) + sum(self.store.clear(tier_holder(self.holder, m)) for m in TIER_MEDIA)

@@ -19,6 +19,7 @@ from index.approximate import ApproximateIndex
 from index.freshness import EngineFreshness, FreshnessPolicy
 from index.ingest import IngestStats
 from index.store import BlockStore
+from index.tiers import TIER_MEDIA, TierRun, tier_holder, tier_holders, tier_runs
 
 OVERFLOW_MARGIN = 1.25
 
@@ -31,6 +32,8 @@ class CacheOverlap:
     approx_blocks: int
     confidence: float
     block_size: int
+    tiers: tuple[TierRun, ...] = ()
+    """Blocks right after the GPU prefix that the engine's offloaded tiers hold (index/tiers.py)."""
 
 
 @dataclass(slots=True)
@@ -75,13 +78,19 @@ class CacheView:
         self._engines.pop(engine, None)
         self.approximate.clear(engine)
         for holder in self._holders.pop(engine, (engine,)):
-            self.store.clear(holder)
+            self._clear_source(holder)
 
     def set_holders(self, engine: str, holders: Sequence[str]) -> None:
         """The engine's event sources are (again) these; blocks of holders it no longer has are dropped."""
         for gone in set(self.holders(engine)) - set(holders):
-            self.store.clear(gone)
+            self._clear_source(gone)
         self._holders[engine] = tuple(holders)
+
+    def _clear_source(self, holder: str) -> None:
+        """Drop an event source's blocks, its lower tiers' included."""
+        self.store.clear(holder)
+        for medium in TIER_MEDIA:
+            self.store.clear(tier_holder(holder, medium))
 
     def holders(self, engine: str) -> tuple[str, ...]:
         return self._holders.get(engine, (engine,))
@@ -118,7 +127,9 @@ class CacheView:
                 info = self._engines[engine]
                 held = max((exact.get(h, 0) for h in self.holders(engine)), default=0)
                 approx = self.approximate.leading(engine, chain, now, start=held)
-                result[engine] = CacheOverlap(held, approx, info.freshness.confidence(now), size)
+                tiers = tier_holders(self.store, self.holders(engine)) if chain else ()
+                runs = tier_runs(self.store, chain, held, tiers) if tiers else ()
+                result[engine] = CacheOverlap(held, approx, info.freshness.confidence(now), size, runs)
         return result
 
     def held_blocks(self, engine: str) -> tuple[int | None, int]:

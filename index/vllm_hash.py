@@ -39,21 +39,28 @@ def hash_block(parent: bytes, token_ids: Sequence[int], extra_keys: tuple[Any, .
     return sha256_pickle((parent, tuple(token_ids), extra_keys))
 
 
-def salt_extra_keys(block_index: int, cache_salt: str | None) -> tuple[Any, ...] | None:
-    """What BlockStored's ``extra_keys`` carries for a salted text request: block 0's is the bare salt,
-    ``(salt,)``; an empty salt counts as none. (Checked against a real engine.)"""
-    if block_index == 0 and cache_salt:
-        return (cache_salt,)
-    return None
+LoraKey = tuple[str, str]
+"""A LoRA adapter as it enters block keys: (name, path)."""
 
 
-def salt_hash_keys(block_index: int, cache_salt: str | None) -> tuple[Any, ...] | None:
-    """What block 0's hash is computed over for a salted request: the tagged pair
-    ``(("cache_salt", salt),)``, although the event then publishes the salt untagged (real engine, vLLM
-    0.32 CPU: the published hashes match this recipe and not the untagged one)."""
+def salt_extra_keys(block_index: int, cache_salt: str | None, lora: LoraKey | None = None) -> tuple[Any, ...] | None:
+    """What BlockStored's ``extra_keys`` carries for a text request: the adapter's bare name on every block of
+    an adapter request, then block 0's bare salt; an empty salt counts as none. (Salt checked against a real
+    engine; the adapter's place from vLLM's ``generate_block_hash_extra_keys``: LoRA keys come first.)"""
+    keys = () if lora is None else (lora[0],)
     if block_index == 0 and cache_salt:
-        return (("cache_salt", cache_salt),)
-    return None
+        keys += (cache_salt,)
+    return keys or None
+
+
+def salt_hash_keys(block_index: int, cache_salt: str | None, lora: LoraKey | None = None) -> tuple[Any, ...] | None:
+    """What a block's hash is computed over: ``("lora", name, path)`` for an adapter request, then block 0's
+    tagged ``("cache_salt", salt)``, although the event publishes both untagged (real engine, vLLM 0.32 CPU:
+    the published hashes of salted blocks match this recipe and not the untagged one)."""
+    keys: tuple[Any, ...] = () if lora is None else (("lora", *lora),)
+    if block_index == 0 and cache_salt:
+        keys += (("cache_salt", cache_salt),)
+    return keys or None
 
 
 def to_u64(block_hash: bytes) -> int:
@@ -68,11 +75,13 @@ class BlockHasher:
     proportional to new tokens instead of the whole sequence.
     """
 
-    __slots__ = ("block_size", "cache_salt", "hashes", "_root")
+    __slots__ = ("block_size", "cache_salt", "hashes", "lora", "_root")
 
-    def __init__(self, block_size: int, cache_salt: str | None = None, seed: str | None = None) -> None:
+    def __init__(self, block_size: int, cache_salt: str | None = None, seed: str | None = None,
+                 lora: LoraKey | None = None) -> None:
         self.block_size = block_size
         self.cache_salt = cache_salt
+        self.lora = lora
         self.hashes: list[bytes] = []
         self._root = none_hash(seed)
 
@@ -84,7 +93,7 @@ class BlockHasher:
         while start + bs <= len(token_ids):
             index = len(self.hashes)
             parent = self.hashes[-1] if self.hashes else self._root
-            h = hash_block(parent, token_ids[start : start + bs], salt_hash_keys(index, self.cache_salt))
+            h = hash_block(parent, token_ids[start : start + bs], salt_hash_keys(index, self.cache_salt, self.lora))
             self.hashes.append(h)
             new.append(h)
             start += bs

@@ -33,6 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=4096, help="KV capacity per engine (incl. null block)")
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters served beside the base model, as vLLM's flag")
+    p.add_argument("--max-loras", type=int, default=1, help="LoRA slots: adapters batched together")
+    p.add_argument("--lora-load-s", type=float, default=0.01, help="loading an adapter into a slot, seconds")
+    p.add_argument("--cpu-blocks", type=int, default=0, help="blocks of a CPU offload tier (0: none)")
+    p.add_argument("--cpu-bandwidth-gbps", type=float, default=20.0, help="CPU tier -> KV cache copy speed")
+    p.add_argument("--kv-bytes-per-token", type=int, default=131_072, help="KV bytes per token (tier load time)")
     p.add_argument("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE)
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply every modelled duration")
     p.add_argument("--event-encoding", choices=["map", "array"], default="map")
@@ -55,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> FleetConfig:
     if args.engines < 1 or args.block_size < 1 or args.num_blocks < 2 or args.max_num_seqs < 1:
         raise ValueError("engines, block size and max-num-seqs must be >= 1, num-blocks >= 2")
+    adapters = tuple(tuple(item.split("=", 1)) for item in args.lora_modules)
+    if any(len(a) != 2 or not all(a) for a in adapters):
+        raise ValueError("lora-modules take NAME=PATH")
+    if args.max_loras < 1 or args.lora_load_s < 0:
+        raise ValueError("max-loras must be >= 1 and lora-load-s not negative")
+    if args.cpu_blocks < 0 or args.cpu_bandwidth_gbps <= 0 or args.kv_bytes_per_token < 1:
+        raise ValueError("cpu-blocks must be >= 0, cpu-bandwidth-gbps and kv-bytes-per-token positive")
     if args.time_scale <= 0:
         raise ValueError("time-scale must be positive")
     if args.keep_alive <= 0 or args.keep_alive_race < 0:
@@ -64,7 +78,9 @@ def config_from_args(args: argparse.Namespace) -> FleetConfig:
         num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs, profile=args.profile,
         time_scale=args.time_scale, event_encoding=args.event_encoding, events=not args.no_events,
         topic=args.topic, hash_seed=args.seed_hash, buffer_steps=args.buffer_steps,
-        keep_alive_s=args.keep_alive, keep_alive_race_s=args.keep_alive_race,
+        keep_alive_s=args.keep_alive, keep_alive_race_s=args.keep_alive_race, cpu_blocks=args.cpu_blocks,
+        cpu_bandwidth_gbps=args.cpu_bandwidth_gbps, kv_bytes_per_token=args.kv_bytes_per_token,
+        lora_modules=adapters, max_loras=args.max_loras, lora_load_s=args.lora_load_s,
     )
     roles = [r.strip() for r in args.role.split(",")]
     if any(r not in ROLES for r in roles) or len(roles) not in (1, args.engines):

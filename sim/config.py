@@ -38,6 +38,18 @@ class EngineConfig:
     """prefill | decode | both: the engine's side of a disaggregated pair (sim/roles.py)."""
     kv_lease_s: float = 30.0
     """How long a prefill engine holds handed-over blocks (vLLM's ``kv_lease_duration``)."""
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    """LoRA adapters served beside the base model, as vLLM's ``--lora-modules name=path``: requests naming one
+    are keyed with it (events and block hashes) and it is listed in /v1/models with the base as parent."""
+    max_loras: int = 1
+    lora_load_s: float = 0.01
+    """LoRA slots (vLLM's ``--max-loras``, default 1) and what loading an adapter into one costs."""
+    cpu_blocks: int = 0
+    """Blocks of the optional CPU tier (sim/cpu_tier.py); 0: none, as vLLM without an offloading connector."""
+    cpu_bandwidth_gbps: float = 20.0
+    kv_bytes_per_token: int = 131_072
+    """With the bandwidth, what loading a block back from the CPU tier costs (defaults: an 8B-class model in
+    bf16 over PCIe 4.0, as the router's own tier defaults)."""
     stream_interval: int = 1
     """Tokens per streamed event, as vLLM's ``--stream-interval``: the first and the last token go out at
     once, the others in groups of this many (speculative decoding also puts several tokens in one event)."""

@@ -23,10 +23,11 @@ import xxhash
 import zmq
 
 from sim.config import EngineConfig
+from sim.cpu_tier import CpuTier
 from sim.engine_core import EngineCore, SimRequest, TokenOutput
 from sim.event_encoding import encode_batch
 from sim.http_server import HttpRequest, HttpResponse, serve_http
-from sim.kv_cache import KVCache
+from sim.kv_cache import Adapter, KVCache
 from sim.metrics import EngineMetrics, Snapshot
 from sim.openai_api import (
     DONE,
@@ -92,8 +93,12 @@ class SimEngine:
         self.cfg = cfg
         self.tok = tokenizer
         self.profile = get_profile(cfg.profile)
+        self.adapters = {name: Adapter(name, path, i + 1) for i, (name, path) in enumerate(cfg.lora_modules)}
+        """vLLM numbers adapters from 1 (``lora_int_id``) in the order --lora-modules names them."""
+        tier = None if not cfg.cpu_blocks else CpuTier(
+            cfg.cpu_blocks, cfg.block_size * cfg.kv_bytes_per_token / (cfg.cpu_bandwidth_gbps * 1e9))
         self.core = EngineCore(KVCache(cfg.num_blocks, cfg.block_size), self.profile, cfg.max_num_seqs,
-                               tokenizer.gen_vocab, cfg.hash_seed)
+                               tokenizer.gen_vocab, cfg.hash_seed, tier, cfg.max_loras, cfg.lora_load_s)
         self.faults = Faults()
         self.created = int(time.time())
         self.success: dict[str, int] = {}
@@ -116,7 +121,16 @@ class SimEngine:
         st = self.core.stats
         return Snapshot(len(self.core.running), len(self.core.waiting), self.core.cache.usage,
                         st.prefix_queries, st.prefix_hits, st.prompt_tokens, st.generation_tokens,
-                        st.preemptions, dict(self.success), st.external_queries, st.external_hits)
+                        st.preemptions, dict(self.success), st.external_queries, st.external_hits,
+                        self._lora_info())
+
+    def _lora_info(self) -> dict[str, str] | None:
+        """vllm:lora_requests_info's labels, for an engine serving adapters (vLLM exports it with LoRA on)."""
+        if not self.adapters:
+            return None
+        waiting = {r.lora.name for r in self.core.waiting if r.lora is not None}
+        return {"max_lora": str(self.core.max_loras), "waiting_lora_adapters": ",".join(sorted(waiting)),
+                "running_lora_adapters": ",".join(sorted(self.core.running_adapters()))}
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -197,7 +211,7 @@ class SimEngine:
                 return HttpResponse(200, dumps({"server_load": self.inflight}))
             if route == ("GET", "/v1/models"):
                 return HttpResponse(200, models_body(self.cfg.model, self.tok.path, self.core.max_model_len,
-                                                     self.created))
+                                                     self.created, self.cfg.lora_modules))
             if route == ("GET", "/kv_event_sources"):
                 return HttpResponse(200, dumps({"0": self._events_config()}))
             if route == ("POST", "/tokenize"):
@@ -239,7 +253,7 @@ class SimEngine:
 
     def _tokenize(self, body: dict[str, Any]) -> HttpResponse:
         model = body.get("model")
-        if model is not None and model != self.cfg.model:
+        if model is not None and model != self.cfg.model and model not in self.adapters:
             raise ApiError(f"The model `{model}` does not exist.", status=404, param="model")
         ids = self._prompt_ids(body, chat="messages" in body)
         return HttpResponse(200, dumps({"count": len(ids), "max_model_len": self.core.max_model_len,
@@ -312,11 +326,12 @@ class SimEngine:
             prompt_ids=ids, max_tokens=max_tokens, finish_reason=reason,
             rng=random.Random(params.seed if params.seed is not None else prompt_seed),
             cache_salt=params.cache_salt, report_full=params.report_full,
+            lora=None if params.adapter is None else self.adapters[params.adapter],
         )
 
     async def _generate(self, req: HttpRequest, chat: bool) -> HttpResponse:
         body = parse_json(req.body)
-        params = parse_generation(body, self.cfg.model, chat)
+        params = parse_generation(body, self.cfg.model, chat, self.adapters)
         if self.faults.fail_rate and self._rng.random() < self.faults.fail_rate:
             status = self.faults.fail_status
             retry = [("retry-after", "2")] if status == 429 else []

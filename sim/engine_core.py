@@ -11,13 +11,14 @@ Blocks are cached as soon as they are full, including blocks completed by genera
 from __future__ import annotations
 
 import random
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from index.vllm_hash import BlockHasher, salt_extra_keys
-from sim.kv_cache import Block, KVCache, KVEvent
+from sim.cpu_tier import CpuTier
+from sim.kv_cache import Adapter, Block, KVCache, KVEvent
 from sim.profiles import Profile
 from sim.timing import DecodeSeq, PrefillChunk, step_duration
 
@@ -33,6 +34,7 @@ class SimRequest:
     """What ends the request after `max_tokens` tokens: "length" or "stop"."""
     rng: random.Random
     cache_salt: str | None = None
+    lora: Adapter | None = None
     report_full: bool = False
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
@@ -93,6 +95,9 @@ class EngineCore:
         max_num_seqs: int,
         vocab: Sequence[int],
         hash_seed: str | None = None,
+        tier: CpuTier | None = None,
+        max_loras: int = 1,
+        lora_load_s: float = 0.0,
     ) -> None:
         if not vocab:
             raise ValueError("vocab for generated tokens is empty")
@@ -101,6 +106,13 @@ class EngineCore:
         self.max_num_seqs = max_num_seqs
         self.vocab = list(vocab)
         self.hash_seed = hash_seed
+        self.tier = tier
+        self.max_loras = max_loras
+        self.lora_load_s = lora_load_s
+        self._lora_slots: OrderedDict[str, None] = OrderedDict()
+        """Adapters loaded in the engine's LoRA slots, least recently used first."""
+        self._load_s = 0.0
+        """Engine time spent this step loading blocks back from the CPU tier."""
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.stats = CoreStats()
@@ -121,7 +133,8 @@ class EngineCore:
 
     def add(self, req: SimRequest) -> None:
         """Queue a request; the caller has checked prompt + max_tokens <= max_model_len."""
-        req.hasher = BlockHasher(self.block_size, req.cache_salt, self.hash_seed)
+        lora = None if req.lora is None else (req.lora.name, req.lora.path)
+        req.hasher = BlockHasher(self.block_size, req.cache_salt, self.hash_seed, lora)
         self.waiting.append(req)
         self._by_id[req.request_id] = req
 
@@ -143,7 +156,8 @@ class EngineCore:
         self._pending_reset = True
 
     def _extra_keys(self, req: SimRequest, n_blocks: int) -> list[tuple[Any, ...] | None]:
-        return [salt_extra_keys(i, req.cache_salt) for i in range(n_blocks)]
+        lora = None if req.lora is None else (req.lora.name, req.lora.path)
+        return [salt_extra_keys(i, req.cache_salt, lora) for i in range(n_blocks)]
 
     def _hashes(self, req: SimRequest) -> list[bytes]:
         assert req.hasher is not None
@@ -191,7 +205,8 @@ class EngineCore:
         hashes = self._hashes(req)
         max_hit_blocks = (req.num_tokens - 1) // self.block_size
         hit = self.cache.find_cached_prefix(hashes, max_hit_blocks)
-        hit_tokens = len(hit) * self.block_size
+        tier_blocks = self.tier.match(hashes, len(hit), max_hit_blocks) if self.tier is not None else 0
+        hit_tokens = (len(hit) + tier_blocks) * self.block_size
         loaded = max(0, req.external_tokens - hit_tokens) if not req.output_ids else 0
         num_new = min(req.num_tokens - hit_tokens - loaded, budget)
         need = -(-(hit_tokens + loaded + num_new) // self.block_size) - len(hit)
@@ -202,30 +217,71 @@ class EngineCore:
         assert got is not None
         req.blocks = hit + got
         req.num_computed = hit_tokens + loaded
-        req.num_cached_blocks = len(hit)
+        req.num_cached_blocks = len(hit) + tier_blocks
+        if tier_blocks:
+            self._load(req, hashes, len(hit), len(hit) + tier_blocks)
         if req.cached_tokens is None:
             req.cached_tokens = hit_tokens + loaded
             self.stats.prefix_queries += req.num_tokens
-            self.stats.prefix_hits += hit_tokens
+            self.stats.prefix_hits += len(hit) * self.block_size
             self.stats.prompt_tokens += req.num_tokens
             if req.external_tokens:
                 self.stats.external_queries += req.num_tokens - hit_tokens
                 self.stats.external_hits += loaded
         if req.report_full and hit:
-            self.cache.announce_reused(hashes[: len(hit)], req.all_token_ids(), self._extra_keys(req, len(hit)))
+            self.cache.announce_reused(hashes[: len(hit)], req.all_token_ids(), self._extra_keys(req, len(hit)),
+                                       req.lora)
         return num_new
+
+    def _load(self, req: SimRequest, hashes: list[bytes], start: int, end: int) -> None:
+        """Blocks ``start..end-1`` come back from the CPU tier: cached in the GPU again (announced there, as
+        vLLM does for blocks a connector loaded), their copy time charged to this step."""
+        assert self.tier is not None
+        self.tier.touch(hashes[start:end])
+        self.cache.cache_blocks(req.blocks, hashes, start, end, req.all_token_ids(), self._extra_keys(req, end),
+                                req.lora)
+        self._load_s += (end - start) * self.tier.block_load_s
+
+    def running_adapters(self) -> set[str]:
+        return {r.lora.name for r in self.running if r.lora is not None}
+
+    def _lora_fits(self, req: SimRequest) -> bool:
+        """vLLM batches requests of at most ``max_loras`` adapters; a request of a further one is skipped."""
+        if req.lora is None:
+            return True
+        active = self.running_adapters()
+        return req.lora.name in active or len(active) < self.max_loras
+
+    def _use_lora(self, req: SimRequest) -> None:
+        """An adapter not in a slot is loaded into the least recently used one; the load is charged to the step."""
+        if req.lora is None:
+            return
+        name = req.lora.name
+        if name in self._lora_slots:
+            self._lora_slots.move_to_end(name)
+            return
+        if len(self._lora_slots) >= self.max_loras:
+            self._lora_slots.popitem(last=False)
+        self._lora_slots[name] = None
+        self._load_s += self.lora_load_s
 
     def _schedule_waiting(self, budget: int) -> list[tuple[SimRequest, int]]:
         scheduled: list[tuple[SimRequest, int]] = []
+        skipped: list[SimRequest] = []
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             req = self.waiting[0]
+            if not self._lora_fits(req):
+                skipped.append(self.waiting.popleft())
+                continue
             num_new = self._admit(req, budget)
             if num_new is None:
                 break
             self.waiting.popleft()
+            self._use_lora(req)
             self.running.append(req)
             scheduled.append((req, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
         return scheduled
 
     def _advance(self, req: SimRequest, num_new: int, outputs: list[TokenOutput]) -> None:
@@ -240,7 +296,11 @@ class EngineCore:
                 num_full,
                 req.all_token_ids(),
                 self._extra_keys(req, num_full),
+                req.lora,
             )
+            if self.tier is not None:
+                self.cache.extend_events(self.tier.store(hashes, req.num_cached_blocks, num_full, req.all_token_ids(),
+                                                         self.block_size, self._extra_keys(req, num_full), req.lora))
             req.num_cached_blocks = num_full
         if req.num_computed < req.num_tokens:
             return
@@ -274,8 +334,9 @@ class EngineCore:
         outputs: list[TokenOutput] = []
         for req, num_new in scheduled:
             self._advance(req, num_new, outputs)
+        load_s, self._load_s = self._load_s, 0.0
         return StepResult(
-            duration=step_duration(self.profile, prefills, decodes),
+            duration=step_duration(self.profile, prefills, decodes) + load_s,
             outputs=outputs,
             events=self.cache.drain_events(),
             preempted=preempted,

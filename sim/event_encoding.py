@@ -16,7 +16,6 @@ from index.vllm_hash import to_u64
 from sim.kv_cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 Encoding = Literal["map", "array"]
-MEDIUM_GPU = "GPU"
 SPEC_KIND = "full_attention"
 
 
@@ -33,9 +32,9 @@ def event_fields(event: KVEvent, int_hashes: bool = True) -> tuple[str, list[tup
             ("parent_block_hash", None if parent is None else _h(parent, int_hashes)),
             ("token_ids", event.token_ids),
             ("block_size", event.block_size),
-            ("lora_id", None),
-            ("medium", MEDIUM_GPU),
-            ("lora_name", None),
+            ("lora_id", None if event.lora is None else event.lora.id),
+            ("medium", event.medium),
+            ("lora_name", None if event.lora is None else event.lora.name),
             ("extra_keys", event.extra_keys),
             ("group_idx", 0),
             ("kv_cache_spec_kind", SPEC_KIND),
@@ -43,7 +42,7 @@ def event_fields(event: KVEvent, int_hashes: bool = True) -> tuple[str, list[tup
     if isinstance(event, BlockRemoved):
         return "BlockRemoved", [
             ("block_hashes", [_h(h, int_hashes) for h in event.block_hashes]),
-            ("medium", MEDIUM_GPU),
+            ("medium", event.medium),
             ("group_idx", 0),
         ]
     if isinstance(event, AllBlocksCleared):

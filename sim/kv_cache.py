@@ -19,6 +19,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+@dataclass(frozen=True, slots=True)
+class Adapter:
+    """A LoRA adapter as a request names it: what vLLM's events carry (``lora_name``, ``lora_id``) and what
+    its block hashes are keyed with (name and path)."""
+
+    name: str
+    path: str
+    id: int
+
+
 @dataclass(slots=True)
 class Block:
     block_id: int
@@ -33,11 +43,14 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
     extra_keys: list[tuple[Any, ...] | None]
+    medium: str = "GPU"
+    lora: Adapter | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
     block_hashes: list[bytes]
+    medium: str = "GPU"
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +59,20 @@ class AllBlocksCleared:
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def stored_run(hashes: Sequence[bytes], start: int, end: int, token_ids: Sequence[int], block_size: int,
+               extra_keys: Sequence[tuple[Any, ...] | None], lora: Adapter | None, medium: str = "GPU") -> BlockStored:
+    """The event announcing blocks ``start..end-1`` of a sequence (``token_ids``/``extra_keys`` cover all of it)."""
+    return BlockStored(
+        block_hashes=list(hashes[start:end]),
+        parent_block_hash=hashes[start - 1] if start > 0 else None,
+        token_ids=list(token_ids[start * block_size : end * block_size]),
+        block_size=block_size,
+        extra_keys=list(extra_keys[start:end]),
+        medium=medium,
+        lora=lora,
+    )
 
 
 @dataclass(slots=True)
@@ -143,6 +170,7 @@ class KVCache:
         end: int,
         token_ids: Sequence[int],
         extra_keys: Sequence[tuple[Any, ...] | None],
+        lora: Adapter | None = None,
     ) -> None:
         """Register blocks[start:end] (now full) under their hashes and announce them in one event.
 
@@ -154,19 +182,11 @@ class KVCache:
             b = blocks[i]
             b.block_hash = hashes[i]
             self._cached.setdefault(hashes[i], {})[b.block_id] = b
-        bs = self.block_size
-        self._events.append(
-            BlockStored(
-                block_hashes=list(hashes[start:end]),
-                parent_block_hash=hashes[start - 1] if start > 0 else None,
-                token_ids=list(token_ids[start * bs : end * bs]),
-                block_size=bs,
-                extra_keys=list(extra_keys[start:end]),
-            )
-        )
+        self._events.append(stored_run(hashes, start, end, token_ids, self.block_size, extra_keys, lora))
 
     def announce_reused(
-        self, hashes: Sequence[bytes], token_ids: Sequence[int], extra_keys: Sequence[tuple[Any, ...] | None]
+        self, hashes: Sequence[bytes], token_ids: Sequence[int], extra_keys: Sequence[tuple[Any, ...] | None],
+        lora: Adapter | None = None,
     ) -> None:
         """kv_cache_report_mode=full: re-announce hit blocks, with parent None as vLLM does."""
         if not hashes:
@@ -179,6 +199,7 @@ class KVCache:
                 token_ids=list(token_ids[: n * self.block_size]),
                 block_size=self.block_size,
                 extra_keys=list(extra_keys[:n]),
+                lora=lora,
             )
         )
 
@@ -195,6 +216,10 @@ class KVCache:
             b.block_hash = None
         self._cached.clear()
         self._events.append(AllBlocksCleared())
+
+    def extend_events(self, events: Sequence[KVEvent]) -> None:
+        """Events of another tier of the engine, published in this step's batch."""
+        self._events.extend(events)
 
     def drain_events(self) -> list[KVEvent]:
         events, self._events = self._events, []

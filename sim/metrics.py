@@ -7,6 +7,7 @@ counters are read from the engine state at scrape time; latency histograms are o
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -55,6 +56,7 @@ class Snapshot:
     success: dict[str, int]
     external_queries: int = 0
     external_hits: int = 0
+    lora: dict[str, str] | None = None
 
 
 class EngineMetrics:
@@ -114,6 +116,10 @@ class EngineMetrics:
                          self.ttft)
         yield self._hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                          self.e2e)
+        if s.lora is not None:  # vLLM sets it to the time of each update, one series per label set
+            lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.", labels=list(s.lora))
+            lora.add_metric(list(s.lora.values()), time.time())
+            yield lora
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                                  labels=list(self.cache_info))
         info.add_metric(list(self.cache_info.values()), 1.0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,13 +75,16 @@ class GenParams:
     seed: int | None
     cache_salt: str | None
     report_full: bool
+    adapter: str | None = None
+    """The LoRA adapter the request names instead of the base model."""
 
 
-def parse_generation(body: dict[str, Any], served_model: str, chat: bool) -> GenParams:
+def parse_generation(body: dict[str, Any], served_model: str, chat: bool,
+                     adapters: Collection[str] = ()) -> GenParams:
     model = body.get("model", served_model)
     if model is None:
         model = served_model
-    if model != served_model:
+    if model != served_model and model not in adapters:
         raise ApiError(f"The model `{model}` does not exist.", status=404, param="model")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -113,6 +117,7 @@ def parse_generation(body: dict[str, Any], served_model: str, chat: bool) -> Gen
         seed=_opt_int(body, "seed", -(2**63)),
         cache_salt=salt,
         report_full=bool(xargs and xargs.get("kv_cache_report_mode") == "full"),
+        adapter=model if model != served_model else None,
     )
 
 
@@ -183,12 +188,19 @@ class ResponseHead:
                       "prompt_logprobs": None, "kv_transfer_params": kv_transfer_params})
 
 
-def models_body(model: str, root: str, max_model_len: int, created: int) -> bytes:
-    card = {"id": model, "object": "model", "created": created, "owned_by": "vllm", "root": root,
-            "parent": None, "max_model_len": max_model_len,
-            "permission": [{"id": "modelperm-" + uuid.uuid5(uuid.NAMESPACE_URL, model).hex,
-                            "object": "model_permission", "created": created, "allow_create_engine": False,
-                            "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False,
-                            "allow_view": True, "allow_fine_tuning": False, "organization": "*",
-                            "group": None, "is_blocking": False}]}
-    return dumps({"object": "list", "data": [card]})
+def models_body(model: str, root: str, max_model_len: int, created: int,
+                adapters: Sequence[tuple[str, str]] = ()) -> bytes:
+    """The base model's card, then one per LoRA adapter: vLLM names the base as an adapter's ``parent``, its
+    path as ``root``, and gives it no ``max_model_len`` (null)."""
+
+    def card(name: str, root: str, parent: str | None) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": created, "owned_by": "vllm", "root": root,
+                "parent": parent, "max_model_len": max_model_len if parent is None else None,
+                "permission": [{"id": "modelperm-" + uuid.uuid5(uuid.NAMESPACE_URL, name).hex,
+                                "object": "model_permission", "created": created, "allow_create_engine": False,
+                                "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False,
+                                "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+                                "group": None, "is_blocking": False}]}
+
+    cards = [card(model, root, None), *(card(name, path, model) for name, path in adapters)]
+    return dumps({"object": "list", "data": cards})

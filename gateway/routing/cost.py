@@ -84,6 +84,26 @@ def overlap_tokens(engine: EngineView, request: RouteRequest, blocks: int) -> in
     return max(0, min(_count(request.prompt_tokens), blocks * _block_size(engine)))
 
 
+def tier_blocks(engine: EngineView, knowledge: Knowledge) -> int:
+    """Blocks past the GPU prefix an offloaded tier holds: only events tell (the router's record cannot)."""
+    if knowledge is not Knowledge.EVENTS or not engine.tier_runs:
+        return 0
+    return _count(sum(blocks for _, blocks, _ in engine.tier_runs))
+
+
+def tier_load_s(engine: EngineView, request: RouteRequest, knowledge: Knowledge) -> float:
+    """Time to load the prompt's blocks held in lower tiers back into the engine's KV cache."""
+    if knowledge is not Knowledge.EVENTS or not engine.tier_runs:
+        return 0.0
+    left = _count(request.prompt_tokens) // _block_size(engine) - _count(engine.exact_blocks)
+    total = 0.0
+    for _, blocks, per_block_s in engine.tier_runs:
+        used = min(_count(blocks), max(0, left))
+        total += used * _clamp(per_block_s, 0.0, 1.0)
+        left -= used
+    return total
+
+
 class CostModel:
     """Estimates candidates with per-engine parameters from ``learner``; holds no I/O and no clock."""
 
@@ -95,7 +115,7 @@ class CostModel:
 
     def cached_tokens(self, engine: EngineView, request: RouteRequest, knowledge: Knowledge) -> tuple[float, float]:
         """(tokens the model credits as cached, the trust applied) for one candidate."""
-        exact = overlap_tokens(engine, request, engine.exact_blocks)
+        exact = overlap_tokens(engine, request, engine.exact_blocks + tier_blocks(engine, knowledge))
         approx = overlap_tokens(engine, request, engine.approx_blocks)
         if knowledge is Knowledge.ROUTER_ONLY:
             return float(approx), 1.0
@@ -148,6 +168,15 @@ class CostModel:
         in_batch, _ = split_depth(depth, slots)
         return in_batch * p.prefill_s(uncached)
 
+    def adapter_s(self, engine: EngineView, depth: int) -> float:
+        """A LoRA request where its adapter is not running: the adapter's load into a slot and, when other
+        adapters hold every slot, a wait until one frees, about the time a running request takes to finish
+        (vLLM schedules no request of a further adapter while ``max_loras`` are in the batch). Where the
+        adapter runs already this is 0, so an adapter's requests gather on the engines running it until their
+        queues cost more."""
+        wait = self.decode.decode_s(engine.id, depth, None) if engine.adapter_slots_full else 0.0
+        return _clamp(engine.adapter_load_s, 0.0, 60.0) + wait
+
     def topology_penalty_s(self, engine: EngineView, request: RouteRequest) -> float:
         crosses = request.router_island is not None and engine.island not in (None, request.router_island)
         return self.settings.cross_island_s if crosses else 0.0
@@ -158,19 +187,26 @@ class CostModel:
         cached, trust = self.cached_tokens(engine, request, knowledge)
         uncached = max(0, math.ceil(_count(request.prompt_tokens) - cached - 1e-9))
         depth = queue_depth(engine)
+        load_s = tier_load_s(engine, request, knowledge)
+        adapter_s = self.adapter_s(engine, depth)
+        exact = overlap_tokens(engine, request, engine.exact_blocks)
         return CandidateScore(
             engine=engine.id,
-            exact_tokens=overlap_tokens(engine, request, engine.exact_blocks),
+            exact_tokens=exact,
             approx_tokens=overlap_tokens(engine, request, engine.approx_blocks),
             cached_tokens=cached,
             uncached_tokens=uncached,
             confidence=trust,
             queue_depth=depth,
-            queue_s=params.queue_s(depth, slots),
-            prefill_s=params.overhead_s + params.prefill_s(uncached),
+            queue_s=params.queue_s(depth, slots) + adapter_s,
+            prefill_s=params.overhead_s + params.prefill_s(uncached) + load_s,
             pressure_penalty_s=self.pressure_penalty_s(engine, request, uncached, params),
             topology_penalty_s=self.topology_penalty_s(engine, request),
             live=engine.live,
             decode_s=self.decode.decode_s(engine.id, depth, _max_tokens(request)),
             eviction_s=self.eviction_s(engine, request, uncached, params, knowledge),
+            tier_runs=engine.tier_runs if load_s else (),
+            tier_tokens=overlap_tokens(engine, request, engine.exact_blocks + tier_blocks(engine, knowledge)) - exact,
+            load_s=load_s,
+            adapter_s=adapter_s,
         )

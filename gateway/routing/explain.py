@@ -50,6 +50,13 @@ def route_header(decision: Decision, detailed: bool = True) -> str:
     )
 
 
+def _runs(score: CandidateScore) -> list[dict[str, Any]]:
+    """The prompt's leading blocks the engine holds, by tier: its GPU prefix, then offloaded runs it loads."""
+    gpu = [{"medium": "GPU", "tokens": score.exact_tokens}] if score.exact_tokens else []
+    return gpu + [{"medium": medium, "blocks": blocks, "load_ms": _ms(blocks * per_block_s)}
+                  for medium, blocks, per_block_s in score.tier_runs]
+
+
 def _row(rank: int, score: CandidateScore) -> dict[str, Any]:
     return {
         "rank": rank,
@@ -57,6 +64,9 @@ def _row(rank: int, score: CandidateScore) -> dict[str, Any]:
         "live": score.live,
         "overlap_exact_tokens": score.exact_tokens,
         "overlap_approx_tokens": score.approx_tokens,
+        "matched_runs": _runs(score),
+        "load_ms": _ms(score.load_s),
+        "adapter_ms": _ms(score.adapter_s),
         "credited_cached_tokens": round(score.cached_tokens, 1),
         "uncached_tokens": score.uncached_tokens,
         "confidence": round(score.confidence, 3),

@@ -51,6 +51,13 @@ class EngineView:
     max_num_seqs: int | None = None
     rejoining: bool = False
     """Back from being down and not yet served again by this router (see KvAwarePolicy's rejoin probe)."""
+    adapter_load_s: float = 0.0
+    """Loading the request's LoRA adapter into one of the engine's slots: none where it is running already."""
+    adapter_slots_full: bool = False
+    """The adapter is not running there and every LoRA slot is held by other adapters' requests."""
+    tier_runs: tuple[tuple[str, int, float], ...] = ()
+    """Prompt blocks right after ``exact_blocks`` that the engine's offloaded tiers hold, as runs of
+    (medium, blocks, seconds to load one block): credited as cached, charged their load time."""
 
     @property
     def live(self) -> bool:
@@ -109,6 +116,14 @@ class CandidateScore:
     """For a prefix without a home: the queueing its later requests meet beside the traffic homed there."""
     stall_s: float = 0.0
     """How much this request's prefill delays the streams decoding on the engine (see ``CostModel.stall_s``)."""
+    tier_runs: tuple[tuple[str, int, float], ...] = ()
+    """The engine's lower-tier runs after its GPU prefix (``EngineView.tier_runs``) when they were credited."""
+    tier_tokens: int = 0
+    """Prompt tokens those runs hold (beyond ``exact_tokens``, the GPU's)."""
+    load_s: float = 0.0
+    """Loading those runs back into the engine's KV cache; part of ``prefill_s``."""
+    adapter_s: float = 0.0
+    """Loading the request's LoRA adapter there, and waiting for a slot when all are taken; in ``queue_s``."""
 
     @property
     def penalties_s(self) -> float:
@@ -131,8 +146,9 @@ class CandidateScore:
 
     @property
     def overlap_tokens(self) -> int:
-        """Leading prompt tokens the router believes the engine holds, by either kind of knowledge."""
-        return max(self.exact_tokens, self.approx_tokens)
+        """Leading prompt tokens the router believes the engine holds, by either kind of knowledge (its
+        offloaded tiers included)."""
+        return max(self.exact_tokens + self.tier_tokens, self.approx_tokens)
 
 
 @dataclass(frozen=True, slots=True)

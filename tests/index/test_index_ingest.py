@@ -74,7 +74,7 @@ def test_remove_orphans_and_filtered_media():
     tokens = list(range(8))
     ingest.apply(decode_payload(0, payload([stored_array([11, 12], None, tokens, 4)])))
     orphan = stored_map([99], 5555, [1, 2, 3, 4], 4)
-    offloaded = dict(stored_map([77], None, [1, 2, 3, 4], 4), medium="CPU")
+    offloaded = dict(stored_map([77], None, [1, 2, 3, 4], 4), medium="HBM")  # a medium kvmesh does not know
     stats = ingest.apply(decode_payload(1, payload([orphan, offloaded, removed_array([12])])))
     assert (stats.orphaned, stats.skipped, stats.removed) == (1, 1, 1)
     assert store.overlap(chain(tokens, 4, root_seed(MODEL))) == {"e1": 1}
