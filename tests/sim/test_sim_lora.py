@@ -76,8 +76,8 @@ def test_metrics_report_slots_and_running_adapters_as_vllm_does():
     from events.metrics_poller import parse_vllm_metrics
     from sim.metrics import EngineMetrics, Snapshot
 
-    snapshot = Snapshot(1, 0, 0.1, 0, 0, 0, 0, 0, {}, {"max_lora": "2", "waiting_lora_adapters": "",
-                                                       "running_lora_adapters": "sql"})
+    snapshot = Snapshot(1, 0, 0.1, 0, 0, 0, 0, 0, {}, lora={"max_lora": "2", "waiting_lora_adapters": "",
+                                                            "running_lora_adapters": "sql"})
     text = EngineMetrics("base", {"block_size": "4"}, lambda: snapshot).render().decode()
     load = parse_vllm_metrics(text)
     assert (load.max_lora, load.running_adapters) == (2, frozenset({"sql"}))
