@@ -126,12 +126,13 @@ def post(url: str, body: dict) -> dict:
         return json.loads(response.read())
 
 
-@pytest.mark.parametrize("cut", ["holder", "other"])
-def test_a_partition_longer_than_a_minute_keeps_one_actor_and_one_provision(tmp_path, cut):
-    """Three real routers; one (the lease holder, or another) is cut off from the mesh for 65 s, longer
-    than the minute after which the old rule let a lone replica count itself a majority. Sampled every
-    0.2 s on every replica: never two actors; the provider sees one provision in all, and after the
-    partition heals one actor remains."""
+def test_a_partition_longer_than_a_minute_keeps_one_actor_and_one_provision(tmp_path):
+    """Three real routers; one that does not hold the lease is cut off from the mesh for 65 s, longer than
+    the minute after which the old rule let a lone replica count itself a majority and claim beside the
+    holder. Sampled every 0.2 s on every replica: never two actors; the provider sees one provision in all,
+    and after the partition heals one actor remains. (Cutting off the holder itself is the chaos scenario's
+    job in real processes, tests/chaos/test_chaos_lease_holder.py, and both cuts run in process for 90 s in
+    tests/autoscale/test_autoscale_partition.py.)"""
     state = tmp_path / "pool.json"
     with SimFleetProcess(engines=4, profile="fast") as fleet:
         static, spares = fleet.urls[:2], fleet.urls[2:]
@@ -145,7 +146,7 @@ def test_a_partition_longer_than_a_minute_keeps_one_actor_and_one_provision(tmp_
 
             assert wait_until(lambda: len(actors()) == 1 and json.loads(state.read_text())["provisions"] == 1, 30)
             holder = actors()[0]
-            victim = holder if cut == "holder" else (holder + 1) % 3
+            victim = (holder + 1) % 3
             post(urls[victim] + "/admin/mesh/isolate", {"isolated": True})
             started = time.monotonic()
             seen: set[int] = set()
