@@ -342,9 +342,13 @@ class RoutePlanner:
         tokenizers = self.tokenizers
         if setting is None or tokenizers is None:
             return parsed, None, False
+        try:
+            placeholders = setting.placeholders(lambda token: tokenizers.token_text(parsed.model, token))
+        except RenderError:  # no tokenizer for the model: the encode would refuse it the same way
+            return parsed, None, False
+        placeholders = {m: p for m, p in placeholders.items() if p.text}  # a token id the vocabulary lacks
         body, items = with_uuids(parsed.body)
         forwarded = dataclasses.replace(parsed, body=body, raw=json.dumps(body, separators=(",", ":")).encode())
-        placeholders = setting.placeholders(lambda token: tokenizers.token_text(parsed.model, token))
         keyed = {item.modality for item in items} <= placeholders.keys()
         return forwarded, Media(items, placeholders) if keyed else None, keyed
 

@@ -48,3 +48,9 @@ def test_without_a_table_an_image_chat_is_routed_untokenized_and_forwarded_uncha
     body = chat(IMAGE, TEXT)
     sent, router = routed(body)
     assert sent == body and router.planner.tokenizers.calls == 0, "not refused as text-only, not keyed"
+
+
+def test_a_placeholder_token_outside_the_vocabulary_leaves_image_chats_unkeyed_not_refused():
+    bad = {"multimodal": {MODEL: MultimodalModelConfig(image=MediaPlaceholderConfig(token_id=10**6, tokens=32))}}
+    _, router = routed(chat(IMAGE, TEXT), **bad)
+    assert router.planner.tokenizers.calls == 0
