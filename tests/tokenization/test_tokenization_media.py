@@ -5,7 +5,7 @@ import pytest
 from index.media_keys import MediaSpan
 from sim.media import engine_items, expanded, parse_placeholder
 from tokenization.media import ID_PREFIX, MediaItem, Placeholder, expand, with_uuids
-from tokenization.messages import RenderError
+from tokenization.messages import RenderError, conversation
 from tokenization.registry import DEFAULT_TOKENIZER_DIR, load_tokenizer
 from tokenization.render import prompt_token_ids_sync, render_chat
 
@@ -79,3 +79,11 @@ def test_the_sims_placeholder_flag_is_checked():
     for bad in ("video=1:2", "image=x:2", "image=1:0", "image=1"):
         with pytest.raises(ValueError):
             parse_placeholder(bad)
+
+
+def test_a_template_that_loops_over_parts_gets_each_item_as_a_part_of_its_modality_in_place():
+    messages = body(image("a"), {"type": "input_audio", "input_audio": {"data": "x", "format": "wav"}})["messages"]
+    out = conversation(messages, "openai", {"image": "<i>", "audio": "<a>"})
+    assert out[1]["content"] == [{"type": "image"}, {"type": "audio"}, {"type": "text", "text": "what is this?"}]
+    assert conversation(messages, "string", {"image": "<i>", "audio": "<a>"})[1]["content"] == \
+        "<i>\n<a>\nwhat is this?"
