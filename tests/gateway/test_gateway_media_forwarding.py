@@ -6,6 +6,8 @@ import trio
 from router_inprocess import MODEL, StubUpstream, call, make_router
 
 from gateway.media_config import MediaPlaceholderConfig, MultimodalModelConfig
+from gateway.route_planner import Media
+from tokenization.media import MediaItem, Placeholder
 
 IMAGE = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}, "uuid": "client-chosen"}
 TEXT = {"type": "text", "text": " ".join(f"w{i}" for i in range(80))}
@@ -54,3 +56,9 @@ def test_a_placeholder_token_outside_the_vocabulary_leaves_image_chats_unkeyed_n
     bad = {"multimodal": {MODEL: MultimodalModelConfig(image=MediaPlaceholderConfig(token_id=10**6, tokens=32))}}
     _, router = routed(chat(IMAGE, TEXT), **bad)
     assert router.planner.tokenizers.calls == 0
+
+
+def test_when_placeholders_and_items_disagree_only_the_prompt_before_the_first_placeholder_is_keyed():
+    media = Media((MediaItem("image", "a"), MediaItem("image", "b")), {"image": Placeholder(0, 3, "<x>")})
+    assert media.expanded([5, 6, 0, 7]) == [5, 6] and media.spans == ()
+    assert media.expanded([5, 0, 0]) == [5, 0, 0, 0, 0, 0, 0] and [s.offset for s in media.spans] == [1, 4]
