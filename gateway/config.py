@@ -25,6 +25,7 @@ from gateway.config_errors import ConfigError
 from gateway.disaggregation.config import PdConfig
 from gateway.disaggregation.roles import check_protocol, check_role
 from gateway.engine_priority import EnginePriorityConfig
+from gateway.media_config import MultimodalModelConfig
 from gateway.security.config import AuthConfig, TenantConfig, validate_security
 from gateway.tier_config import TierConfig
 from tokenization.worker import default_workers
@@ -176,6 +177,8 @@ class RouterConfig:
     adapter of an 8B model is ~40 MB, a few ms from host memory into a GPU slot, more from disk."""
     engine_priority: EnginePriorityConfig = field(default_factory=EnginePriorityConfig)
     """Priority classes sent to the engines as vLLM's ``priority`` (gateway/engine_priority.py)."""
+    multimodal: dict[str, MultimodalModelConfig] = field(default_factory=dict)
+    """Per served model: the placeholder token and tokens per image/audio item (gateway/media_config.py)."""
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -209,6 +212,8 @@ class RouterConfig:
         self.auth.check_exposure(self.host)
         self.admission.validate("admission")
         self.engine_priority.validate("engine_priority")
+        for model, media in self.multimodal.items():
+            media.validate(f"multimodal.{model}")
         if not 0 <= self.adapter_load_s <= 60:
             raise ConfigError("adapter_load_s: must be between 0 and 60 seconds")
         self.tracing.validate()

@@ -6,7 +6,9 @@ it gathers what they need, calls them once per request, and feeds measured TTFTs
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,9 +36,11 @@ from gateway.routing import (
 )
 from gateway.routing.cost import Knowledge
 from gateway.routing.homes import HOME_BLOCKS
-from index.block_hash import chain, root_seed
+from index.block_hash import root_seed
+from index.media_keys import MediaSpan, media_chain
 from index.prefix_index import PrefixIndex
 from index.view import CacheOverlap, CacheView
+from tokenization.media import MediaItem, Placeholder, expand, media_parts, with_uuids
 from tokenization.messages import TEXT_PART_KEYS, RenderError
 from tokenization.registry import DEFAULT_TOKENIZER_DIR, TokenizerRegistry
 from tokenization.service import DeferredIds, TokenizerService
@@ -78,6 +82,26 @@ def head_decides(holders: list[str] | None, chosen: Sequence[str]) -> bool:
     chosen (more cached tokens only make it cheaper). With two holders the rest may be cached on either (a
     conversation another replica served, a repeated prompt), so it is encoded first."""
     return holders is not None and (not holders or holders == list(chosen))
+
+
+@dataclass
+class Media:
+    """A chat's image/audio items and the placeholders its model expands them to; ``expanded`` fills
+    ``spans`` (each item's run in the expanded prompt), which key the blocks they overlap."""
+
+    items: tuple[MediaItem, ...]
+    placeholders: dict[str, Placeholder]
+    spans: tuple[MediaSpan, ...] = ()
+
+    def expanded(self, token_ids: list[int]) -> list[int]:
+        """The prompt as the engine's processor expands it. When placeholders and items disagree (the engine
+        refuses such a chat), the prompt before the first placeholder: what can be keyed without them."""
+        found = expand(token_ids, self.items, self.placeholders)
+        if found is None:
+            marks = {p.token_id for p in self.placeholders.values()}
+            return token_ids[:next((i for i, t in enumerate(token_ids) if t in marks), len(token_ids))]
+        ids, self.spans = found
+        return ids
 
 
 @dataclass
@@ -240,11 +264,16 @@ class RoutePlanner:
         self.cache.register(engine.id, block_size=engine.block_size, has_events=has_events,
                             capacity_blocks=engine.load.num_blocks)
 
-    async def _token_ids(self, parsed: ParsedRequest) -> tuple[list[int] | DeferredIds, int]:
+    async def _token_ids(self, parsed: ParsedRequest, media: Media | None
+                         ) -> tuple[list[int] | DeferredIds, int]:
         """The ids routing reads (a completions batch's first prompt), and the tokens of the batch's other
-        prompts."""
+        prompts. A chat with media is encoded whole, its placeholders expanded (``Media``)."""
         assert self.tokenizers is not None
         try:
+            if media is not None:
+                texts = {modality: p.text for modality, p in media.placeholders.items()}
+                return media.expanded(await self.tokenizers.token_ids(parsed.model, parsed.body, parsed.kind,
+                                                                      texts)), 0
             if is_batch(parsed):
                 every = await self.tokenizers.all_token_ids(parsed.model, parsed.body, parsed.kind)
                 return every[0], sum(len(ids) for ids in every[1:])
@@ -297,10 +326,31 @@ class RoutePlanner:
                            f"has at least {fewest} input tokens. Please reduce the length of the input.",
                            param="messages" if parsed.kind == "chat" else "prompt", code="context_length_exceeded")
 
-    def _chains(self, parsed: ParsedRequest, token_ids: list[int], engine_ids: list[str]) -> dict[int, list[int]]:
+    def _chains(self, parsed: ParsedRequest, token_ids: list[int], engine_ids: list[str],
+                spans: tuple[MediaSpan, ...] = ()) -> dict[int, list[int]]:
         base, adapter = chain_model(parsed.model, filter(None, map(self.engines.get, engine_ids)))
         seed = root_seed(base, adapter, parsed.cache_salt)
-        return {size: chain(token_ids, size, seed) for size in self.cache.block_sizes(engine_ids)}
+        return {size: media_chain(token_ids, size, seed, spans) for size in self.cache.block_sizes(engine_ids)}
+
+    def _media(self, parsed: ParsedRequest) -> tuple[ParsedRequest, Media | None, bool]:
+        """A chat's media: the request to forward (each item's identifier as its ``uuid``), what keys its
+        blocks, and whether the router can key them at all (not for a model without a ``[multimodal]``
+        table, or with media it does not name: such a chat is routed without reading the cache)."""
+        if parsed.kind != "chat" or not media_parts(parsed.body.get("messages")):
+            return parsed, None, True
+        setting = self.config.multimodal.get(parsed.model)
+        tokenizers = self.tokenizers
+        if setting is None or tokenizers is None:
+            return parsed, None, False
+        try:
+            placeholders = setting.placeholders(lambda token: tokenizers.token_text(parsed.model, token))
+        except RenderError:  # no tokenizer for the model: the encode would refuse it the same way
+            return parsed, None, False
+        placeholders = {m: p for m, p in placeholders.items() if p.text}  # a token id the vocabulary lacks
+        body, items = with_uuids(parsed.body)
+        forwarded = dataclasses.replace(parsed, body=body, raw=json.dumps(body, separators=(",", ":")).encode())
+        keyed = {item.modality for item in items} <= placeholders.keys()
+        return forwarded, Media(items, placeholders) if keyed else None, keyed
 
     async def plan(self, parsed: ParsedRequest, headers: Mapping[str, str]) -> Plan:
         candidates = self.engines.for_model(parsed.model)
@@ -314,16 +364,17 @@ class RoutePlanner:
         deferred: DeferredIds | None = None
         chains: dict[int, list[int]] = {}
         now = trio.current_time()
-        if self.policy.name in CACHE_POLICIES:
+        parsed, media, keyed = self._media(parsed)
+        if self.policy.name in CACHE_POLICIES and keyed:
             with tracing.step("tokenize") as span:
                 self.refuse_overlength(parsed, candidates)
-                found, batch_tokens = await self._token_ids(parsed)
+                found, batch_tokens = await self._token_ids(parsed, media)
                 if isinstance(found, DeferredIds):
                     deferred, token_ids, prompt_tokens = found, found.head, found.estimated_tokens
                 else:
                     token_ids = found
                     prompt_tokens = len(found)
-                chains = self._chains(parsed, token_ids, ids)
+                chains = self._chains(parsed, token_ids, ids, media.spans if media is not None else ())
                 span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
         with tracing.step("route") as span:
             overlaps = self.cache.overlaps(chains, ids, now) if chains else {}

@@ -238,7 +238,7 @@ class Router:
                 value = plan.header(engine.id, len(attempts), detailed)
                 return [(b"x-kvmesh-route", value.encode()), (b"x-request-id", request_id.encode())]
 
-            continuation = ContinuationSpec.of(parsed.body, kind, parsed.stream, plan.counted_tokens)
+            continuation = ContinuationSpec.of(plan.parsed.body, kind, parsed.stream, plan.counted_tokens)
             cut = trio.CancelScope()
             self._cuttable.add(cut)
             try:

@@ -13,6 +13,8 @@ import pickle
 from collections.abc import Sequence
 from typing import Any
 
+from index.media_keys import MediaSpan, block_media
+
 DEFAULT_SEED = "vllm-none-hash"
 U64_MASK = (1 << 64) - 1
 
@@ -43,21 +45,25 @@ LoraKey = tuple[str, str]
 """A LoRA adapter as it enters block keys: (name, path)."""
 
 
-def salt_extra_keys(block_index: int, cache_salt: str | None, lora: LoraKey | None = None) -> tuple[Any, ...] | None:
-    """What BlockStored's ``extra_keys`` carries for a text request: the adapter's bare name on every block of
-    an adapter request, then block 0's bare salt; an empty salt counts as none. (Salt checked against a real
-    engine; the adapter's place from vLLM's ``generate_block_hash_extra_keys``: LoRA keys come first.)"""
-    keys = () if lora is None else (lora[0],)
+def salt_extra_keys(block_index: int, cache_salt: str | None, lora: LoraKey | None = None,
+                    media: tuple[tuple[str, int], ...] = ()) -> tuple[Any, ...] | None:
+    """What BlockStored's ``extra_keys`` carries: the adapter's bare name on every block of an adapter
+    request, the block's multimodal ``(identifier, offset)`` pairs (``index.media_keys``), then block 0's bare
+    salt; an empty salt counts as none. (Salt checked against a real engine; the order from vLLM's
+    ``generate_block_hash_extra_keys``: LoRA, multimodal, salt.)"""
+    keys: tuple[Any, ...] = (() if lora is None else (lora[0],)) + media
     if block_index == 0 and cache_salt:
         keys += (cache_salt,)
     return keys or None
 
 
-def salt_hash_keys(block_index: int, cache_salt: str | None, lora: LoraKey | None = None) -> tuple[Any, ...] | None:
-    """What a block's hash is computed over: ``("lora", name, path)`` for an adapter request, then block 0's
-    tagged ``("cache_salt", salt)``, although the event publishes both untagged (real engine, vLLM 0.32 CPU:
-    the published hashes of salted blocks match this recipe and not the untagged one)."""
-    keys: tuple[Any, ...] = () if lora is None else (("lora", *lora),)
+def salt_hash_keys(block_index: int, cache_salt: str | None, lora: LoraKey | None = None,
+                   media: tuple[tuple[str, int], ...] = ()) -> tuple[Any, ...] | None:
+    """What a block's hash is computed over: ``("lora", name, path)`` for an adapter request, ``("mm",
+    identifier, offset)`` per item in the block, then block 0's tagged ``("cache_salt", salt)``, although the
+    event publishes them untagged (real engine, vLLM 0.32 CPU: the published hashes of salted blocks match
+    this recipe and not the untagged one)."""
+    keys: tuple[Any, ...] = (() if lora is None else (("lora", *lora),)) + tuple(("mm", *pair) for pair in media)
     if block_index == 0 and cache_salt:
         keys += (("cache_salt", cache_salt),)
     return keys or None
@@ -75,13 +81,14 @@ class BlockHasher:
     proportional to new tokens instead of the whole sequence.
     """
 
-    __slots__ = ("block_size", "cache_salt", "hashes", "lora", "_root")
+    __slots__ = ("block_size", "cache_salt", "hashes", "lora", "media", "_root")
 
     def __init__(self, block_size: int, cache_salt: str | None = None, seed: str | None = None,
-                 lora: LoraKey | None = None) -> None:
+                 lora: LoraKey | None = None, media: tuple[MediaSpan, ...] = ()) -> None:
         self.block_size = block_size
         self.cache_salt = cache_salt
         self.lora = lora
+        self.media = media
         self.hashes: list[bytes] = []
         self._root = none_hash(seed)
 
@@ -93,7 +100,9 @@ class BlockHasher:
         while start + bs <= len(token_ids):
             index = len(self.hashes)
             parent = self.hashes[-1] if self.hashes else self._root
-            h = hash_block(parent, token_ids[start : start + bs], salt_hash_keys(index, self.cache_salt, self.lora))
+            pairs = block_media(self.media, index, bs) if self.media else ()
+            h = hash_block(parent, token_ids[start : start + bs],
+                           salt_hash_keys(index, self.cache_salt, self.lora, pairs))
             self.hashes.append(h)
             new.append(h)
             start += bs

@@ -14,6 +14,7 @@ import zmq
 
 from sim.config import EngineConfig, FleetConfig
 from sim.fleet import describe, run_fleet
+from sim.media import parse_placeholder
 from sim.profiles import DEFAULT_PROFILE, PROFILES
 from sim.roles import ROLES
 from tokenization.registry import DEFAULT_TOKENIZER_DIR
@@ -37,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LoRA adapters served beside the base model, as vLLM's flag")
     p.add_argument("--max-loras", type=int, default=1, help="LoRA slots: adapters batched together")
     p.add_argument("--lora-load-s", type=float, default=0.01, help="loading an adapter into a slot, seconds")
+    p.add_argument("--mm-placeholder", nargs="+", action="extend", default=[], metavar="MODALITY=ID:TOKENS",
+                   help="media the model takes: image or audio, its placeholder token and tokens per item")
     p.add_argument("--cpu-blocks", type=int, default=0, help="blocks of a CPU offload tier (0: none)")
     p.add_argument("--cpu-bandwidth-gbps", type=float, default=20.0, help="CPU tier -> KV cache copy speed")
     p.add_argument("--kv-bytes-per-token", type=int, default=131_072, help="KV bytes per token (tier load time)")
@@ -69,6 +72,7 @@ def config_from_args(args: argparse.Namespace) -> FleetConfig:
         raise ValueError("max-loras must be >= 1 and lora-load-s not negative")
     if args.cpu_blocks < 0 or args.cpu_bandwidth_gbps <= 0 or args.kv_bytes_per_token < 1:
         raise ValueError("cpu-blocks must be >= 0, cpu-bandwidth-gbps and kv-bytes-per-token positive")
+    media = tuple(parse_placeholder(item) for item in args.mm_placeholder)
     if args.time_scale <= 0:
         raise ValueError("time-scale must be positive")
     if args.keep_alive <= 0 or args.keep_alive_race < 0:
@@ -80,7 +84,7 @@ def config_from_args(args: argparse.Namespace) -> FleetConfig:
         topic=args.topic, hash_seed=args.seed_hash, buffer_steps=args.buffer_steps,
         keep_alive_s=args.keep_alive, keep_alive_race_s=args.keep_alive_race, cpu_blocks=args.cpu_blocks,
         cpu_bandwidth_gbps=args.cpu_bandwidth_gbps, kv_bytes_per_token=args.kv_bytes_per_token,
-        lora_modules=adapters, max_loras=args.max_loras, lora_load_s=args.lora_load_s,
+        lora_modules=adapters, max_loras=args.max_loras, lora_load_s=args.lora_load_s, media=media,
     )
     roles = [r.strip() for r in args.role.split(",")]
     if any(r not in ROLES for r in roles) or len(roles) not in (1, args.engines):

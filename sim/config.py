@@ -50,6 +50,9 @@ class EngineConfig:
     kv_bytes_per_token: int = 131_072
     """With the bandwidth, what loading a block back from the CPU tier costs (defaults: an 8B-class model in
     bf16 over PCIe 4.0, as the router's own tier defaults)."""
+    media: tuple[tuple[str, int, int], ...] = ()
+    """Media the model takes: (modality, placeholder token id, tokens per item), as a real model's processor
+    fixes them (sim/media.py); none: image and audio parts are refused, as by a text-only model."""
     stream_interval: int = 1
     """Tokens per streamed event, as vLLM's ``--stream-interval``: the first and the last token go out at
     once, the others in groups of this many (speculative decoding also puts several tokens in one event)."""

@@ -22,12 +22,14 @@ import trio
 import xxhash
 import zmq
 
+from index.media_keys import MediaSpan
 from sim.config import EngineConfig
 from sim.cpu_tier import CpuTier
 from sim.engine_core import EngineCore, SimRequest, TokenOutput
 from sim.event_encoding import encode_batch
 from sim.http_server import HttpRequest, HttpResponse, serve_http
 from sim.kv_cache import Adapter, KVCache
+from sim.media import expanded, placeholders
 from sim.metrics import EngineMetrics, Snapshot
 from sim.openai_api import (
     DONE,
@@ -95,6 +97,7 @@ class SimEngine:
         self.profile = get_profile(cfg.profile)
         self.adapters = {name: Adapter(name, path, i + 1) for i, (name, path) in enumerate(cfg.lora_modules)}
         """vLLM numbers adapters from 1 (``lora_int_id``) in the order --lora-modules names them."""
+        self.media = placeholders(cfg.media, lambda token: tokenizer.tok.decode([token]))
         tier = None if not cfg.cpu_blocks else CpuTier(
             cfg.cpu_blocks, cfg.block_size * cfg.kv_bytes_per_token / (cfg.cpu_bandwidth_gbps * 1e9))
         self.core = EngineCore(KVCache(cfg.num_blocks, cfg.block_size), self.profile, cfg.max_num_seqs,
@@ -242,12 +245,16 @@ class SimEngine:
             "topic": self.cfg.topic,
         }
 
-    def _prompt_ids(self, body: dict[str, Any], chat: bool) -> list[int]:
+    def _prompt_ids(self, body: dict[str, Any], chat: bool) -> tuple[list[int], tuple[MediaSpan, ...]]:
+        """The prompt's ids after media expansion, and its media items' runs (``sim/media.py``)."""
         prompt = body.get("prompt")
         if not chat and isinstance(prompt, list) and not all(type(t) is int for t in prompt):
             raise ApiError("batched prompts are not simulated; send one prompt per request", param="prompt")
         try:
-            return self.tok.prompt_ids(body, "chat" if chat else "completion")
+            if not chat or not self.media:
+                return self.tok.prompt_ids(body, "chat" if chat else "completion"), ()
+            texts = {modality: p.text for modality, p in self.media.items()}
+            return expanded(self.tok.prompt_ids(body, "chat", texts), body, self.cfg.model, self.media)
         except RenderError as exc:
             raise ApiError(exc.message, param=exc.param or ("messages" if chat else "prompt")) from None
 
@@ -255,7 +262,7 @@ class SimEngine:
         model = body.get("model")
         if model is not None and model != self.cfg.model and model not in self.adapters:
             raise ApiError(f"The model `{model}` does not exist.", status=404, param="model")
-        ids = self._prompt_ids(body, chat="messages" in body)
+        ids, _ = self._prompt_ids(body, chat="messages" in body)
         return HttpResponse(200, dumps({"count": len(ids), "max_model_len": self.core.max_model_len,
                                         "tokens": ids, "token_strs": None}))
 
@@ -305,7 +312,7 @@ class SimEngine:
                                         "fail_status": self.faults.fail_status,
                                         "drop_events": bool(self.publisher and self.publisher.drop)}))
 
-    def _make_request(self, params: GenParams, ids: list[int]) -> SimRequest:
+    def _make_request(self, params: GenParams, ids: list[int], media: tuple[MediaSpan, ...] = ()) -> SimRequest:
         room = self.core.max_model_len - len(ids)
         prompt_seed = xxhash.xxh64_intdigest(repr(ids).encode())
         if params.max_tokens is not None:
@@ -326,7 +333,7 @@ class SimEngine:
             prompt_ids=ids, max_tokens=max_tokens, finish_reason=reason,
             rng=random.Random(params.seed if params.seed is not None else prompt_seed),
             cache_salt=params.cache_salt, report_full=params.report_full,
-            lora=None if params.adapter is None else self.adapters[params.adapter],
+            lora=None if params.adapter is None else self.adapters[params.adapter], media=media,
         )
 
     async def _generate(self, req: HttpRequest, chat: bool) -> HttpResponse:
@@ -336,8 +343,8 @@ class SimEngine:
             status = self.faults.fail_status
             retry = [("retry-after", "2")] if status == 429 else []
             return HttpResponse(status, ApiError("simulated engine failure", status=status).body(), headers=retry)
-        ids = self._prompt_ids(body, chat)
-        sreq = self._make_request(params, ids)
+        ids, media = self._prompt_ids(body, chat)
+        sreq = self._make_request(params, ids, media)
         head = ResponseHead(new_id(chat), int(time.time()), self.cfg.model, chat)
         load = remote_load(body, time.time()) if self.cfg.role != "prefill" else None
         if load is not None:

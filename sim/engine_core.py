@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from index.media_keys import MediaSpan, block_media
 from index.vllm_hash import BlockHasher, salt_extra_keys
 from sim.cpu_tier import CpuTier
 from sim.kv_cache import Adapter, Block, KVCache, KVEvent
@@ -43,6 +44,8 @@ class SimRequest:
     cached_tokens: int | None = None
     hasher: BlockHasher | None = None
     aborted: bool = False
+    media: tuple[MediaSpan, ...] = ()
+    """The prompt's image/audio items: their placeholder runs and identifiers key the blocks they overlap."""
     external_tokens: int = 0
     """Leading prompt tokens a decode engine loads from a prefill engine instead of computing (sim/roles.py)."""
 
@@ -134,7 +137,7 @@ class EngineCore:
     def add(self, req: SimRequest) -> None:
         """Queue a request; the caller has checked prompt + max_tokens <= max_model_len."""
         lora = None if req.lora is None else (req.lora.name, req.lora.path)
-        req.hasher = BlockHasher(self.block_size, req.cache_salt, self.hash_seed, lora)
+        req.hasher = BlockHasher(self.block_size, req.cache_salt, self.hash_seed, lora, req.media)
         self.waiting.append(req)
         self._by_id[req.request_id] = req
 
@@ -157,7 +160,9 @@ class EngineCore:
 
     def _extra_keys(self, req: SimRequest, n_blocks: int) -> list[tuple[Any, ...] | None]:
         lora = None if req.lora is None else (req.lora.name, req.lora.path)
-        return [salt_extra_keys(i, req.cache_salt, lora) for i in range(n_blocks)]
+        bs = self.block_size
+        return [salt_extra_keys(i, req.cache_salt, lora, block_media(req.media, i, bs) if req.media else ())
+                for i in range(n_blocks)]
 
     def _hashes(self, req: SimRequest) -> list[bytes]:
         assert req.hasher is not None

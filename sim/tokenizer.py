@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +36,14 @@ class SimTokenizer:
         ]
         self._cache: OrderedDict[str, list[int]] = OrderedDict()
 
-    def prompt_ids(self, body: dict[str, Any], kind: Kind) -> list[int]:
-        """The ids vLLM computes for this request (raises tokenization's RenderError for a 400)."""
-        key = kind + json.dumps(body, sort_keys=True, default=str)
+    def prompt_ids(self, body: dict[str, Any], kind: Kind, placeholders: Mapping[str, str] | None = None
+                   ) -> list[int]:
+        """The ids vLLM computes for this request before media expansion (raises tokenization's RenderError
+        for a 400); ``placeholders`` name the media the model takes."""
+        key = kind + repr(sorted((placeholders or {}).items())) + json.dumps(body, sort_keys=True, default=str)
         ids = self._cache.get(key)
         if ids is None:
-            ids = self._cache[key] = prompt_token_ids_sync(self.tok, body, kind)
+            ids = self._cache[key] = prompt_token_ids_sync(self.tok, body, kind, placeholders)
             if len(self._cache) > CACHE_ENTRIES:
                 self._cache.popitem(last=False)
         else:

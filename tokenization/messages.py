@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import json
+from collections import Counter
+from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any, Literal
 
@@ -20,6 +22,8 @@ ContentFormat = Literal["string", "openai"]
 TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
                   "thinking": "thinking"}
 """Content part types that carry text, and the key that holds it (vLLM's MM_PARSER_MAP text entries)."""
+MEDIA_MODALITIES = {"image_url": "image", "input_audio": "audio", "audio_url": "audio"}
+"""Content part types that carry one image or audio item (``tokenization.media``)."""
 
 
 class RenderError(ValueError):
@@ -83,7 +87,29 @@ def _part_text(part: Any) -> str | None:
     return text
 
 
-def _content(raw: Any, fmt: ContentFormat) -> str | list[dict[str, str]]:
+def _media_modality(part: Any, placeholders: Mapping[str, str]) -> str | None:
+    """The modality of a media part the model takes, None for any other part."""
+    if not isinstance(part, dict) or part.get("type") not in MEDIA_MODALITIES:
+        return None
+    modality = MEDIA_MODALITIES[part["type"]]
+    return modality if modality in placeholders else None
+
+
+def _with_placeholders(found: list[str], text: str) -> str:
+    """vLLM's ``_get_full_multimodal_text_prompt`` (interleaving off, its default): one placeholder per item
+    in front of the text, grouped by placeholder, less those the text already holds."""
+    counts = Counter(found)
+    missing: list[str] = []
+    for placeholder in counts:
+        counts[placeholder] -= text.count(placeholder)
+        if counts[placeholder] < 0:
+            raise RenderError(f"Found more '{placeholder}' placeholders in input prompt than actual multimodal "
+                              "data items.", "messages")
+        missing.extend([placeholder] * counts[placeholder])
+    return "\n".join([*missing, text] if text else missing)
+
+
+def _content(raw: Any, fmt: ContentFormat, placeholders: Mapping[str, str]) -> str | list[dict[str, str]]:
     if raw is None:
         parts: list[Any] = []
     elif isinstance(raw, str):
@@ -92,10 +118,21 @@ def _content(raw: Any, fmt: ContentFormat) -> str | list[dict[str, str]]:
         parts = raw
     else:
         raise RenderError("Message content must be a string, a list of parts, or null.", "messages")
-    texts = [text for text in map(_part_text, parts) if text is not None]
+    items: list[dict[str, str]] = []
+    found: list[str] = []
+    for part in parts:
+        modality = _media_modality(part, placeholders)
+        if modality is None:
+            text = _part_text(part)
+            if text is not None:
+                items.append({"type": "text", "text": text})
+        elif part.get(part["type"]) is not None or part.get("uuid") is not None:  # vLLM skips empty parts
+            items.append({"type": modality})
+            found.append(placeholders[modality])
     if fmt == "openai":
-        return [{"type": "text", "text": text} for text in texts]
-    return "\n".join(texts)
+        return items
+    text = "\n".join(item["text"] for item in items if item["type"] == "text")
+    return _with_placeholders(found, text) if found else text
 
 
 def _decoded_tool_calls(tool_calls: Any) -> list[Any]:
@@ -118,13 +155,13 @@ def _decoded_tool_calls(tool_calls: Any) -> list[Any]:
     return calls
 
 
-def _conversation_message(message: Any, fmt: ContentFormat) -> dict[str, Any]:
+def _conversation_message(message: Any, fmt: ContentFormat, placeholders: Mapping[str, str]) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise RenderError("Each message must be an object.", "messages")
     role = message.get("role")
     if not isinstance(role, str):
         raise RenderError("Each message needs a string 'role'.", "messages")
-    content = _content(message.get("content"), fmt)
+    content = _content(message.get("content"), fmt, placeholders)
     out: dict[str, Any] = {"role": role, "content": content}
     reasoning = message.get("reasoning")
     if reasoning is None:
@@ -142,7 +179,7 @@ def _conversation_message(message: Any, fmt: ContentFormat) -> dict[str, Any]:
         if "tool_call_id" in message:
             out["tool_call_id"] = message["tool_call_id"]
         if isinstance(content, list):
-            out["content"] = "\n".join(part["text"] for part in content)
+            out["content"] = "\n".join(part["text"] for part in content if part["type"] == "text")
     for key in ("name", "task"):
         if isinstance(message.get(key), str):
             out[key] = message[key]
@@ -151,8 +188,11 @@ def _conversation_message(message: Any, fmt: ContentFormat) -> dict[str, Any]:
     return out
 
 
-def conversation(messages: Any, fmt: ContentFormat) -> list[dict[str, Any]]:
-    """The list of conversation messages vLLM passes to ``apply_chat_template``; never mutates input."""
+def conversation(messages: Any, fmt: ContentFormat, placeholders: Mapping[str, str] | None = None
+                 ) -> list[dict[str, Any]]:
+    """The list of conversation messages vLLM passes to ``apply_chat_template``; never mutates input.
+    ``placeholders`` (modality -> placeholder text) are the media the model takes; other media parts are
+    refused, as by a text-only model."""
     if not isinstance(messages, list):
         raise RenderError("'messages' must be a list.", "messages")
-    return [_conversation_message(message, fmt) for message in messages]
+    return [_conversation_message(message, fmt, placeholders or {}) for message in messages]

@@ -10,7 +10,7 @@ last N tokens, as vLLM's tokenizers truncate on the left.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal
@@ -126,8 +126,10 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     return dumped
 
 
-def render_chat(tokenizer: PreTrainedTokenizerBase, body: dict[str, Any]) -> str:
-    """The prompt text vLLM renders for a ``/v1/chat/completions`` body."""
+def render_chat(tokenizer: PreTrainedTokenizerBase, body: dict[str, Any],
+                placeholders: Mapping[str, str] | None = None) -> str:
+    """The prompt text vLLM renders for a ``/v1/chat/completions`` body; ``placeholders`` name the media the
+    model takes (``tokenization.media``)."""
     if body.get("chat_template") is not None:
         raise RenderError("Chat template is passed with request, but --trust-request-chat-template is not "
                           "set. Refused request with untrusted chat template.", "chat_template")
@@ -136,7 +138,7 @@ def render_chat(tokenizer: PreTrainedTokenizerBase, body: dict[str, Any]) -> str
         template = tokenizer.get_chat_template(None, tools=tools)
     except ValueError as exc:
         raise RenderError(str(exc), "messages") from exc
-    messages = conversation(body.get("messages"), detect_content_format(template))
+    messages = conversation(body.get("messages"), detect_content_format(template), placeholders)
     kwargs = _template_kwargs(tokenizer, template, body)
     kwargs.pop("return_dict", None)
     try:
@@ -156,13 +158,14 @@ def _token_ids(value: Sequence[Any], vocab_size: int) -> list[int]:
     return ids
 
 
-def prompts(tokenizer: PreTrainedTokenizerBase, body: dict[str, Any], kind: Kind) -> list[Prompt]:
+def prompts(tokenizer: PreTrainedTokenizerBase, body: dict[str, Any], kind: Kind,
+            placeholders: Mapping[str, str] | None = None) -> list[Prompt]:
     """The prompts of one request before encoding: one for chat, one or more for completions."""
     if not isinstance(body, dict):
         raise RenderError("The request body must be a JSON object.")
     truncate, keep_left = _truncation(body)
     if kind == "chat":
-        return [TextPrompt(render_chat(tokenizer, body), _flag(body, "add_special_tokens", False),
+        return [TextPrompt(render_chat(tokenizer, body, placeholders), _flag(body, "add_special_tokens", False),
                            truncate, keep_left)]
     add_special = _flag(body, "add_special_tokens", True)
     raw = body.get("prompt")
@@ -214,12 +217,14 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[in
     return finish(truncated(ids, prompt.truncate, prompt.keep_left))
 
 
-def all_prompt_token_ids_sync(tokenizer: PreTrainedTokenizerBase, body: dict[str, Any],
-                              kind: Kind) -> list[list[int]]:
+def all_prompt_token_ids_sync(tokenizer: PreTrainedTokenizerBase, body: dict[str, Any], kind: Kind,
+                              placeholders: Mapping[str, str] | None = None) -> list[list[int]]:
     """Token ids of every prompt in the request (a completions batch has several)."""
-    return [encode_prompt(tokenizer, prompt) for prompt in prompts(tokenizer, body, kind)]
+    return [encode_prompt(tokenizer, prompt) for prompt in prompts(tokenizer, body, kind, placeholders)]
 
 
-def prompt_token_ids_sync(tokenizer: PreTrainedTokenizerBase, body: dict[str, Any], kind: Kind) -> list[int]:
-    """Token ids vLLM computes for the request; for a completions batch, those of the first prompt."""
-    return all_prompt_token_ids_sync(tokenizer, body, kind)[0]
+def prompt_token_ids_sync(tokenizer: PreTrainedTokenizerBase, body: dict[str, Any], kind: Kind,
+                          placeholders: Mapping[str, str] | None = None) -> list[int]:
+    """Token ids vLLM computes for the request (before media expansion); for a completions batch, those of
+    the first prompt."""
+    return all_prompt_token_ids_sync(tokenizer, body, kind, placeholders)[0]

@@ -13,7 +13,7 @@ are used, so a tokenizer that breaks the independence assumption costs speed, ne
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from itertools import chain
@@ -132,23 +132,31 @@ class TokenizerService:
         ``tokenization.bounds``); counting stops once it passes ``above``."""
         return self.tokenizers[self.registry.spec_for(model)].fewest_tokens(texts, above)
 
-    async def token_ids(self, model: object, body: dict[str, Any], kind: Kind) -> list[int]:
-        """The ids vLLM computes for this request (the first prompt of a completions batch).
+    async def token_ids(self, model: object, body: dict[str, Any], kind: Kind,
+                        placeholders: Mapping[str, str] | None = None) -> list[int]:
+        """The ids vLLM computes for this request (the first prompt of a completions batch); a chat's media
+        parts become ``placeholders`` (``tokenization.media``, not yet expanded).
 
         Raises ``RenderError`` for a request the engine would reject with a 400.
         """
-        return (await self.all_token_ids(model, body, kind))[0]
+        tok = self.tokenizers[self.registry.spec_for(model)]
+        return (await self._ids_of(tok, await self._render(tok, body, kind, placeholders)))[0]
 
     async def all_token_ids(self, model: object, body: dict[str, Any], kind: Kind) -> list[list[int]]:
         """The ids of every prompt in the request."""
         tok = self.tokenizers[self.registry.spec_for(model)]
         return await self._ids_of(tok, await self._render(tok, body, kind))
 
-    async def _render(self, tok: LoadedTokenizer, body: dict[str, Any], kind: Kind) -> list[Prompt]:
+    def token_text(self, model: object, token_id: int) -> str:
+        """The text of one token of the model's tokenizer (a media placeholder's default text)."""
+        return self.tokenizers[self.registry.spec_for(model)].hf.decode([token_id])
+
+    async def _render(self, tok: LoadedTokenizer, body: dict[str, Any], kind: Kind,
+                      placeholders: Mapping[str, str] | None = None) -> list[Prompt]:
         if not _large(body):
-            return prompts(tok.hf, body, kind)
+            return prompts(tok.hf, body, kind, placeholders)
         self.stats.thread_renders += 1
-        return await trio.to_thread.run_sync(prompts, tok.hf, body, kind)
+        return await trio.to_thread.run_sync(prompts, tok.hf, body, kind, placeholders)
 
     async def _ids_of(self, tok: LoadedTokenizer, rendered: Sequence[TextPrompt | TokenPrompt]) -> list[list[int]]:
         if len(rendered) > 1:

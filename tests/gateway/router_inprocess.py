@@ -33,9 +33,12 @@ class InlineTokenizers:
     def fewest_tokens(self, model: object, texts, above: int) -> int:
         return self.tokenizer.fewest_tokens(texts, above)
 
-    async def token_ids(self, model: object, body: dict[str, Any], kind: str) -> list[int]:
+    async def token_ids(self, model: object, body: dict[str, Any], kind: str, placeholders=None) -> list[int]:
         self.calls += 1
-        return prompt_token_ids_sync(self.tokenizer.hf, body, kind)
+        return prompt_token_ids_sync(self.tokenizer.hf, body, kind, placeholders)
+
+    def token_text(self, model: object, token_id: int) -> str:
+        return self.tokenizer.hf.decode([token_id])
 
     async def all_token_ids(self, model: object, body: dict[str, Any], kind: str) -> list[list[int]]:
         self.calls += 1
