@@ -1,23 +1,16 @@
-"""Multimodal block keys: vLLM 0.32's layout (written out from its algorithm, and checked against its own
-code when its package is installed), the simulated engine's hashes and events, and the router's own keys."""
+"""Multimodal block keys: vLLM 0.32's layout (written out from its algorithm; tests/vllm/test_vllm_media_keys.py runs
+vLLM's own code on it), the simulated engine's hashes and events, and the router's own keys."""
 
-import ast
-import bisect
-import hashlib
 import random
-from collections.abc import Callable, Iterable, Sequence
-from types import SimpleNamespace
-from typing import Any
 
 import pytest
 
-from cluster.vllm_engine import VLLM_VENV
 from events.decode import decode_payload
 from index.block_hash import chain, root_seed
 from index.ingest import EngineIngest
 from index.media_keys import MediaSpan, block_media, media_chain
 from index.prefix_index import PrefixIndex
-from index.vllm_hash import BlockHasher, hash_block, none_hash, salt_extra_keys, sha256_pickle
+from index.vllm_hash import BlockHasher, hash_block, none_hash, salt_extra_keys
 from sim.engine_core import EngineCore, SimRequest
 from sim.event_encoding import encode_batch
 from sim.kv_cache import BlockStored, KVCache
@@ -89,45 +82,3 @@ def test_the_routers_predicted_keys_equal_what_ingesting_the_engines_events_give
 
 def test_without_media_the_chain_is_the_text_chain():
     assert media_chain(PROMPT, BS, 7, ()) == chain(PROMPT, BS, 7)
-
-
-def _vllm_sources() -> tuple[str, str] | None:
-    found = sorted(VLLM_VENV.glob("lib/python*/site-packages/vllm"))
-    if not found:
-        return None
-    pkg = found[-1]
-    return (pkg / "v1/core/kv_cache_utils.py").read_text(), (pkg / "multimodal/utils.py").read_text()
-
-
-def _functions(source: str, names: set[str]) -> str:
-    tree = ast.parse(source)
-    return "\n\n".join(ast.get_source_segment(source, node) for node in tree.body
-                       if isinstance(node, ast.FunctionDef) and node.name in names)
-
-
-@pytest.mark.skipif(_vllm_sources() is None, reason="vLLM is not installed beside the repository (.vllm-venv)")
-def test_vllms_own_block_hasher_and_event_keys_agree_with_ours():
-    """vLLM's functions, read from its installed source and run on a duck-typed request: importing vLLM takes
-    ~13 s, executing these few functions milliseconds."""
-    cache_utils, mm_utils = _vllm_sources()
-    code = "from __future__ import annotations\n" + _functions(mm_utils, {"get_mm_features_in_window"}) + "\n\n" + \
-        _functions(cache_utils, {"_gen_mm_extra_hash_keys", "_gen_lora_extra_hash_keys",
-                                 "_gen_prompt_embeds_extra_hash_keys", "generate_block_hash_extra_keys",
-                                 "to_event_extra_keys", "hash_block_tokens", "get_request_block_hasher"})
-    space = {"bisect": bisect, "hashlib": hashlib, "Any": Any, "Callable": Callable, "Iterable": Iterable,
-             "Sequence": Sequence, "BlockHash": bytes, "NONE_HASH": none_hash("seed")}
-    exec(compile(code, "vllm-kv_cache_utils", "exec"), space)  # noqa: S102 - vLLM's own code, read from disk
-    for salt, lora in ((None, None), ("t", SimpleNamespace(lora_name="sql", lora_path="/a"))):
-        features = [SimpleNamespace(identifier=s.identifier, mm_position=SimpleNamespace(offset=s.offset,
-                                                                                           length=s.length))
-                    for s in SPANS]
-        request = SimpleNamespace(block_hashes=[], num_tokens=len(PROMPT), all_token_ids=PROMPT,
-                                  mm_features=features, lora_request=lora, cache_salt=salt, prompt_embeds=None)
-        theirs = space["get_request_block_hasher"](BS, sha256_pickle)(request)
-        ours = BlockHasher(BS, salt, "seed", None if lora is None else ("sql", "/a"), SPANS)
-        ours.extend(PROMPT)
-        assert theirs == ours.hashes
-        keys = [space["generate_block_hash_extra_keys"](request, i * BS, (i + 1) * BS, 0)[0] for i in range(5)]
-        events = space["to_event_extra_keys"](keys)
-        assert events == [salt_extra_keys(i, salt, None if lora is None else ("sql", "/a"),
-                                          block_media(SPANS, i, BS)) for i in range(5)]
