@@ -14,11 +14,16 @@ from events.decode import DecodeError, ReplayEnd, decode_live, decode_replay
 from events.sequence import Decision, SequenceTracker
 from index.events import EventBatch
 from index.ingest import EngineIngest, IngestStats
+from index.tiers import TIER_MEDIA, tier_holder
 from index.view import CacheView
 
 DEFAULT_MAX_PAYLOAD = 4 * 1024 * 1024
 """One engine step's batch: a step computes at most its token budget (8-16k tokens, ~100 KB of events);
 a prompt of 128k tokens re-announced whole (kv_cache_report_mode "full") is ~700 KB."""
+TIER_LIMIT_FACTOR = 32
+"""An offloaded tier may hold this many times the engine's GPU block limit before the index drops it: a CPU
+tier of 1-2 TB of host memory behind 80 GB of GPU KV cache is 12-25x; at ~100 B a block the index then
+spends at most 32x what the GPU blocks cost it on each tier, and a lying engine cannot grow it without end."""
 log = logging.getLogger("kvmesh.events")
 
 
@@ -147,7 +152,10 @@ class EngineFeed:
         index refills from the events that follow."""
         info = self.view.info(self.engine)
         limit = info.block_limit() if info is not None else None
-        if limit is None or self.view.store.block_count(self.holder) <= limit:
+        if limit is None:
+            return
+        self._bound_tiers(now, limit * TIER_LIMIT_FACTOR)
+        if self.view.store.block_count(self.holder) <= limit:
             return
         dropped = self.ingest.reset()
         BLOCK_OPS.labels(engine=self.engine, op="overflow").inc(dropped)
@@ -157,6 +165,21 @@ class EngineFeed:
             log.warning("engine announced more blocks than its cache holds: index of it dropped",
                         extra={"engine": self.engine, "blocks": dropped, "limit": limit})
         self.overflowed += 1
+
+    def _bound_tiers(self, now: float, limit: int) -> None:
+        """The same bound for the engine's offloaded tiers, whose size vLLM does not report: a tier past
+        ``limit`` blocks is dropped alone (its GPU blocks stay), counted, and refills from later events."""
+        for medium in TIER_MEDIA:
+            holder = tier_holder(self.holder, medium)
+            if self.view.store.block_count(holder) <= limit:
+                continue
+            dropped = self.view.store.clear(holder)
+            BLOCK_OPS.labels(engine=self.engine, op="overflow").inc(dropped)
+            self.freshness.on_lost(now, 1)
+            if not self.overflowed:
+                log.warning("engine announced more offloaded blocks than the index keeps: that tier dropped",
+                            extra={"engine": self.engine, "medium": medium, "blocks": dropped, "limit": limit})
+            self.overflowed += 1
 
     def _count(self, batch: EventBatch, stats: IngestStats) -> None:
         EVENT_BATCHES.labels(engine=self.engine).inc()

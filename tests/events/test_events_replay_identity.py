@@ -81,6 +81,33 @@ def test_an_engine_announcing_more_blocks_than_its_cache_holds_is_bounded_and_co
     assert view.store.block_count("e") == 1
 
 
+def test_an_engine_announcing_more_offloaded_blocks_than_the_bound_loses_that_tier_only():
+    """vLLM does not report its CPU tier's size: the index keeps up to TIER_LIMIT_FACTOR times the GPU limit
+    of a tier, then drops that tier alone; the engine's GPU blocks stay."""
+    from events.feed import TIER_LIMIT_FACTOR
+    from index.tiers import tier_holder
+
+    view = CacheView(PrefixIndex())
+    view.register("e", block_size=4, has_events=True, capacity_blocks=10)
+    f = EngineFeed("e", MODEL, view)
+    f.on_live(live(0, 7), 0.0)
+    bound = view.info("e").block_limit() * TIER_LIMIT_FACTOR
+    per_event = 512
+    seq, next_hash = 1, 10_000
+    while view.store.block_count(tier_holder("e", "CPU")) + per_event <= bound:
+        hashes = list(range(next_hash, next_hash + per_event))
+        event = dict(stored_map(hashes, None, [1] * 4 * per_event, 4), medium="CPU")
+        f.on_live([b"kv", seq.to_bytes(8, "big"), payload([event])], 0.0)
+        seq, next_hash = seq + 1, next_hash + per_event
+    assert f.overflowed == 0 and view.store.block_count(tier_holder("e", "CPU")) > bound - per_event
+    hashes = list(range(next_hash, next_hash + per_event))
+    f.on_live([b"kv", seq.to_bytes(8, "big"), payload([dict(stored_map(hashes, None, [1] * 4 * per_event, 4),
+                                                            medium="CPU")])], 1.0)
+    assert f.overflowed == 1 and f.freshness.lost_batches == 1
+    assert view.store.block_count(tier_holder("e", "CPU")) == 0
+    assert view.store.block_count("e") == 1
+
+
 async def test_a_subscriber_that_hits_an_unexpected_error_is_restarted_not_fatal(monkeypatch, autojump_clock):
     """Whatever a publisher's frames make the feed raise, the engine's ingest restarts after a backoff."""
     import trio
