@@ -30,6 +30,9 @@ from gateway.routing.types import CandidateScore
 
 log = logging.getLogger("kvmesh.pd")
 PD_HEADER = b"x-kvmesh-pd"
+MAX_PREFILL_ANSWER_BYTES = 1024 * 1024
+"""A prefill answer is one token and its handoff (at most 64 KiB, see wire.py): an engine sending more is not
+buffered past this; its request goes on to the decode engine without params, which recomputes."""
 
 
 @dataclass
@@ -118,13 +121,18 @@ class Disaggregation:
     async def _prefill(self, route: PdRoute, body: dict[str, Any], exchange: Exchange, forward: Forward
                        ) -> tuple[str, bytes] | None:
         """The prefill leg: (engine, its JSON answer), or None when no prefill engine answered 200."""
-        captured: dict[str, Any] = {"status": 0, "body": []}
+        captured: dict[str, Any] = {"status": 0, "body": [], "size": 0}
 
         async def keep(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 captured["status"] = message["status"]
             elif message["type"] == "http.response.body":
-                captured["body"].append(message.get("body", b""))
+                chunk = message.get("body", b"")
+                captured["size"] += len(chunk)
+                if captured["size"] <= MAX_PREFILL_ANSWER_BYTES:  # past it the answer is dropped: no params
+                    captured["body"].append(chunk)
+                else:
+                    captured["body"] = []
 
         attempts = 1 if self.config.prefill_failover == "decode" else self.config.prefill_attempts
         leg = replace(exchange, body=prefill_body(body, route.choice.protocol or "opaque"), send=keep,
@@ -140,6 +148,9 @@ class Disaggregation:
         if result.engine is None or captured["status"] != 200:
             self.metrics.pd_leg_failures.labels("prefill", f"status_{captured['status']}"[:16]).inc()
             return None
+        if captured["size"] > MAX_PREFILL_ANSWER_BYTES:
+            self.metrics.pd_leg_failures.labels("prefill", "answer_too_large").inc()
+            return result.engine.id, b""
         return result.engine.id, b"".join(captured["body"])
 
     def _count_failures(self, attempts: list) -> None:
