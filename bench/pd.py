@@ -152,7 +152,7 @@ async def run(args: argparse.Namespace, log_dir: Path) -> list[PdRow]:
                 async with router(client, [], policy, log_dir, extra_args=["--config", str(config)]) as url:
                     await all_routable(client, url, len(urls))
                     for concurrency in args.concurrency:
-                        count = args.requests or max(8, 2 * concurrency)
+                        count = args.requests or max(12, 3 * concurrency)
                         bodies = workload.requests(count, docs, MODEL, offset=turn * 100_000 + concurrency * 1000)
                         runs, wall, skipped, hit_rate = await measure(client, url, urls, roles, bodies, concurrency,
                                                                       args.timeout)
@@ -190,7 +190,7 @@ def plot(rows: list[PdRow], path: Path) -> None:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvmesh bench pd", description=__doc__)
     p.add_argument("--concurrency", type=lambda t: [int(x) for x in t.split(",") if x], default=[1, 8, 32])
-    p.add_argument("--requests", type=int, help="per concurrency level (default max(8, 2 x concurrency))")
+    p.add_argument("--requests", type=int, help="per concurrency level (default max(12, 3 x concurrency))")
     p.add_argument("--documents", type=int, default=6, help="shared documents the prompts start with")
     p.add_argument("--doc-min", type=int, default=4096, help="shortest document, tokens")
     p.add_argument("--doc-max", type=int, default=32768, help="longest document, tokens")

@@ -20,6 +20,7 @@ from typing import Any
 
 import trio
 
+from gateway.breaker import CircuitBreaker
 from gateway.disaggregation.config import PdConfig
 from gateway.disaggregation.decider import ORDER_OF_POLICY, Member, PdChoice, choose, disaggregated
 from gateway.disaggregation.prefill_load import PrefillLeg, PrefillLoad
@@ -61,6 +62,18 @@ class Disaggregation:
         self.observe = observe
         self.load = PrefillLoad()
         self._turn = 0
+        self._prefill_breakers: dict[str, CircuitBreaker] = {}
+
+    def prefill_breaker(self, engine: EngineState) -> CircuitBreaker:
+        """The breaker of an engine's prefill legs: its own for a prefill-only engine (that is all it does),
+        one of their own for an engine that also decodes, so that failed prefill legs keep only prefill legs
+        from it (as smg counts a prefill failure against the prefill side only)."""
+        if engine.config.role == "prefill":
+            return engine.health.breaker
+        found = self._prefill_breakers.get(engine.id)
+        if found is None:
+            found = self._prefill_breakers[engine.id] = CircuitBreaker()
+        return found
 
     def route(self, fleet: list[EngineState], ranked: list[EngineState], decision: Decision,
               prompt_tokens: int, body: dict[str, Any], dry_run: bool = False) -> PdRoute | None:
@@ -153,7 +166,7 @@ class Disaggregation:
 
         attempts = 1 if self.config.prefill_failover == "decode" else self.config.prefill_attempts
         leg = replace(exchange, body=prefill_body(body, route.choice.protocol or "opaque"), send=keep,
-                      is_stream=False, continuation=None, body_for=None)
+                      is_stream=False, continuation=None, body_for=None, breaker=self.prefill_breaker)
         priced = route.legs.get(route.prefill[0].id) or PrefillLeg(route.prefill[0].id, 0, 0, 0)
         self.load.begin(priced)
         started = trio.current_time()

@@ -15,7 +15,7 @@ from gateway.disaggregation.flow import Disaggregation, PdRoute
 from gateway.disaggregation.prefill_load import PrefillLoad
 from gateway.engines import EnginePool, EngineState
 from gateway.metrics import RouterMetrics
-from gateway.proxy import Attempt, Exchange, ProxyResult, Timeouts, UpstreamFailure
+from gateway.proxy import Attempt, Exchange, ProxyResult, Timeouts, UpstreamFailure, forward
 from gateway.routing.learning import TTFTLearner
 from gateway.routing.types import CandidateScore, Decision
 
@@ -157,3 +157,20 @@ def test_every_order_pairs_the_first_decode_engine_with_prefill_engines_of_its_p
         assert choice.prefill and all(
             m.protocol == first.protocol and m.id != first.id for m in members if m.id in choice.prefill)
     assert choose(members, PROMPT, 1, PdConfig(), "cost").decode[:2] == ["d2", "b"]  # decode legs go by load
+
+
+async def test_failed_prefill_legs_keep_an_engine_that_also_decodes_from_prefilling_only():
+    listener = trio.socket.socket()
+    await listener.bind(("127.0.0.1", 0))
+    dead = f"http://127.0.0.1:{listener.getsockname()[1]}"  # bound, never listening: connections are refused
+    both = EngineState("b1", EngineConfig(url=dead, role="both", kv_protocol="handoff"), EnginePool(dead))
+    only = EngineState("p1", EngineConfig(url=dead, role="prefill", kv_protocol="handoff"), EnginePool(dead))
+    pd = flow()
+    for prefill in (both, only):
+        for _ in range(5):
+            one = PdRoute(route(pd, [score("d1"), score("p1")]).choice, [only], [prefill], {})
+            with pytest.raises(UpstreamFailure):  # the decode leg goes to the same dead address
+                await pd.serve(one, BODY, json.dumps(BODY).encode(), exchange(), forward, 1, True)
+    assert pd.prefill_breaker(both).state == "open" and both.health.breaker.available(trio.current_time())
+    assert pd.prefill_breaker(only) is only.health.breaker and only.health.breaker.state == "open"
+    listener.close()
