@@ -7,6 +7,7 @@ import json
 
 import pytest
 import trio
+from router_inprocess import MODEL, call, make_router
 
 from gateway.config import EngineConfig
 from gateway.disaggregation.config import PdConfig
@@ -174,3 +175,16 @@ async def test_failed_prefill_legs_keep_an_engine_that_also_decodes_from_prefill
     assert pd.prefill_breaker(both).state == "open" and both.health.breaker.available(trio.current_time())
     assert pd.prefill_breaker(only) is only.health.breaker and only.health.breaker.state == "open"
     listener.close()
+
+
+async def test_the_router_teaches_the_ttft_model_with_the_prefill_leg_and_not_the_decode_leg():
+    router = make_router()
+    prefill, decode = router.engines.all()
+    prefill.config.role, decode.config.role = "prefill", "decode"
+    body = {"model": MODEL, "stream": True, "max_tokens": 8,
+            "messages": [{"role": "user", "content": " ".join(["word"] * 1500)}]}
+    answer = await call(router, "POST", "/v1/chat/completions", json.dumps(body).encode())
+    assert answer.status == 200 and "outcome=disaggregated" in answer.headers["x-kvmesh-pd"]
+    learner = router.planner.policy.costs.learner
+    assert learner.model(prefill.id).observations == 1 and learner.model(decode.id).observations == 0
+    assert router.disaggregation.load.legs(prefill.id) == 0
