@@ -167,7 +167,8 @@ class Disaggregation:
         attempts = 1 if self.config.prefill_failover == "decode" else self.config.prefill_attempts
         leg = replace(exchange, body=prefill_body(body, route.choice.protocol or "opaque"), send=keep,
                       is_stream=False, continuation=None, body_for=None, breaker=self.prefill_breaker)
-        priced = route.legs.get(route.prefill[0].id) or PrefillLeg(route.prefill[0].id, 0, 0, 0)
+        found = route.legs.get(route.prefill[0].id)
+        priced = found or PrefillLeg(route.prefill[0].id, 0, 0, 0)  # not priced (no score): nothing to learn
         self.load.begin(priced)
         started = trio.current_time()
         try:
@@ -183,7 +184,7 @@ class Disaggregation:
         if result.engine is None or captured["status"] != 200:
             self.metrics.pd_leg_failures.labels("prefill", f"status_{captured['status']}"[:16]).inc()
             return None
-        if len(result.attempts) == 1 and result.engine.id == priced.engine:
+        if found is not None and len(result.attempts) == 1 and result.engine.id == found.engine:
             # The leg's whole answer is its one token: queue and prefill there, what the TTFT model learns.
             self.observe(priced.engine, priced.work, priced.other_depth, trio.current_time() - started)
         return result.engine.id, b"".join(captured["body"])
