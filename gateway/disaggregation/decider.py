@@ -55,7 +55,6 @@ def disaggregated(roles: Sequence[str]) -> bool:
     return "prefill" in roles and any(decodes(role) for role in roles)
 
 
-ORDERS = ("cost", "rotate", "ranked")
 ORDER_OF_POLICY = {"kv_aware": "cost", "approximate": "cost", "round_robin": "rotate"}
 """How each policy orders the engines of both legs (see the module's docstring); unnamed ones: ``ranked``.
 A round robin over all engines, restricted to one role, is none: with two engines of each role it sent
