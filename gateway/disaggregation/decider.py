@@ -3,11 +3,11 @@
 The routing decision's first decode engine decides whether the prefill leg is worth it: it is skipped, and
 the request served whole there, when it cannot help: ``n > 1`` (a handoff has one consumer), a short prompt,
 a decode engine that holds all but a few blocks, or no prefill engine to pair with. When the leg runs, the
-cost policies (``kv_aware``, ``approximate``) order the decode engines by their decode load alone (they
-receive the prompt's blocks, they do not prefill them) and the prefill engines, among those that speak the
-first decode engine's protocol, by the estimated time of the leg there (the prompt work queued ahead of it
-plus the part of the prompt the engine does not hold); ``round_robin`` takes each role's engines in turn;
-other policies keep their own order.
+cost policies (``kv_aware``, ``approximate``) order the decode engines by their decode load (they receive
+the prompt's blocks, they do not prefill them; what they hold only breaks ties) and the prefill engines,
+among those that speak the first decode engine's protocol, by the estimated time of the leg there (the
+prompt work queued ahead of it plus the part of the prompt the engine does not hold); ``round_robin``
+takes each role's engines in turn; other policies keep their own order.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def choose(members: Sequence[Member], prompt_tokens: int, n: int, config: PdConf
     if order == "rotate":
         decoders = _rotated(decoders, turn)
     elif order == "cost":
-        decoders = sorted(decoders, key=lambda m: m.load_s)
+        decoders = sorted(decoders, key=lambda m: (m.load_s, -m.overlap_tokens))  # held: less to pull
     first = decoders[0]
     paired = [m for m in members if prefills(m.role) and m.protocol == first.protocol and m.id != first.id]
     if not paired:
