@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 from dataclasses import dataclass, field
 
 from bench.stats import percentile
@@ -78,45 +79,74 @@ class PdRow:
     hit_rate: float = 0.0
     """Share of the prompt tokens sent to prefilling engines (prefill engines, or all four aggregated) that
     they found in their prefix cache."""
+    round: int = 0
 
 
 def summarize(setup: str, concurrency: int, runs: list[StreamTimes], wall: float, skipped: dict[str, int],
-              hit_rate: float = 0.0) -> PdRow:
+              hit_rate: float = 0.0, round_: int = 0) -> PdRow:
     good = [r for r in runs if r.ok and r.tokens]
     ttfts = [r.ttft for r in good if r.ttft is not None]
     gaps = [g for r in good for g in r.gaps()]
     return PdRow(setup, concurrency, len(runs), len(runs) - len(good), percentile(ttfts, 50), percentile(ttfts, 99),
                  percentile(gaps, 50), percentile(gaps, 99),
-                 sum(r.output_tokens for r in good) / wall if wall > 0 else math.nan, skipped, hit_rate)
+                 sum(r.output_tokens for r in good) / wall if wall > 0 else math.nan, skipped, hit_rate, round_)
 
 
 def format_rows(rows: list[PdRow]) -> str:
-    head = (f"{'setup':<22} {'c':>3} {'req':>4} {'err':>3} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
+    head = (f"{'round':>5} {'setup':<22} {'c':>3} {'req':>4} {'err':>3} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
             f"{'ITL p99':>8} {'out tok/s':>10} {'hit %':>6}  P leg skipped (why)")
     lines = [head]
     for r in rows:
         skipped = ", ".join(f"{k} {v}" for k, v in sorted(r.skipped.items())) or "-"
-        lines.append(f"{r.setup:<22} {r.concurrency:>3} {r.requests:>4} {r.errors:>3} {r.ttft_p50 * 1e3:>9.0f} "
-                     f"{r.ttft_p99 * 1e3:>9.0f} {r.itl_p50 * 1e3:>8.1f} {r.itl_p99 * 1e3:>8.1f} "
-                     f"{r.tokens_per_s:>10.0f} {r.hit_rate * 100:>6.1f}  {skipped}")
+        lines.append(f"{r.round:>5} {r.setup:<22} {r.concurrency:>3} {r.requests:>4} {r.errors:>3} "
+                     f"{r.ttft_p50 * 1e3:>9.0f} {r.ttft_p99 * 1e3:>9.0f} {r.itl_p50 * 1e3:>8.1f} "
+                     f"{r.itl_p99 * 1e3:>8.1f} {r.tokens_per_s:>10.0f} {r.hit_rate * 100:>6.1f}  {skipped}")
     lines.append("(TTFT and ITL in ms of wall time, measured at the client through the router; hit %: prompt "
                  "tokens the prefilling engines served from cache)")
     return "\n".join(lines)
 
 
 def verdicts(rows: list[PdRow]) -> list[str]:
-    """The two claims the comparison exists for, judged on this run's numbers."""
+    """The two claims the comparison exists for, judged on each round's numbers and then over the rounds."""
+    rounds = sorted({r.round for r in rows})
+    out, held = [], {}
+    for turn in rounds:
+        lines, claims = _round_verdicts([r for r in rows if r.round == turn])
+        out += lines if len(rounds) == 1 else [f"round {turn}: {line}" for line in lines]
+        for claim, (ok, ratio) in claims.items():
+            held.setdefault(claim, []).append((ok, ratio))
+    if len(rounds) > 1:
+        for claim, results in held.items():
+            ratios = ", ".join(f"x{ratio:.2f}" for _, ratio in results)
+            out.append(f"{claim}: {sum(ok for ok, _ in results)} of {len(results)} rounds ({ratios})")
+    return out
+
+
+def _round_verdicts(rows: list[PdRow]) -> tuple[list[str], dict[str, tuple[bool, float]]]:
     by = {(r.setup, r.concurrency): r for r in rows}
     top = max(r.concurrency for r in rows)
-    out = []
-    pd, agg, rr = by.get(("kvmesh P/D", top)), by.get(("kvmesh aggregated", top)), None
+    lines, claims = [], {}
+    pd, agg = by.get(("kvmesh P/D", top)), by.get(("kvmesh aggregated", top))
     if pd and agg:
-        out.append(f"ITL p99 at c={top}: kvmesh P/D {pd.itl_p99 * 1e3:.1f} ms vs aggregated {agg.itl_p99 * 1e3:.1f} ms "
-                   f"({'lower' if pd.itl_p99 < agg.itl_p99 else 'NOT lower'}, x{agg.itl_p99 / pd.itl_p99:.2f})")
+        ok, ratio = pd.itl_p99 < agg.itl_p99, agg.itl_p99 / pd.itl_p99
+        lines.append(f"ITL p99 at c={top}: kvmesh P/D {pd.itl_p99 * 1e3:.1f} ms vs aggregated {agg.itl_p99 * 1e3:.1f} "
+                     f"ms ({'lower' if ok else 'NOT lower'}, x{ratio:.2f})")
+        claims[f"kvmesh P/D ITL p99 lower than aggregated at c={top}"] = (ok, ratio)
     for c in sorted({r.concurrency for r in rows}):
         pd, rr = by.get(("kvmesh P/D", c)), by.get(("round-robin P/D", c))
         if pd and rr:
-            out.append(f"TTFT p50 at c={c}: kvmesh P choice {pd.ttft_p50 * 1e3:.0f} ms vs round-robin "
-                       f"{rr.ttft_p50 * 1e3:.0f} ms ({'better' if pd.ttft_p50 < rr.ttft_p50 else 'NOT better'}, "
-                       f"x{rr.ttft_p50 / pd.ttft_p50:.2f})")
+            ok, ratio = pd.ttft_p50 < rr.ttft_p50, rr.ttft_p50 / pd.ttft_p50
+            lines.append(f"TTFT p50 at c={c}: kvmesh P choice {pd.ttft_p50 * 1e3:.0f} ms vs round-robin "
+                         f"{rr.ttft_p50 * 1e3:.0f} ms ({'better' if ok else 'NOT better'}, x{ratio:.2f})")
+            claims[f"kvmesh P choice TTFT p50 better than round robin at c={c}"] = (ok, ratio)
+    return lines, claims
+
+
+def medians(rows: list[PdRow]) -> dict[tuple[str, int], tuple[float, float, float, float]]:
+    """Per setup and concurrency, the median over rounds of TTFT p50/p99 and ITL p50/p99 (for the plot)."""
+    out = {}
+    for key in {(r.setup, r.concurrency) for r in rows}:
+        mine = [r for r in rows if (r.setup, r.concurrency) == key]
+        out[key] = tuple(statistics.median(getattr(r, f) for r in mine)
+                         for f in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99"))
     return out

@@ -28,6 +28,7 @@ from typing import Any
 import trio
 
 from gateway import tracing
+from gateway.breaker import CircuitBreaker
 from gateway.continuation import ContinuationSpec, StreamSplicer, continuation_body, token_budget
 from gateway.engines import EngineState, InFlight
 from gateway.failover import QUERY_OF_DEATH_LOSSES, ErrorAnswer, ErrorLedger
@@ -208,6 +209,13 @@ class Exchange:
     body_for: Callable[[EngineState], bytes] | None = None
     """The body of each attempt, when it depends on the engine and the moment (a decode leg carries the
     prefill's handoff only to its first engine, and only within the lease)."""
+    breaker: Callable[[EngineState], CircuitBreaker] | None = None
+    """The breaker each attempt is checked against and charged to, when not the engine's own (a prefill leg
+    on an engine that also decodes: its failures must not keep the engine from decoding)."""
+
+
+def _breaker(exchange: Exchange, engine: EngineState) -> CircuitBreaker:
+    return engine.health.breaker if exchange.breaker is None else exchange.breaker(engine)
 
 
 @dataclass
@@ -248,7 +256,7 @@ async def forward(candidates: list[EngineState], exchange: Exchange, max_attempt
         for engine in candidates:
             if tried >= max_attempts:
                 break
-            if not engine.health.breaker.allow(trio.current_time()):
+            if not _breaker(exchange, engine).allow(trio.current_time()):
                 result.attempts.append(Attempt(engine.id, "circuit open"))
                 continue
             tried += 1
@@ -262,22 +270,22 @@ async def forward(candidates: list[EngineState], exchange: Exchange, max_attempt
             if outcome is False and result.attempts[-1].outcome.startswith(LOST):
                 lost += 1
                 if lost >= QUERY_OF_DEATH_LOSSES:
-                    _settle(candidates, ledger)
+                    _settle(candidates, exchange, ledger)
                     raise UpstreamFailure(502, QUERY_OF_DEATH, code="engines_died_on_request",
                                           attempts=result.attempts)
             if outcome is True:
                 result.total_s = trio.current_time() - start
-                _settle(candidates, ledger)
+                _settle(candidates, exchange, ledger)
                 return result
             if isinstance(outcome, ErrorAnswer):
                 request_error = ledger.add(outcome)
                 if request_error is not None:
-                    _settle(candidates, ledger, request_at_fault=True)
+                    _settle(candidates, exchange, ledger, request_at_fault=True)
                     raise UpstreamFailure.of(request_error, result.attempts)
     except _NoRetry as stop:
-        _settle(candidates, ledger)
+        _settle(candidates, exchange, ledger)
         raise UpstreamFailure.of(stop.error, result.attempts) from None
-    _settle(candidates, ledger)
+    _settle(candidates, exchange, ledger)
     busy = ledger.all_rate_limited(tried)
     if busy is not None:
         raise UpstreamFailure.of(busy, result.attempts)
@@ -286,14 +294,15 @@ async def forward(candidates: list[EngineState], exchange: Exchange, max_attempt
                           attempts=result.attempts)
 
 
-def _settle(candidates: list[EngineState], ledger: ErrorLedger, request_at_fault: bool = False) -> None:
+def _settle(candidates: list[EngineState], exchange: Exchange, ledger: ErrorLedger,
+            request_at_fault: bool = False) -> None:
     """Charge the engines' error answers once the verdict is known: server errors count against their
     engines unless the request was at fault; anything else only frees the half-open probe slot it took
     (a busy engine, or one the request broke, has shown neither failure nor success)."""
     now = trio.current_time()
     engines = {e.id: e for e in candidates}
     for answer in ledger.answers:
-        breaker = engines[answer.engine].health.breaker
+        breaker = _breaker(exchange, engines[answer.engine])
         if answer.status >= 500 and not request_at_fault:
             breaker.record_failure(now, f"status {answer.status}")
         else:
@@ -335,19 +344,19 @@ async def _attempt(engine: EngineState, exchange: Exchange, result: ProxyResult,
         if not exchange.is_stream:
             # vLLM answers a non-streamed request only when generation ends: the engine is still working
             # on it, so another engine would generate it again, and slowness is not a failure.
-            engine.health.breaker.abstain(trio.current_time())
+            _breaker(exchange, engine).abstain(trio.current_time())
             result.attempts.append(Attempt(engine.id, "timeout (generation still running)"))
             raise _NoRetry(ApiError(504, f"no answer within {exchange.timeouts.first_byte:g}s",
                                     code="upstream_timeout")) from None
-        engine.health.breaker.record_failure(trio.current_time(), "no response")
+        _breaker(exchange, engine).record_failure(trio.current_time(), "no response")
         result.attempts.append(Attempt(engine.id, f"unreachable ({exc})"))
         return False
     except UpstreamLost as exc:
-        engine.health.breaker.record_failure(trio.current_time(), "lost")
+        _breaker(exchange, engine).record_failure(trio.current_time(), "lost")
         result.attempts.append(Attempt(engine.id, f"{LOST} ({exc})"))
         return False
     except UpstreamError as exc:
-        engine.health.breaker.record_failure(trio.current_time(), "unreachable")
+        _breaker(exchange, engine).record_failure(trio.current_time(), "unreachable")
         result.attempts.append(Attempt(engine.id, f"unreachable ({exc})"))
         return False
     try:
@@ -357,14 +366,14 @@ async def _attempt(engine: EngineState, exchange: Exchange, result: ProxyResult,
         try:
             first, rest = await _first_chunk(upstream, exchange.timeouts)
         except (UpstreamError, trio.TooSlowError) as exc:
-            engine.health.breaker.record_failure(trio.current_time(), "no first byte")
+            _breaker(exchange, engine).record_failure(trio.current_time(), "no first byte")
             result.attempts.append(Attempt(engine.id, f"failed before first byte ({exc or 'timeout'})"))
             return False
         if not exchange.is_stream and first is not None:
             try:
                 first = await _whole_answer(first, rest)
             except UpstreamError as exc:
-                engine.health.breaker.record_failure(trio.current_time(), "broken answer")
+                _breaker(exchange, engine).record_failure(trio.current_time(), "broken answer")
                 result.attempts.append(Attempt(engine.id, f"{LOST} mid-answer ({exc})"))
                 return False
         result.ttft_s = trio.current_time() - start
@@ -388,12 +397,12 @@ async def _attempt(engine: EngineState, exchange: Exchange, result: ProxyResult,
                 await exchange.send({"type": "http.response.body", "body": chunk, "more_body": True})
                 _relayed(result)
         except UpstreamError as exc:
-            engine.health.breaker.record_failure(trio.current_time(), "broken stream")
+            _breaker(exchange, engine).record_failure(trio.current_time(), "broken stream")
             result.broken_after_first_byte = True
             tail = sse_error_event(f"engine {engine.id} failed mid-stream: {exc}") if exchange.is_stream else b""
             await exchange.send({"type": "http.response.body", "body": tail, "more_body": False})
             return True
-        engine.health.breaker.record_success(trio.current_time())
+        _breaker(exchange, engine).record_success(trio.current_time())
         await exchange.send({"type": "http.response.body", "body": b"", "more_body": False})
         return True
     finally:

@@ -468,10 +468,12 @@ class RoutePlanner:
             if keys and self.share_dispatch is not None:
                 self.share_dispatch(engine_id, keys, ttl)
 
-    def observe(self, plan: Plan, result: ProxyResult) -> None:
+    def observe(self, plan: Plan, result: ProxyResult, prefilled: bool = False) -> None:
         """Feed the measured time to first byte back into the cost model of the engine that served it.
 
-        Only streamed, first-attempt answers teach the model: a non-streamed first byte includes decoding."""
+        Only streamed, first-attempt answers teach the model: a non-streamed first byte includes decoding.
+        A decode leg (``prefilled``: another engine computed its prompt) teaches only the decode model: its
+        first token would tell the TTFT model that the engine prefills in no time."""
         if result.engine is None or result.ttft_s is None:
             return
         result.engine.rejoining = False
@@ -485,11 +487,25 @@ class RoutePlanner:
         if reported is not None:
             self.metrics.reported_cached.inc(reported)
         if len(result.attempts) == 1 and plan.parsed.stream and not plan.estimated:
-            self.policy.observe(engine_id, score.uncached_tokens, score.queue_depth, result.ttft_s)
-            self._refit_now(engine_id)
+            if not prefilled:
+                self.policy.observe(engine_id, score.uncached_tokens, score.queue_depth, result.ttft_s)
+                self._refit_now(engine_id)
             if not result.broken_after_first_byte and result.events > STREAM_FRAMING_EVENTS:
                 self.policy.observe_decode(engine_id, score.queue_depth, result.events - STREAM_FRAMING_EVENTS,
                                            result.total_s - result.ttft_s)
+
+    def prefill_leg_s(self, engine_id: str, work_tokens: int, other_depth: int) -> float:
+        """The TTFT model's time for a prefill leg that answers after ``work_tokens`` of prompt there
+        (gateway/disaggregation/prefill_load.py)."""
+        learner = self.policy.costs.learner
+        return learner.params(engine_id, learner.model(engine_id).max_num_seqs).predict(
+            work_tokens, other_depth, learner.model(engine_id).max_num_seqs)
+
+    def observe_prefill(self, engine_id: str, work_tokens: int, other_depth: int, seconds: float) -> None:
+        """A prefill leg's measured time: its one token came after the work queued ahead and its own prefill,
+        which is what the TTFT model's prefill term prices (its queue term gets the other requests ahead)."""
+        if self.policy.observe(engine_id, work_tokens, other_depth, seconds):
+            self._refit_now(engine_id)
 
     def _refit_now(self, engine_id: str) -> None:
         """Refit the TTFT model after the answer instead of in the next request's decision, where the lazy

@@ -70,7 +70,8 @@ class Router:
         self.mesh = mesh
         self.admin = admin
         self.forward = forward
-        self.disaggregation = Disaggregation(config.pd, metrics)
+        self.disaggregation = Disaggregation(config.pd, metrics, self.planner.prefill_leg_s,
+                                             self.planner.observe_prefill)
         self.timeouts = Timeouts(config.connect_timeout_s, config.first_byte_timeout_s, config.idle_timeout_s)
         self.active_requests = 0
         self.shutting_down = False
@@ -167,7 +168,7 @@ class Router:
             self.gate.precheck(tenant, priority, self.engines.for_model(parsed.model))
             plan = await self.planner.plan(parsed, headers)
             self.gate.admit(tenant, priority, parsed, plan.charged_tokens, plan.engines)
-            await http_app.send_json(send, 200, {**plan.explain(), "pd": explain(self._pd_route(plan))})
+            await http_app.send_json(send, 200, {**plan.explain(), "pd": explain(self._pd_route(plan, dry_run=True))})
             return 200
         if method == "HEAD" and path in HEAD_PATHS:
             method, send = "GET", _without_body(send)
@@ -270,8 +271,7 @@ class Router:
             for attempt in result.attempts:
                 if attempt.outcome != "ok":
                     self.metrics.upstream_errors.labels(attempt.engine, attempt.outcome.split(" ")[0]).inc()
-            if pd is None or not pd.prefill:  # a decode leg's first token is no prefill to learn from
-                self.planner.observe(plan, result)
+            self.planner.observe(plan, result, prefilled=pd is not None and bool(pd.prefill))
             if result.continuations:
                 final = plan.header(result.continuations[-1].to_engine or "", len(result.attempts))
                 report_continued(self.metrics, request_id, result.continuations, final)
@@ -286,10 +286,10 @@ class Router:
         finally:
             self.active_requests -= 1
 
-    def _pd_route(self, plan: Plan) -> PdRoute | None:
+    def _pd_route(self, plan: Plan, dry_run: bool = False) -> PdRoute | None:
         """The request's prefill/decode route in a disaggregated fleet; None otherwise."""
-        return self.disaggregation.route(self.engines.for_model(plan.parsed.model), plan.engines,
-                                         plan.decision.table, plan.counted_tokens, plan.parsed.body)
+        return self.disaggregation.route(self.engines.for_model(plan.parsed.model), plan.engines, plan.decision,
+                                         plan.counted_tokens, plan.parsed.body, dry_run)
 
     async def _proxy(self, plan: Plan, pd: PdRoute | None, exchange: Exchange, detailed: bool) -> ProxyResult:
         if pd is None:

@@ -1,11 +1,13 @@
 """Which engines serve one request in a disaggregated fleet, and whether the prefill leg is worth it (sans-IO).
 
-The decode engine is chosen first, from the routing decision's ranking (load, and what the engine already
-holds, which it need not be sent); then the prefill engine, from the same ranking restricted to engines
-that speak the decode engine's protocol (the index's overlap and load: one that holds the prompt's head
-prefills only the rest). The prefill leg is skipped, and the request served whole on the decode engine,
-when it cannot help: ``n > 1`` (a handoff has one consumer), a short prompt, a decode engine that holds all
-but a few blocks, or no prefill engine to pair with.
+The routing decision's first decode engine decides whether the prefill leg is worth it: it is skipped, and
+the request served whole there, when it cannot help: ``n > 1`` (a handoff has one consumer), a short prompt,
+a decode engine that holds all but a few blocks, or no prefill engine to pair with. When the leg runs, the
+cost policies (``kv_aware``, ``approximate``) order the decode engines by their decode load (they receive
+the prompt's blocks, they do not prefill them; what they hold only breaks ties) and the prefill engines,
+among those that speak the first decode engine's protocol, by the estimated time of the leg there (the
+prompt work queued ahead of it plus the part of the prompt the engine does not hold); ``round_robin``
+takes each role's engines in turn; other policies keep their own order.
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ class Member:
     overlap_tokens: int = 0
     block_size: int = 16
     ttft_s: float = 0.0
-    """The cost model's time to first token there: its queue plus the prefill of what it does not hold."""
+    """The estimated time of a prefill leg there: the prompt work queued ahead, its own uncached part and
+    the other requests ahead (gateway/disaggregation/prefill_load.py)."""
+    load_s: float = 0.0
+    """The cost model's queue and decode time of the request there: what a decode leg waits for."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,11 +55,18 @@ def disaggregated(roles: Sequence[str]) -> bool:
     return "prefill" in roles and any(decodes(role) for role in roles)
 
 
-def choose(members: Sequence[Member], prompt_tokens: int, n: int, config: PdConfig) -> PdChoice:
+ORDER_OF_POLICY = {"kv_aware": "cost", "approximate": "cost", "round_robin": "rotate"}
+"""How each policy orders the engines of both legs (see the module's docstring); unnamed ones: ``ranked``.
+A round robin over all engines, restricted to one role, is none: with two engines of each role it sent
+three decode legs in four to the same engine."""
+
+
+def choose(members: Sequence[Member], prompt_tokens: int, n: int, config: PdConfig, order: str = "cost",
+           turn: int = 0) -> PdChoice:
     """The decode engines (ranked), the prefill engines paired with the first (ranked), or why there are none.
 
     ``prompt_tokens`` is 0 when the router did not count the prompt (a policy that does not tokenize):
-    only ``n`` and the pairing can skip the leg then."""
+    only ``n`` and the pairing can skip the leg then. ``turn`` counts the P/D requests so far (``rotate``)."""
     decoders = [m for m in members if decodes(m.role)]
     if not decoders:  # a prefill engine serves whole requests too: better slower than refused
         return PdChoice([m.id for m in members], [], None, "no_decode_engine")
@@ -67,11 +79,24 @@ def choose(members: Sequence[Member], prompt_tokens: int, n: int, config: PdConf
     uncached = prompt_tokens - first.overlap_tokens
     if prompt_tokens and uncached <= config.max_uncached_blocks * first.block_size:
         return PdChoice(ids, [], None, "decode_holds_prompt")
-    # A prefill leg only prefills: its engines are ranked by queue and uncached prefill alone, not by the
-    # decode and cache-displacement terms that rank whole requests. Taken in that whole-request order, the
-    # prefill legs of `kvmesh bench pd` waited longer than round robin's: TTFT p50 3.26 s vs 1.54 s at 16.
+    if order == "rotate":
+        decoders = _rotated(decoders, turn)
+    elif order == "cost":
+        decoders = sorted(decoders, key=lambda m: (m.load_s, -m.overlap_tokens))  # held: less to pull
+    first = decoders[0]
     paired = [m for m in members if prefills(m.role) and m.protocol == first.protocol and m.id != first.id]
-    pair = [m.id for m in sorted(paired, key=lambda m: m.ttft_s)]
-    if not pair:
+    if not paired:
         return PdChoice(ids, [], None, "no_prefill_engine")
-    return PdChoice(ids, pair, first.protocol, None)
+    if order == "rotate":
+        paired = _rotated(paired, turn)
+    elif order == "cost":
+        # A prefill leg only prefills: ranked by the whole-request cost (decode, cache displacement), the
+        # prefill legs of `kvmesh bench pd` waited longer than round robin's: TTFT p50 3.26 s vs 1.54 s at 16.
+        paired = sorted(paired, key=lambda m: m.ttft_s)
+    return PdChoice([m.id for m in decoders], [m.id for m in paired], first.protocol, None)
+
+
+def _rotated(engines: list[Member], turn: int) -> list[Member]:
+    ordered = sorted(engines, key=lambda m: m.id)
+    start = turn % len(ordered)
+    return ordered[start:] + ordered[:start]

@@ -14,19 +14,22 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import trio
 
+from gateway.breaker import CircuitBreaker
 from gateway.disaggregation.config import PdConfig
-from gateway.disaggregation.decider import Member, PdChoice, choose, disaggregated
+from gateway.disaggregation.decider import ORDER_OF_POLICY, Member, PdChoice, choose, disaggregated
+from gateway.disaggregation.prefill_load import PrefillLeg, PrefillLoad
 from gateway.disaggregation.wire import decode_body, expires_in, handoff_params, prefill_body
 from gateway.engines import EngineState
 from gateway.metrics import RouterMetrics
 from gateway.proxy import Exchange, Forward, ProxyResult, UpstreamFailure
 from gateway.routing import public_engine_name
-from gateway.routing.types import CandidateScore
+from gateway.routing.types import CandidateScore, Decision
 
 log = logging.getLogger("kvmesh.pd")
 PD_HEADER = b"x-kvmesh-pd"
@@ -42,29 +45,64 @@ class PdRoute:
     choice: PdChoice
     decode: list[EngineState]
     prefill: list[EngineState]
+    legs: dict[str, PrefillLeg]
+    """Each prefill engine's leg as priced for this request (what its measured time teaches the model)."""
+
+
+Estimate = Callable[[str, int, int], float]
+"""The TTFT model's time for a prefill leg: (engine, work tokens, other requests ahead) -> seconds."""
+Observe = Callable[[str, int, int, float], None]
+"""Feeds one measured prefill leg to the TTFT model: (engine, work tokens, other requests ahead, seconds)."""
 
 
 class Disaggregation:
-    """Chooses each request's P/D route and drives its two legs."""
+    """Chooses each request's P/D route and drives its two legs, keeping count of the prefill work in flight."""
 
-    def __init__(self, config: PdConfig, metrics: RouterMetrics) -> None:
+    def __init__(self, config: PdConfig, metrics: RouterMetrics, estimate: Estimate, observe: Observe) -> None:
         self.config = config
         self.metrics = metrics
+        self.estimate = estimate
+        self.observe = observe
+        self.load = PrefillLoad()
+        self._turn = 0
+        self._prefill_breakers: dict[str, CircuitBreaker] = {}
 
-    def route(self, fleet: list[EngineState], ranked: list[EngineState], table: list[CandidateScore],
-              prompt_tokens: int, body: dict[str, Any]) -> PdRoute | None:
+    def prefill_breaker(self, engine: EngineState) -> CircuitBreaker:
+        """The breaker of an engine's prefill legs: its own for a prefill-only engine (that is all it does),
+        one of their own for an engine that also decodes, so that failed prefill legs keep only prefill legs
+        from it (as smg counts a prefill failure against the prefill side only)."""
+        if engine.config.role == "prefill":
+            return engine.health.breaker
+        found = self._prefill_breakers.get(engine.id)
+        if found is None:
+            found = self._prefill_breakers[engine.id] = CircuitBreaker()
+        return found
+
+    def route(self, fleet: list[EngineState], ranked: list[EngineState], decision: Decision,
+              prompt_tokens: int, body: dict[str, Any], dry_run: bool = False) -> PdRoute | None:
         """The P/D route of a request whose candidates are ``ranked`` (the routing decision's order) among the
-        model's ``fleet``; None when that fleet is not disaggregated (no prefill-only engine)."""
+        model's ``fleet``; None when that fleet is not disaggregated (no prefill-only engine). A ``dry_run``
+        (``/debug/route``) does not take a round robin's turn."""
         if not disaggregated([e.config.role for e in fleet]):
             return None
-        scores = {score.engine: score for score in table}
-        members = [Member(e.id, e.config.role, e.config.kv_protocol,
-                          scores[e.id].overlap_tokens if e.id in scores else 0, e.block_size,
-                          scores[e.id].ttft_s if e.id in scores else 0.0) for e in ranked]
+        scores = {score.engine: score for score in decision.table}
+        legs = {e.id: self.load.price(e.id, scores[e.id].uncached_tokens, scores[e.id].queue_depth)
+                for e in ranked if e.id in scores}
+        members = [self._member(e, scores.get(e.id), legs.get(e.id)) for e in ranked]
         n = body.get("n")
-        choice = choose(members, prompt_tokens, n if type(n) is int else 1, self.config)
+        order = ORDER_OF_POLICY.get(decision.policy, "ranked")
+        choice = choose(members, prompt_tokens, n if type(n) is int else 1, self.config, order, self._turn)
+        if choice.prefill and order == "rotate" and not dry_run:
+            self._turn += 1
         by_id = {e.id: e for e in ranked}
-        return PdRoute(choice, [by_id[i] for i in choice.decode], [by_id[i] for i in choice.prefill])
+        return PdRoute(choice, [by_id[i] for i in choice.decode], [by_id[i] for i in choice.prefill], legs)
+
+    def _member(self, engine: EngineState, score: CandidateScore | None, leg: PrefillLeg | None) -> Member:
+        if score is None or leg is None:
+            return Member(engine.id, engine.config.role, engine.config.kv_protocol, 0, engine.block_size)
+        leg_s = self.estimate(engine.id, leg.work, leg.other_depth)
+        return Member(engine.id, engine.config.role, engine.config.kv_protocol, score.overlap_tokens,
+                      engine.block_size, leg_s, score.queue_s + score.decode_s)
 
     async def serve(self, route: PdRoute, body: dict[str, Any], raw: bytes, exchange: Exchange, forward: Forward,
                     max_attempts: int, detailed: bool) -> ProxyResult:
@@ -136,7 +174,11 @@ class Disaggregation:
 
         attempts = 1 if self.config.prefill_failover == "decode" else self.config.prefill_attempts
         leg = replace(exchange, body=prefill_body(body, route.choice.protocol or "opaque"), send=keep,
-                      is_stream=False, continuation=None, body_for=None)
+                      is_stream=False, continuation=None, body_for=None, breaker=self.prefill_breaker)
+        found = route.legs.get(route.prefill[0].id)
+        priced = found or PrefillLeg(route.prefill[0].id, 0, 0, 0)  # not priced (no score): nothing to learn
+        self.load.begin(priced)
+        started = trio.current_time()
         try:
             result = await forward(route.prefill, leg, attempts)
         except UpstreamFailure as failure:
@@ -144,10 +186,15 @@ class Disaggregation:
             log.warning("prefill leg failed; the decode engine serves the request whole",
                         extra={"attempts": [(a.engine, a.outcome) for a in failure.attempts]})
             return None
+        finally:
+            self.load.end(priced)
         self._count_failures(result.attempts)
         if result.engine is None or captured["status"] != 200:
             self.metrics.pd_leg_failures.labels("prefill", f"status_{captured['status']}"[:16]).inc()
             return None
+        if found is not None and len(result.attempts) == 1 and result.engine.id == found.engine:
+            # The leg's whole answer is its one token: queue and prefill there, what the TTFT model learns.
+            self.observe(priced.engine, priced.work, priced.other_depth, trio.current_time() - started)
         if captured["size"] > MAX_PREFILL_ANSWER_BYTES:
             self.metrics.pd_leg_failures.labels("prefill", "answer_too_large").inc()
             return result.engine.id, b""

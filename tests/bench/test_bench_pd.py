@@ -35,3 +35,15 @@ def test_verdicts_judge_itl_at_the_top_concurrency_and_the_prefill_choice_at_eac
     lines = verdicts(rows)
     assert "(lower, x5.00)" in lines[0]
     assert "c=1" in lines[1] and "NOT better" in lines[1] and "c=32" in lines[2] and "(better" in lines[2]
+
+
+def test_repeated_rounds_are_judged_each_and_then_counted():
+    rows = [_row("kvmesh P/D", 16, 0.2, 0.010), _row("kvmesh aggregated", 16, 0.1, 0.050),
+            _row("round-robin P/D", 16, 0.4, 0.010)]
+    second = [PdRow(r.setup, r.concurrency, 8, 0, r.ttft_p50, r.ttft_p50, r.itl_p50, r.itl_p99, 1.0, {}, round=1)
+              for r in (_row("kvmesh P/D", 16, 0.5, 0.06), _row("kvmesh aggregated", 16, 0.1, 0.050),
+                        _row("round-robin P/D", 16, 0.4, 0.010))]
+    lines = verdicts(rows + second)
+    assert lines[0].startswith("round 0: ITL p99") and lines[2].startswith("round 1: ITL p99")
+    assert lines[-2].endswith("at c=16: 1 of 2 rounds (x5.00, x0.83)")
+    assert lines[-1].endswith("at c=16: 1 of 2 rounds (x2.00, x0.80)")
