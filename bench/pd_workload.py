@@ -122,23 +122,30 @@ def verdicts(rows: list[PdRow]) -> list[str]:
     return out
 
 
+def _compared(label: str, ours: float, other: str, theirs: float, word: str, digits: int
+              ) -> tuple[str, tuple[bool, float]]:
+    """One claim of a round: ``ours`` below ``theirs`` (seconds, printed in ms), and its ratio."""
+    ok, ratio = ours < theirs, theirs / ours
+    verdict = word if ok else f"NOT {word}"
+    return f"{label} {ours * 1e3:.{digits}f} ms vs {other} {theirs * 1e3:.{digits}f} ms ({verdict}, x{ratio:.2f})", \
+        (ok, ratio)
+
+
 def _round_verdicts(rows: list[PdRow]) -> tuple[list[str], dict[str, tuple[bool, float]]]:
     by = {(r.setup, r.concurrency): r for r in rows}
     top = max(r.concurrency for r in rows)
     lines, claims = [], {}
     pd, agg = by.get(("kvmesh P/D", top)), by.get(("kvmesh aggregated", top))
     if pd and agg:
-        ok, ratio = pd.itl_p99 < agg.itl_p99, agg.itl_p99 / pd.itl_p99
-        lines.append(f"ITL p99 at c={top}: kvmesh P/D {pd.itl_p99 * 1e3:.1f} ms vs aggregated {agg.itl_p99 * 1e3:.1f} "
-                     f"ms ({'lower' if ok else 'NOT lower'}, x{ratio:.2f})")
-        claims[f"kvmesh P/D ITL p99 lower than aggregated at c={top}"] = (ok, ratio)
+        line, claims[f"kvmesh P/D ITL p99 lower than aggregated at c={top}"] = _compared(
+            f"ITL p99 at c={top}: kvmesh P/D", pd.itl_p99, "aggregated", agg.itl_p99, "lower", 1)
+        lines.append(line)
     for c in sorted({r.concurrency for r in rows}):
         pd, rr = by.get(("kvmesh P/D", c)), by.get(("round-robin P/D", c))
         if pd and rr:
-            ok, ratio = pd.ttft_p50 < rr.ttft_p50, rr.ttft_p50 / pd.ttft_p50
-            lines.append(f"TTFT p50 at c={c}: kvmesh P choice {pd.ttft_p50 * 1e3:.0f} ms vs round-robin "
-                         f"{rr.ttft_p50 * 1e3:.0f} ms ({'better' if ok else 'NOT better'}, x{ratio:.2f})")
-            claims[f"kvmesh P choice TTFT p50 better than round robin at c={c}"] = (ok, ratio)
+            line, claims[f"kvmesh P choice TTFT p50 better than round robin at c={c}"] = _compared(
+                f"TTFT p50 at c={c}: kvmesh P choice", pd.ttft_p50, "round-robin", rr.ttft_p50, "better", 0)
+            lines.append(line)
     return lines, claims
 
 
