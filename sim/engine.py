@@ -47,6 +47,7 @@ from sim.openai_api import (
 from sim.profiles import get_profile
 from sim.publisher import EventPublisher
 from sim.roles import handoff_params, loadable_tokens, remote_load, transfer_s, wants_handoff
+from sim.shared_storage import SharedStorage
 from sim.tokenizer import SimTokenizer
 from tokenization.messages import RenderError
 
@@ -102,6 +103,8 @@ class SimEngine:
             cfg.cpu_blocks, cfg.block_size * cfg.kv_bytes_per_token / (cfg.cpu_bandwidth_gbps * 1e9))
         self.core = EngineCore(KVCache(cfg.num_blocks, cfg.block_size), self.profile, cfg.max_num_seqs,
                                tokenizer.gen_vocab, cfg.hash_seed, tier, cfg.max_loras, cfg.lora_load_s)
+        self.storage = SharedStorage(cfg.kv_shared_path, cfg.block_size) if cfg.kv_shared_path else None
+        """ExampleConnector's side of the opaque protocol; None: the handoff protocol (by role)."""
         self.faults = Faults()
         self.created = int(time.time())
         self.success: dict[str, int] = {}
@@ -346,8 +349,11 @@ class SimEngine:
         ids, media = self._prompt_ids(body, chat)
         sreq = self._make_request(params, ids, media)
         head = ResponseHead(new_id(chat), int(time.time()), self.cfg.model, chat)
-        load = remote_load(body, time.time()) if self.cfg.role != "prefill" else None
-        if load is not None:
+        handoff = self.storage is None  # a shared-folder connector hands no kv_transfer_params over
+        load = remote_load(body, time.time()) if handoff and self.cfg.role != "prefill" else None
+        if self.storage is not None:
+            sreq.external_tokens = self.storage.matched_tokens(ids, media)
+        elif load is not None:
             if load.expired or self.faults.fail_kv_load:
                 return self._failed_load(head, params)
             sreq.external_tokens = loadable_tokens(load, len(ids), self.cfg.block_size)
@@ -360,7 +366,7 @@ class SimEngine:
             last = out
         assert last is not None and last.finish_reason is not None
         use = usage(len(ids), len(texts), last.cached_tokens)
-        asked = self.cfg.role != "decode" and wants_handoff(body) and not self.faults.omit_handoff
+        asked = handoff and self.cfg.role != "decode" and wants_handoff(body) and not self.faults.omit_handoff
         extra = self._handoff(sreq) if asked else None
         await trio.sleep(self.faults.hold_s)
         return HttpResponse(200, head.full_response("".join(texts), last.finish_reason, use, extra))
@@ -431,6 +437,8 @@ class SimEngine:
                 if first:
                     self.metrics.ttft.observe(trio.current_time() - arrival)
                     first = False
+                    if self.storage is not None and not sreq.external_tokens:  # its prefill has run
+                        self.storage.save(sreq.prompt_ids, sreq.media)
                 yield out
                 sent += 1
                 if sent == self.faults.die_after:
