@@ -129,6 +129,7 @@ async def _watch(engine: EngineState, planner, ingest: EventIngest, interval_s: 
         engine.models = models or engine.models
         model = engine.config.model or base_model(engine)
         engine.event_sources = [s.endpoint for s in sources]
+        engine.dp_ranks = tuple(s.rank for s in sources)
         planner.register_engine(engine, has_events=bool(sources))
 
         def on_load(load: PolledLoad, now: float) -> None:

@@ -78,6 +78,8 @@ class EngineState:
     maintenance: bool = False
     zone: str | None = None
     event_sources: list[str] = field(default_factory=list)
+    dp_ranks: tuple[int, ...] = ()
+    """The data-parallel ranks of its event sources (vLLM lists one per rank), in order; () when unknown."""
     max_model_len: int | None = None
     """The context length the engine reports in ``/v1/models`` (vLLM does), if any."""
     adapters: dict[str, str] = field(default_factory=dict)

@@ -289,7 +289,8 @@ class Router:
     def _pd_route(self, plan: Plan, dry_run: bool = False) -> PdRoute | None:
         """The request's prefill/decode route in a disaggregated fleet; None otherwise."""
         return self.disaggregation.route(self.engines.for_model(plan.parsed.model), plan.engines, plan.decision,
-                                         plan.counted_tokens, plan.parsed.body, dry_run)
+                                         plan.counted_tokens, plan.parsed.body, dry_run,
+                                         lambda engine: self.planner.cache.held_by_source(engine, plan.chains))
 
     async def _proxy(self, plan: Plan, pd: PdRoute | None, exchange: Exchange, detailed: bool) -> ProxyResult:
         if pd is None:
