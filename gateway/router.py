@@ -90,7 +90,7 @@ class Router:
         self._exported_engines = {e.id for e in engines}
         metrics.engine_role.clear()
         for engine in engines:
-            metrics.engine_role.labels(engine.id, engine.config.role).set(1)
+            metrics.engine_role.labels(engine.id, engine.role).set(1)
             metrics.in_flight.labels(engine.id).set(engine.in_flight)
             metrics.engine_healthy.labels(engine.id).set(1 if engine.routable else 0)
             metrics.breaker_state.labels(engine.id).set(engine.health.breaker.state_code(now))

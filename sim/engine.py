@@ -46,7 +46,7 @@ from sim.openai_api import (
 )
 from sim.profiles import get_profile
 from sim.publisher import EventPublisher
-from sim.roles import handoff_params, loadable_tokens, remote_load, transfer_s, wants_handoff
+from sim.roles import handoff_params, kv_transfer_config, loadable_tokens, remote_load, transfer_s, wants_handoff
 from sim.shared_storage import SharedStorage
 from sim.tokenizer import SimTokenizer
 from tokenization.messages import RenderError
@@ -226,6 +226,8 @@ class SimEngine:
                 self.core.request_reset()
                 self._wakeup()
                 return HttpResponse(200)
+            if route == ("GET", "/server_info") and self.cfg.server_dev_mode:
+                return self._server_info("config_format=json" in req.query)
             if route == ("POST", "/sim/fault"):
                 return self._fault(parse_json(req.body))
         except ApiError as exc:
@@ -234,6 +236,15 @@ class SimEngine:
         if req.path in _KNOWN_PATHS:
             return HttpResponse(405, b'{"detail":"Method Not Allowed"}')
         return HttpResponse(404, b'{"detail":"Not Found"}')
+
+    def _server_info(self, as_json: bool) -> HttpResponse:
+        """vLLM's development ``/server_info`` (``VLLM_SERVER_DEV_MODE=1``), with the parts of its
+        ``vllm_config`` a router reads: the model and the KV connector's role."""
+        config = {"model_config": {"served_model_name": self.cfg.model},
+                  "cache_config": {"block_size": self.cfg.block_size},
+                  "kv_transfer_config": kv_transfer_config(self.cfg.role, self.cfg.kv_shared_path)}
+        return HttpResponse(200, dumps({"vllm_config": config if as_json else str(config),
+                                        "vllm_env": {"VLLM_SERVER_DEV_MODE": True}, "system_env": {}}))
 
     def _events_config(self) -> dict[str, Any]:
         p = self.publisher

@@ -78,7 +78,7 @@ class Disaggregation:
         """The breaker of an engine's prefill legs: its own for a prefill-only engine (that is all it does),
         one of their own for an engine that also decodes, so that failed prefill legs keep only prefill legs
         from it (as smg counts a prefill failure against the prefill side only)."""
-        if engine.config.role == "prefill":
+        if engine.role == "prefill":
             return engine.health.breaker
         found = self._prefill_breakers.get(engine.id)
         if found is None:
@@ -91,7 +91,7 @@ class Disaggregation:
         """The P/D route of a request whose candidates are ``ranked`` (the routing decision's order) among the
         model's ``fleet``; None when that fleet is not disaggregated (no prefill-only engine). A ``dry_run``
         (``/debug/route``) does not take a round robin's turn."""
-        if not disaggregated([e.config.role for e in fleet]):
+        if not disaggregated([e.role for e in fleet]):
             return None
         scores = {score.engine: score for score in decision.table}
         legs = {e.id: self.load.price(e.id, scores[e.id].uncached_tokens, scores[e.id].queue_depth)
@@ -112,9 +112,9 @@ class Disaggregation:
 
     def _member(self, engine: EngineState, score: CandidateScore | None, leg: PrefillLeg | None) -> Member:
         if score is None or leg is None:
-            return Member(engine.id, engine.config.role, engine.config.kv_protocol, 0, engine.block_size)
+            return Member(engine.id, engine.role, engine.kv_protocol, 0, engine.block_size)
         leg_s = self.estimate(engine.id, leg.work, leg.other_depth)
-        return Member(engine.id, engine.config.role, engine.config.kv_protocol, score.overlap_tokens,
+        return Member(engine.id, engine.role, engine.kv_protocol, score.overlap_tokens,
                       engine.block_size, leg_s, score.queue_s + score.decode_s)
 
     async def serve(self, route: PdRoute, body: dict[str, Any], raw: bytes, exchange: Exchange, forward: Forward,
@@ -151,7 +151,7 @@ class Disaggregation:
             if not first:
                 self.metrics.pd_handoffs.labels("retried_without_params").inc()
                 return plain
-            if engine.config.kv_protocol != choice.protocol:
+            if engine.kv_protocol != choice.protocol:
                 self.metrics.pd_handoffs.labels("unpaired_decode").inc()
                 return plain
             if trio.current_time() > deadline:
