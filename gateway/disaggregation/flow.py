@@ -104,8 +104,8 @@ class Disaggregation:
             self._turn += 1
         by_id = {e.id: e for e in ranked}
         prefill = [by_id[i] for i in choice.prefill]
-        ranks = {e.id: rank for e in prefill
-                 if (rank := pick_rank(e.dp_ranks, held(e.id), self._rank_turn)) is not None}
+        ranks = {e.id: rank for e in prefill if len(e.dp_ranks) > 1  # no index query without data parallelism
+                 and (rank := pick_rank(e.dp_ranks, held(e.id), self._rank_turn)) is not None}
         if ranks and not dry_run:
             self._rank_turn += 1
         return PdRoute(choice, [by_id[i] for i in choice.decode], prefill, legs, ranks)
