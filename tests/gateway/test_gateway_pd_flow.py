@@ -279,20 +279,30 @@ def _chosen(client: Http, text: str) -> dict:
     return explained["pd"]
 
 
-def test_a_prefill_engine_dying_before_it_answers_is_replaced(fleet, handoff, faults):
+@pytest.fixture(params=["handoff", "opaque"])
+def each_protocol(request):
+    """The router of each protocol, with the faults of its fleet."""
+    if request.param == "handoff":
+        return request.getfixturevalue("handoff"), request.getfixturevalue("faults")
+    return request.getfixturevalue("opaque"), request.getfixturevalue("shared_faults")
+
+
+def test_a_prefill_engine_dying_before_it_answers_is_replaced(fleet, each_protocol):
+    client, faults = each_protocol
     text = prompt()
-    first = _chosen(handoff, text)["prefill"][0]
+    first = _chosen(client, text)["prefill"][0]
     faults(first, die_after=1)  # dies once its one token is generated, before the answer goes out
-    status, head, raw = ask(handoff, "chat", text, False)
+    status, head, raw = ask(client, "chat", text, False)
     assert status == 200 and answer_text("chat", raw, False) == aggregated(fleet, "chat", text)
     note = pd_note(head)
     assert note["outcome"] == "disaggregated" and note["prefill"] != first
 
 
-def test_a_decode_engine_dying_after_the_first_token_is_continued(fleet, handoff, faults):
+def test_a_decode_engine_dying_after_the_first_token_is_continued(each_protocol):
+    client, faults = each_protocol
     text = prompt()
-    first = _chosen(handoff, text)["decode"][0]
+    first = _chosen(client, text)["decode"][0]
     faults(first, die_after=3)
-    status, head, raw = ask(handoff, "chat", text, True)
+    status, head, raw = ask(client, "chat", text, True)
     assert status == 200 and len(answer_text("chat", raw, True)) > 0
-    assert metric(handoff, "kvmesh_stream_continuations_total", outcome="continued") >= 1
+    assert metric(client, "kvmesh_stream_continuations_total", outcome="continued") >= 1
