@@ -105,6 +105,7 @@ class SimEngine:
                                tokenizer.gen_vocab, cfg.hash_seed, tier, cfg.max_loras, cfg.lora_load_s)
         self.storage = SharedStorage(cfg.kv_shared_path, cfg.block_size) if cfg.kv_shared_path else None
         """ExampleConnector's side of the opaque protocol; None: the handoff protocol (by role)."""
+        self.core.connector = kv_transfer_config(cfg.role, cfg.kv_shared_path) is not None
         self.faults = Faults()
         self.created = int(time.time())
         self.success: dict[str, int] = {}

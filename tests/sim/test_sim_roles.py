@@ -136,6 +136,8 @@ async def test_over_a_shared_folder_decode_loads_what_prefill_stored(shared):
     handoff_ask = {"do_remote_decode": True, "do_remote_prefill": False}
     status, raw = await post(client, cold, chat())  # a cold decode engine (empty folder) still answers
     assert status == 200 and await metric(client, cold, "vllm:external_prefix_cache_hits_total") == 0
+    # ...having asked its connector, as vLLM counts every request of an engine with one
+    assert await metric(client, cold, "vllm:external_prefix_cache_queries_total") > 0
     reference = json.loads(raw)
     text = "another prompt, the prefill leg's own " * 40
     body = chat(messages=[{"role": "user", "content": text}])
