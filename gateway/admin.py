@@ -45,8 +45,8 @@ def engine_row(fleet: Fleet, engine_id: str) -> dict[str, Any]:
         "maintenance": engine.maintenance, "in_flight": engine.in_flight,
         "running": engine.load.running, "waiting": engine.load.waiting, "kv_usage": engine.load.kv_usage,
         "block_size": engine.block_size, "num_blocks": engine.load.num_blocks,
-        "event_sources": engine.event_sources, "role": engine.config.role,
-        "kv_protocol": engine.config.kv_protocol,
+        "event_sources": engine.event_sources, "role": engine.role,
+        "kv_protocol": engine.kv_protocol,
     }
 
 

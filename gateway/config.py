@@ -85,10 +85,12 @@ class EngineConfig:
     block_size: int | None = None
     curve_server_key: str | None = None
     """The event publisher's CURVE public key (Z85): its events are read over CURVE (events/curve.py)."""
-    role: str = "both"
-    """prefill | decode | both (gateway/disaggregation/roles.py)."""
-    kv_protocol: str = "handoff"
-    """How its KV cache is handed over in a prefill/decode pair: handoff | opaque."""
+    role: str | None = None
+    """prefill | decode | both (gateway/disaggregation/roles.py); unset: as the engine reports it (vLLM's
+    development /server_info), else both."""
+    kv_protocol: str | None = None
+    """How its KV cache is handed over in a prefill/decode pair: handoff | opaque; unset: as the engine's
+    connector says (/server_info), else handoff."""
     tiers: TierConfig = field(default_factory=TierConfig)
     """What a hit in the engine's offloaded CPU/storage tiers costs (gateway/tier_config.py)."""
 

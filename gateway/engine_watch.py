@@ -6,6 +6,7 @@ watch_engine(engine)              supervised: a bug anywhere below is logged, co
  +- models refresh   (GET /v1/models every MODELS_REFRESH_S)
  +- metrics poller   (GET /metrics -> load, KV usage, block geometry)
  +- event sources    (from config or GET /kv_event_sources), handed to EventIngest to subscribe
+ +- connector        (GET /server_info once: the P/D role and protocol, where vLLM's dev mode serves it)
 
 Each task runs under :func:`gateway.engine_faults.supervise`: whatever an engine answers, the worst
 outcome is that this engine is out of rotation while its task backs off; other engines and the
@@ -23,6 +24,7 @@ from events.discovery import EventSource, parse_adapters, parse_kv_event_sources
 from events.metrics_poller import EngineLoad as PolledLoad
 from events.metrics_poller import poll_metrics
 from gateway.adapters import base_model
+from gateway.disaggregation.roles import SERVER_INFO_PATH, parse_server_info
 from gateway.engine_faults import EngineFaults, supervise
 from gateway.engines import EngineState
 from gateway.event_ingest import EventIngest
@@ -31,6 +33,9 @@ from gateway.upstream import UpstreamError
 log = logging.getLogger("kvmesh.engines")
 DOWN_POLL_S = 0.25
 MODELS_REFRESH_S = 15.0
+SERVER_INFO_TIMEOUT_S = 10.0
+SERVER_INFO_TRIES = 3
+"""vLLM builds /server_info's system_env (pip, GPU tools) on its first call: seconds, then cached."""
 
 
 class Discovery:
@@ -49,6 +54,23 @@ class Discovery:
             self.engine.max_model_len = max_model_len
         self.engine.adapters = parse_adapters(body)
         return ids
+
+    async def connector(self) -> None:
+        """The engine's P/D role and protocol from ``/server_info``, when it serves one (vLLM does in its
+        development mode only: others answer 404 and keep the configured role). A malformed answer raises
+        ValueError: counted, and the role stays unknown; the config's role and protocol always win."""
+        for _ in range(SERVER_INFO_TRIES):
+            try:
+                status, body = await self.engine.pool.get(SERVER_INFO_PATH, timeout=SERVER_INFO_TIMEOUT_S)
+            except UpstreamError:
+                continue
+            if status != 200:
+                return
+            role, protocol = parse_server_info(body)
+            self.engine.reported_role, self.engine.reported_protocol = role, protocol
+            log.info("engine reports its connector", extra={"engine": self.engine.id, "role": role,
+                                                            "protocol": protocol})
+            return
 
     async def event_sources(self) -> list[EventSource]:
         """Raises ValueError if the configured or announced endpoints are unusable."""
@@ -129,6 +151,7 @@ async def _watch(engine: EngineState, planner, ingest: EventIngest, interval_s: 
         engine.models = models or engine.models
         model = engine.config.model or base_model(engine)
         engine.event_sources = [s.endpoint for s in sources]
+        engine.dp_ranks = tuple(s.rank for s in sources)
         planner.register_engine(engine, has_events=bool(sources))
 
         def on_load(load: PolledLoad, now: float) -> None:
@@ -161,6 +184,7 @@ async def _watch(engine: EngineState, planner, ingest: EventIngest, interval_s: 
             return body
 
         nursery.start_soon(supervise, faults, "models", lambda: _refresh_models(discovery, faults))
+        nursery.start_soon(supervise, faults, "server_info", discovery.connector)
         nursery.start_soon(supervise, faults, "metrics",
                            lambda: poll_metrics(engine.id, "/metrics", fetch, on_load, interval_s=interval_s))
         if sources:

@@ -78,12 +78,25 @@ class EngineState:
     maintenance: bool = False
     zone: str | None = None
     event_sources: list[str] = field(default_factory=list)
+    reported_role: str | None = None
+    reported_protocol: str | None = None
+    """What the engine's /server_info says (vLLM's development mode only); the config's values win."""
+    dp_ranks: tuple[int, ...] = ()
+    """The data-parallel ranks of its event sources (vLLM lists one per rank), in order; () when unknown."""
     max_model_len: int | None = None
     """The context length the engine reports in ``/v1/models`` (vLLM does), if any."""
     adapters: dict[str, str] = field(default_factory=dict)
     """LoRA adapters the engine serves (listed in ``models`` too) -> their base model."""
     first_tokens: PendingFirstTokens = field(default_factory=PendingFirstTokens)
     """Streams sent to it whose first token has not reached the client (its event ingest lets them go first)."""
+
+    @property
+    def role(self) -> str:
+        return self.config.role or self.reported_role or "both"
+
+    @property
+    def kv_protocol(self) -> str:
+        return self.config.kv_protocol or self.reported_protocol or "handoff"
 
     @property
     def url(self) -> str:

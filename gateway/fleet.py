@@ -17,14 +17,18 @@ from typing import Any
 import trio
 
 from gateway.config import EngineConfig, check_engine_label
+from gateway.disaggregation.roles import check_protocol, check_role
 from gateway.engine_watch import watch_engine
 from gateway.engines import EngineRegistry, EngineState
 from gateway.event_ingest import EventIngest
 from gateway.metrics import RouterMetrics
 from gateway.route_planner import RoutePlanner
 
-ADMIN_STATE_KEYS = ("draining", "maintenance", "island", "zone")
+ADMIN_STATE_KEYS = ("draining", "maintenance", "island", "zone", "role", "kv_protocol")
 BOOLEAN_STATE_KEYS = ("draining", "maintenance")
+CONFIG_STATE_KEYS = ("island", "role", "kv_protocol")
+"""Admin settings kept in the engine's config: an engine re-started with another connector role (or
+protocol) is told so with ``PATCH /admin/engines/{id}``, on every replica, without being removed."""
 
 Watch = Callable[[EngineState, RoutePlanner, EventIngest, float], Awaitable[None]]
 """An engine's background tasks (``watch_engine``: health, discovery, metrics, events), run until cancelled."""
@@ -37,6 +41,10 @@ def check_engine_setting(key: str, value: Any) -> None:
     if key in BOOLEAN_STATE_KEYS:
         if not isinstance(value, bool):
             raise ValueError(f"'{key}' must be true or false")
+    elif key == "role":
+        check_role(key, value)
+    elif key == "kv_protocol":
+        check_protocol(key, value)
     else:
         check_engine_label(key, value)
 
@@ -154,8 +162,8 @@ class Fleet:
         if engine is None:
             return
         for key, value in state.items():
-            if key == "island":
-                engine.config.island = value
+            if key in CONFIG_STATE_KEYS:
+                setattr(engine.config, key, value)
             elif key in ADMIN_STATE_KEYS:
                 setattr(engine, key, value)
         if replicate:

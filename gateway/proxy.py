@@ -209,6 +209,9 @@ class Exchange:
     body_for: Callable[[EngineState], bytes] | None = None
     """The body of each attempt, when it depends on the engine and the moment (a decode leg carries the
     prefill's handoff only to its first engine, and only within the lease)."""
+    headers_for: Callable[[EngineState, list[tuple[str, str]]], list[tuple[str, str]]] | None = None
+    """The headers of each attempt from the exchange's, when they depend on the engine (a P/D leg pins the
+    data-parallel rank of the engine it goes to); called after ``body_for``."""
     breaker: Callable[[EngineState], CircuitBreaker] | None = None
     """The breaker each attempt is checked against and charged to, when not the engine's own (a prefill leg
     on an engine that also decodes: its failures must not keep the engine from decoding)."""
@@ -335,8 +338,9 @@ async def _try_engine(engine: EngineState, exchange: Exchange, result: ProxyResu
 async def _attempt(engine: EngineState, exchange: Exchange, result: ProxyResult,
                    start: float, candidates: list[EngineState]) -> bool | ErrorAnswer:
     try:
-        headers = tracing.inject(exchange.headers)
         body = exchange.body if exchange.body_for is None else exchange.body_for(engine)
+        headers = tracing.inject(exchange.headers if exchange.headers_for is None
+                                 else exchange.headers_for(engine, exchange.headers))
         upstream = await engine.pool.request(exchange.method, exchange.target, body, headers,
                                              exchange.timeouts.connect, exchange.timeouts.first_byte,
                                              exchange.timeouts.send)

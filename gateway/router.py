@@ -90,7 +90,7 @@ class Router:
         self._exported_engines = {e.id for e in engines}
         metrics.engine_role.clear()
         for engine in engines:
-            metrics.engine_role.labels(engine.id, engine.config.role).set(1)
+            metrics.engine_role.labels(engine.id, engine.role).set(1)
             metrics.in_flight.labels(engine.id).set(engine.in_flight)
             metrics.engine_healthy.labels(engine.id).set(1 if engine.routable else 0)
             metrics.breaker_state.labels(engine.id).set(engine.health.breaker.state_code(now))
@@ -289,7 +289,8 @@ class Router:
     def _pd_route(self, plan: Plan, dry_run: bool = False) -> PdRoute | None:
         """The request's prefill/decode route in a disaggregated fleet; None otherwise."""
         return self.disaggregation.route(self.engines.for_model(plan.parsed.model), plan.engines, plan.decision,
-                                         plan.counted_tokens, plan.parsed.body, dry_run)
+                                         plan.counted_tokens, plan.parsed.body, dry_run,
+                                         lambda engine: self.planner.cache.held_by_source(engine, plan.chains))
 
     async def _proxy(self, plan: Plan, pd: PdRoute | None, exchange: Exchange, detailed: bool) -> ProxyResult:
         if pd is None:

@@ -95,6 +95,17 @@ class CacheView:
     def holders(self, engine: str) -> tuple[str, ...]:
         return self._holders.get(engine, (engine,))
 
+    def held_by_source(self, engine: str, chains_by_block_size: Mapping[int, Sequence[int]]) -> tuple[int, ...]:
+        """Leading blocks of the chain each of the engine's event sources (its data-parallel ranks, in order)
+        holds; () for an engine the view does not know."""
+        info = self._engines.get(engine)
+        chain = chains_by_block_size.get(info.block_size, ()) if info is not None else ()
+        if not chain:
+            return ()
+        holders = self.holders(engine)
+        exact = self.store.overlap(chain, holders)
+        return tuple(exact.get(h, 0) for h in holders)
+
     def block_count(self, engine: str) -> int:
         """Blocks the engine's events say it holds, every rank counted."""
         return sum(self.store.block_count(holder) for holder in self.holders(engine))

@@ -58,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--role", default="both", help="prefill | decode | both, or one per engine, comma-separated: "
                    "a prefill engine answers a handoff request with kv_transfer_params, a decode engine loads them")
     p.add_argument("--kv-lease", type=float, default=30.0, help="seconds a prefill engine holds handed-over blocks")
+    p.add_argument("--kv-shared-path", default=None,
+                   help="run ExampleConnector's protocol over this shared folder (its shared_storage_path): "
+                        "every engine stores the prompts it computes there and loads those it finds")
+    p.add_argument("--server-dev-mode", action="store_true",
+                   help="serve vLLM's development endpoints (VLLM_SERVER_DEV_MODE=1): /server_info")
     p.add_argument("--log-level", default="WARNING")
     return p
 
@@ -91,7 +96,8 @@ def config_from_args(args: argparse.Namespace) -> FleetConfig:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, once or once per engine")
     if args.kv_lease <= 0:
         raise ValueError("kv-lease must be positive")
-    engine = replace(engine, kv_lease_s=args.kv_lease)
+    engine = replace(engine, kv_lease_s=args.kv_lease, kv_shared_path=args.kv_shared_path,
+                     server_dev_mode=args.server_dev_mode)
     return FleetConfig(engines=args.engines, base_port=args.base_port, event_base_port=args.event_base_port,
                        replay_base_port=args.replay_base_port, engine=engine, roles=tuple(roles))
 

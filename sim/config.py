@@ -38,6 +38,12 @@ class EngineConfig:
     """prefill | decode | both: the engine's side of a disaggregated pair (sim/roles.py)."""
     kv_lease_s: float = 30.0
     """How long a prefill engine holds handed-over blocks (vLLM's ``kv_lease_duration``)."""
+    kv_shared_path: str | None = None
+    """A folder shared with other engines, as ExampleConnector's ``shared_storage_path``: the engine stores the
+    prompts it computes there and loads those it finds (sim/shared_storage.py); it then plays no handoff."""
+    server_dev_mode: bool = False
+    """Serve vLLM's development endpoints (``VLLM_SERVER_DEV_MODE=1``): ``/server_info`` names the connector
+    and its role; without it the engine answers 404 there, as vLLM does."""
     lora_modules: tuple[tuple[str, str], ...] = ()
     """LoRA adapters served beside the base model, as vLLM's ``--lora-modules name=path``: requests naming one
     are keyed with it (events and block hashes) and it is listed in /v1/models with the base as parent."""

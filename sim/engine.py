@@ -46,7 +46,8 @@ from sim.openai_api import (
 )
 from sim.profiles import get_profile
 from sim.publisher import EventPublisher
-from sim.roles import handoff_params, loadable_tokens, remote_load, transfer_s, wants_handoff
+from sim.roles import handoff_params, kv_transfer_config, loadable_tokens, remote_load, transfer_s, wants_handoff
+from sim.shared_storage import SharedStorage
 from sim.tokenizer import SimTokenizer
 from tokenization.messages import RenderError
 
@@ -102,6 +103,9 @@ class SimEngine:
             cfg.cpu_blocks, cfg.block_size * cfg.kv_bytes_per_token / (cfg.cpu_bandwidth_gbps * 1e9))
         self.core = EngineCore(KVCache(cfg.num_blocks, cfg.block_size), self.profile, cfg.max_num_seqs,
                                tokenizer.gen_vocab, cfg.hash_seed, tier, cfg.max_loras, cfg.lora_load_s)
+        self.storage = SharedStorage(cfg.kv_shared_path, cfg.block_size) if cfg.kv_shared_path else None
+        """ExampleConnector's side of the opaque protocol; None: the handoff protocol (by role)."""
+        self.core.connector = kv_transfer_config(cfg.role, cfg.kv_shared_path) is not None
         self.faults = Faults()
         self.created = int(time.time())
         self.success: dict[str, int] = {}
@@ -223,6 +227,8 @@ class SimEngine:
                 self.core.request_reset()
                 self._wakeup()
                 return HttpResponse(200)
+            if route == ("GET", "/server_info") and self.cfg.server_dev_mode:
+                return self._server_info("config_format=json" in req.query)
             if route == ("POST", "/sim/fault"):
                 return self._fault(parse_json(req.body))
         except ApiError as exc:
@@ -231,6 +237,15 @@ class SimEngine:
         if req.path in _KNOWN_PATHS:
             return HttpResponse(405, b'{"detail":"Method Not Allowed"}')
         return HttpResponse(404, b'{"detail":"Not Found"}')
+
+    def _server_info(self, as_json: bool) -> HttpResponse:
+        """vLLM's development ``/server_info`` (``VLLM_SERVER_DEV_MODE=1``), with the parts of its
+        ``vllm_config`` a router reads: the model and the KV connector's role."""
+        config = {"model_config": {"served_model_name": self.cfg.model},
+                  "cache_config": {"block_size": self.cfg.block_size},
+                  "kv_transfer_config": kv_transfer_config(self.cfg.role, self.cfg.kv_shared_path)}
+        return HttpResponse(200, dumps({"vllm_config": config if as_json else str(config),
+                                        "vllm_env": {"VLLM_SERVER_DEV_MODE": True}, "system_env": {}}))
 
     def _events_config(self) -> dict[str, Any]:
         p = self.publisher
@@ -346,8 +361,11 @@ class SimEngine:
         ids, media = self._prompt_ids(body, chat)
         sreq = self._make_request(params, ids, media)
         head = ResponseHead(new_id(chat), int(time.time()), self.cfg.model, chat)
-        load = remote_load(body, time.time()) if self.cfg.role != "prefill" else None
-        if load is not None:
+        handoff = self.storage is None  # a shared-folder connector hands no kv_transfer_params over
+        load = remote_load(body, time.time()) if handoff and self.cfg.role != "prefill" else None
+        if self.storage is not None:
+            sreq.external_tokens = self.storage.matched_tokens(ids, media)
+        elif load is not None:
             if load.expired or self.faults.fail_kv_load:
                 return self._failed_load(head, params)
             sreq.external_tokens = loadable_tokens(load, len(ids), self.cfg.block_size)
@@ -360,7 +378,7 @@ class SimEngine:
             last = out
         assert last is not None and last.finish_reason is not None
         use = usage(len(ids), len(texts), last.cached_tokens)
-        asked = self.cfg.role != "decode" and wants_handoff(body) and not self.faults.omit_handoff
+        asked = handoff and self.cfg.role != "decode" and wants_handoff(body) and not self.faults.omit_handoff
         extra = self._handoff(sreq) if asked else None
         await trio.sleep(self.faults.hold_s)
         return HttpResponse(200, head.full_response("".join(texts), last.finish_reason, use, extra))
@@ -431,6 +449,8 @@ class SimEngine:
                 if first:
                     self.metrics.ttft.observe(trio.current_time() - arrival)
                     first = False
+                    if self.storage is not None and not sreq.external_tokens:  # its prefill has run
+                        self.storage.save(sreq.prompt_ids, sreq.media)
                 yield out
                 sent += 1
                 if sent == self.faults.die_after:

@@ -121,6 +121,9 @@ class EngineCore:
         self.stats = CoreStats()
         self._pending_reset = False
         self._by_id: dict[str, SimRequest] = {}
+        self.connector = False
+        """The engine runs a KV connector: vLLM then asks it about every request's uncached tokens
+        (``vllm:external_prefix_cache_queries``), whether or not it finds them."""
 
     @property
     def block_size(self) -> int:
@@ -230,7 +233,7 @@ class EngineCore:
             self.stats.prefix_queries += req.num_tokens
             self.stats.prefix_hits += len(hit) * self.block_size
             self.stats.prompt_tokens += req.num_tokens
-            if req.external_tokens:
+            if req.external_tokens or self.connector:
                 self.stats.external_queries += req.num_tokens - hit_tokens
                 self.stats.external_hits += loaded
         if req.report_full and hit:

@@ -64,6 +64,20 @@ def loadable_tokens(load: RemoteLoad, prompt_tokens: int, block_size: int) -> in
     return min(load.tokens, prompt_tokens - 1) // block_size * block_size
 
 
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+
+
+def kv_transfer_config(role: str, shared_path: str | None) -> dict[str, Any] | None:
+    """The engine's ``kv_transfer_config`` as vLLM's development ``/server_info`` dumps it: ExampleConnector
+    over the shared folder, NixlConnector for a prefill or decode engine without one, none otherwise."""
+    if shared_path is not None:
+        return {"kv_connector": "ExampleConnector", "kv_role": KV_ROLES[role],
+                "kv_connector_extra_config": {"shared_storage_path": shared_path}}
+    if role == "both":
+        return None
+    return {"kv_connector": "NixlConnector", "kv_role": KV_ROLES[role], "kv_connector_extra_config": {}}
+
+
 def transfer_s(profile: Profile, tokens: int) -> float:
     """Seconds to pull ``tokens`` of KV cache over the link (engine time, before the time scale)."""
     return tokens * profile.kv_bytes_per_token / profile.link_bytes_per_s

@@ -2,12 +2,13 @@
 
 The routing decision's first decode engine decides whether the prefill leg is worth it: it is skipped, and
 the request served whole there, when it cannot help: ``n > 1`` (a handoff has one consumer), a short prompt,
-a decode engine that holds all but a few blocks, or no prefill engine to pair with. When the leg runs, the
-cost policies (``kv_aware``, ``approximate``) order the decode engines by their decode load (they receive
-the prompt's blocks, they do not prefill them; what they hold only breaks ties) and the prefill engines,
-among those that speak the first decode engine's protocol, by the estimated time of the leg there (the
-prompt work queued ahead of it plus the part of the prompt the engine does not hold); ``round_robin``
-takes each role's engines in turn; other policies keep their own order.
+a decode engine that holds all but a few blocks, or no prefill engine to pair with any decode engine. When
+the leg runs, the cost policies (``kv_aware``, ``approximate``) order the decode engines by their decode
+load (they receive the prompt's blocks, they do not prefill them; what they hold only breaks ties) and the
+prefill engines, among those that speak the protocol of the first decode engine that has any (a fleet may
+mix connectors), by the estimated time of the leg there (the prompt work queued ahead of it plus the part
+of the prompt the engine does not hold); ``round_robin`` takes each role's engines in turn; other policies
+keep their own order.
 """
 
 from __future__ import annotations
@@ -83,10 +84,12 @@ def choose(members: Sequence[Member], prompt_tokens: int, n: int, config: PdConf
         decoders = _rotated(decoders, turn)
     elif order == "cost":
         decoders = sorted(decoders, key=lambda m: (m.load_s, -m.overlap_tokens))  # held: less to pull
-    first = decoders[0]
-    paired = [m for m in members if prefills(m.role) and m.protocol == first.protocol and m.id != first.id]
-    if not paired:
+    # In a fleet of mixed connectors, the best decode engine that some prefill engine can hand over to.
+    found = next(((d, p) for d in decoders if (p := _pairs(members, d))), None)
+    if found is None:
         return PdChoice(ids, [], None, "no_prefill_engine")
+    first, paired = found
+    decoders = [first, *(d for d in decoders if d is not first)]
     if order == "rotate":
         paired = _rotated(paired, turn)
     elif order == "cost":
@@ -94,6 +97,11 @@ def choose(members: Sequence[Member], prompt_tokens: int, n: int, config: PdConf
         # prefill legs of `kvmesh bench pd` waited longer than round robin's: TTFT p50 3.26 s vs 1.54 s at 16.
         paired = sorted(paired, key=lambda m: m.ttft_s)
     return PdChoice([m.id for m in decoders], [m.id for m in paired], first.protocol, None)
+
+
+def _pairs(members: Sequence[Member], decoder: Member) -> list[Member]:
+    """The prefill engines that can hand ``decoder`` the prompt: those of its protocol (but itself)."""
+    return [m for m in members if prefills(m.role) and m.protocol == decoder.protocol and m.id != decoder.id]
 
 
 def _rotated(engines: list[Member], turn: int) -> list[Member]:

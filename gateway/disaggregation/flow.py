@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import trio
@@ -24,6 +24,7 @@ from gateway.breaker import CircuitBreaker
 from gateway.disaggregation.config import PdConfig
 from gateway.disaggregation.decider import ORDER_OF_POLICY, Member, PdChoice, choose, disaggregated
 from gateway.disaggregation.prefill_load import PrefillLeg, PrefillLoad
+from gateway.disaggregation.ranks import pick_rank, pinned
 from gateway.disaggregation.wire import decode_body, expires_in, handoff_params, prefill_body
 from gateway.engines import EngineState
 from gateway.metrics import RouterMetrics
@@ -47,12 +48,17 @@ class PdRoute:
     prefill: list[EngineState]
     legs: dict[str, PrefillLeg]
     """Each prefill engine's leg as priced for this request (what its measured time teaches the model)."""
+    ranks: dict[str, int] = field(default_factory=dict)
+    """The data-parallel rank each data-parallel prefill engine's leg is pinned to (and, with a handoff, the
+    decode leg after it: gateway/disaggregation/ranks.py)."""
 
 
 Estimate = Callable[[str, int, int], float]
 """The TTFT model's time for a prefill leg: (engine, work tokens, other requests ahead) -> seconds."""
 Observe = Callable[[str, int, int, float], None]
 """Feeds one measured prefill leg to the TTFT model: (engine, work tokens, other requests ahead, seconds)."""
+HeldByRank = Callable[[str], tuple[int, ...]]
+"""The prompt's leading blocks each data-parallel rank of an engine holds, in the order of its ranks."""
 
 
 class Disaggregation:
@@ -65,13 +71,14 @@ class Disaggregation:
         self.observe = observe
         self.load = PrefillLoad()
         self._turn = 0
+        self._rank_turn = 0
         self._prefill_breakers: dict[str, CircuitBreaker] = {}
 
     def prefill_breaker(self, engine: EngineState) -> CircuitBreaker:
         """The breaker of an engine's prefill legs: its own for a prefill-only engine (that is all it does),
         one of their own for an engine that also decodes, so that failed prefill legs keep only prefill legs
         from it (as smg counts a prefill failure against the prefill side only)."""
-        if engine.config.role == "prefill":
+        if engine.role == "prefill":
             return engine.health.breaker
         found = self._prefill_breakers.get(engine.id)
         if found is None:
@@ -79,11 +86,12 @@ class Disaggregation:
         return found
 
     def route(self, fleet: list[EngineState], ranked: list[EngineState], decision: Decision,
-              prompt_tokens: int, body: dict[str, Any], dry_run: bool = False) -> PdRoute | None:
+              prompt_tokens: int, body: dict[str, Any], dry_run: bool = False,
+              held: HeldByRank = lambda engine: ()) -> PdRoute | None:
         """The P/D route of a request whose candidates are ``ranked`` (the routing decision's order) among the
         model's ``fleet``; None when that fleet is not disaggregated (no prefill-only engine). A ``dry_run``
         (``/debug/route``) does not take a round robin's turn."""
-        if not disaggregated([e.config.role for e in fleet]):
+        if not disaggregated([e.role for e in fleet]):
             return None
         scores = {score.engine: score for score in decision.table}
         legs = {e.id: self.load.price(e.id, scores[e.id].uncached_tokens, scores[e.id].queue_depth)
@@ -95,13 +103,18 @@ class Disaggregation:
         if choice.prefill and order == "rotate" and not dry_run:
             self._turn += 1
         by_id = {e.id: e for e in ranked}
-        return PdRoute(choice, [by_id[i] for i in choice.decode], [by_id[i] for i in choice.prefill], legs)
+        prefill = [by_id[i] for i in choice.prefill]
+        ranks = {e.id: rank for e in prefill if len(e.dp_ranks) > 1  # no index query without data parallelism
+                 and (rank := pick_rank(e.dp_ranks, held(e.id), self._rank_turn)) is not None}
+        if ranks and not dry_run:
+            self._rank_turn += 1
+        return PdRoute(choice, [by_id[i] for i in choice.decode], prefill, legs, ranks)
 
     def _member(self, engine: EngineState, score: CandidateScore | None, leg: PrefillLeg | None) -> Member:
         if score is None or leg is None:
-            return Member(engine.id, engine.config.role, engine.config.kv_protocol, 0, engine.block_size)
+            return Member(engine.id, engine.role, engine.kv_protocol, 0, engine.block_size)
         leg_s = self.estimate(engine.id, leg.work, leg.other_depth)
-        return Member(engine.id, engine.config.role, engine.config.kv_protocol, score.overlap_tokens,
+        return Member(engine.id, engine.role, engine.kv_protocol, score.overlap_tokens,
                       engine.block_size, leg_s, score.queue_s + score.decode_s)
 
     async def serve(self, route: PdRoute, body: dict[str, Any], raw: bytes, exchange: Exchange, forward: Forward,
@@ -131,21 +144,29 @@ class Disaggregation:
         self.metrics.pd_requests.labels(outcome).inc()
         plain = decode_body(body, None) if "kv_transfer_params" in body else raw
         handed = params is not None and choice.protocol == "handoff"
-        state = {"first": True}
+        state: dict[str, Any] = {"first": True, "handed_to": None}
 
         def body_for(engine: EngineState) -> bytes:
             first, state["first"] = state["first"], False
             if not first:
                 self.metrics.pd_handoffs.labels("retried_without_params").inc()
                 return plain
-            if engine.config.kv_protocol != choice.protocol:
+            if engine.kv_protocol != choice.protocol:
                 self.metrics.pd_handoffs.labels("unpaired_decode").inc()
                 return plain
             if trio.current_time() > deadline:
                 self.metrics.pd_handoffs.labels("lease_expired").inc()
                 return plain
             self.metrics.pd_handoffs.labels("sent").inc()
+            state["handed_to"] = engine.id
             return decode_body(body, params)
+
+        rank = route.ranks.get(served_by) if served_by is not None else None
+
+        def headers_for(engine: EngineState, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+            """The handoff's decode engine reads from the prefill's rank on its rank of the same number."""
+            same = state["handed_to"] == engine.id and rank in engine.dp_ranks
+            return pinned(headers, rank if same else None)
 
         note = self._note(served_by, choice, outcome, detailed)
         route_header = exchange.route_header
@@ -153,7 +174,8 @@ class Disaggregation:
         def with_note(engine: EngineState, attempts: list) -> list[tuple[bytes, bytes]]:
             return [*route_header(engine, attempts), (PD_HEADER, note)]
 
-        leg = replace(exchange, body=plain, body_for=body_for if handed else None, route_header=with_note)
+        leg = replace(exchange, body=plain, body_for=body_for if handed else None, route_header=with_note,
+                      headers_for=headers_for if handed and rank is not None else None)
         return await forward(route.decode, leg, max_attempts)
 
     async def _prefill(self, route: PdRoute, body: dict[str, Any], exchange: Exchange, forward: Forward
@@ -174,7 +196,8 @@ class Disaggregation:
 
         attempts = 1 if self.config.prefill_failover == "decode" else self.config.prefill_attempts
         leg = replace(exchange, body=prefill_body(body, route.choice.protocol or "opaque"), send=keep,
-                      is_stream=False, continuation=None, body_for=None, breaker=self.prefill_breaker)
+                      is_stream=False, continuation=None, body_for=None, breaker=self.prefill_breaker,
+                      headers_for=lambda engine, headers: pinned(headers, route.ranks.get(engine.id)))
         found = route.legs.get(route.prefill[0].id)
         priced = found or PrefillLeg(route.prefill[0].id, 0, 0, 0)  # not priced (no score): nothing to learn
         self.load.begin(priced)

@@ -9,7 +9,7 @@ from collections import Counter
 from types import SimpleNamespace
 
 import trio
-from router_inprocess import make_router
+from router_inprocess import call, make_router
 
 from events.counters import ENGINE_TASK_FAILURES, EVENTS_DROPPED
 from gateway.config import EngineConfig
@@ -96,3 +96,34 @@ async def test_a_removed_engine_leaves_no_metric_series_behind():
     assert f'engine="{engine}"' in router.metrics.render().decode()
     router.fleet.remove(engine)
     assert f'engine="{engine}"' not in router.metrics.render().decode()
+
+
+async def test_a_role_changed_through_the_admin_api_is_the_role_on_every_replica():
+    """An engine re-started with another connector role is told so by PATCH; the other replica takes it from
+    the registry entry (before, role and protocol were fixed once the engine was added)."""
+    first, second, feed, recorder = make_router(), make_router(), Feed(), Recorder()
+    first.fleet.replicate = recorder.set_registry
+    follow_mesh(second.fleet, feed)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(first.fleet.run)
+        nursery.start_soon(second.fleet.run)
+        first.fleet.add(EngineConfig(url="http://127.0.0.1:9", id="e1", role="both"))
+        feed.on_registry_change("e1", json.loads(recorder.entries["e1"]))
+        assert second.engines.get("e1").config.role == "both"
+        patched = await call(first, "PATCH", "/admin/engines/e1",
+                             json.dumps({"role": "prefill", "kv_protocol": "opaque"}).encode())
+        assert patched.status == 200 and (patched.json()["role"], patched.json()["kv_protocol"]) == ("prefill",
+                                                                                                     "opaque")
+        entry = json.loads(recorder.entries["e1"])
+        feed.on_registry_change("e1", entry)
+        assert (second.engines.get("e1").config.role, second.engines.get("e1").config.kv_protocol) == (
+            "prefill", "opaque")
+        scraped = (await call(second, "GET", "/metrics")).body.decode()
+        assert 'kvmesh_engine_role{engine="e1",role="prefill"} 1.0' in scraped
+        assert 'engine="e1",role="both"' not in scraped
+        refused = await call(first, "PATCH", "/admin/engines/e1", json.dumps({"role": "decoder"}).encode())
+        assert refused.status == 400 and refused.json()["error"]["param"] == "role"
+        # a peer's entry with a role no router knows is counted and leaves the engine as it was
+        feed.on_registry_change("e1", {**entry, "role": "decoder"})
+        assert feed.malformed["registry"] == 1 and second.engines.get("e1").config.role == "prefill"
+        nursery.cancel_scope.cancel()

@@ -1,8 +1,9 @@
 """Prefill/decode disaggregation through a real router process in front of simulated prefill and decode
 engines: both protocols, chat and completions, streamed and not, and each failure of a leg.
 
-One fleet (two prefill engines, two decode engines) serves the whole module, behind two routers: one pairs
-them with the handoff protocol, the other with the opaque one. Every test uses prompts of its own, so what
+Two fleets (two prefill engines, two decode engines each) serve the whole module, each behind a router: one
+fleet plays the handoff protocol (NixlConnector's), the other the opaque one over a shared folder
+(ExampleConnector's), and its router pairs them so. Every test uses prompts of its own, so what
 an earlier test left in the caches decides nothing; the tests that kill an engine come last."""
 
 from __future__ import annotations
@@ -26,6 +27,13 @@ ROLES = ("prefill", "prefill", "decode", "decode")
 @pytest.fixture(scope="module")
 def fleet():
     with SimFleetProcess(engines=4, profile="fast", role=",".join(ROLES), kv_lease=SIM_LEASE_S) as sims:
+        yield sims
+
+
+@pytest.fixture(scope="module")
+def shared_fleet(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("kv-shared")
+    with SimFleetProcess(engines=4, profile="fast", role=",".join(ROLES), kv_shared_path=str(folder)) as sims:
         yield sims
 
 
@@ -57,13 +65,13 @@ def handoff(fleet, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def opaque(fleet, tmp_path_factory):
-    with _router(fleet, tmp_path_factory, "opaque") as proc:
+def opaque(shared_fleet, tmp_path_factory):
+    with _router(shared_fleet, tmp_path_factory, "opaque") as proc:
         yield _all_routable(Http(proc.url))
 
 
-@pytest.fixture
-def faults(fleet):
+@contextlib.contextmanager
+def _faults(fleet):
     """Set faults on engines by id (p1, p2, d1, d2); every fault is cleared after the test."""
     engines = {f"{role[0]}{i % 2 + 1}": Http(url) for i, (url, role) in enumerate(zip(fleet.urls, ROLES,
                                                                                        strict=True))}
@@ -72,15 +80,41 @@ def faults(fleet):
         status, _, _ = engines[engine_id].json("POST", "/sim/fault", fault)
         assert status == 200
 
-    yield set_fault
-    for engine in engines.values():
-        with contextlib.suppress(OSError):  # an engine a test killed stays dead
-            engine.json("POST", "/sim/fault", {"clear": True})
+    try:
+        yield set_fault
+    finally:
+        for engine in engines.values():
+            with contextlib.suppress(OSError):  # an engine a test killed stays dead
+                engine.json("POST", "/sim/fault", {"clear": True})
+
+
+@pytest.fixture
+def faults(fleet):
+    with _faults(fleet) as set_fault:
+        yield set_fault
+
+
+@pytest.fixture
+def shared_faults(shared_fleet):
+    with _faults(shared_fleet) as set_fault:
+        yield set_fault
 
 
 def prompt() -> str:
     """A prompt of its own (about 600 tokens): long enough for a prefill leg, cached nowhere yet."""
     return f"case {uuid.uuid4().hex}: " + "the prefill engine computes this long shared document. " * 60
+
+
+def stored_prompt(fleet, kind: str) -> str:
+    """A prompt of its own whose length ExampleConnector keys alike when storing and when looking up: its
+    keys differ, and a decode engine misses, when the length less one is a multiple of the block size (16)."""
+    for _ in range(20):  # one length in 16 is refused
+        text = prompt()
+        _, _, counted = Http(fleet.urls[0]).json("POST", "/tokenize", {k: v for k, v in body(kind, text, False)
+                                                                       .items() if k in ("messages", "prompt")})
+        if (counted["count"] - 1) % 16:
+            return text
+    raise AssertionError("no prompt of a storable length in 20 draws")
 
 
 def body(kind: str, text: str, stream: bool, **extra) -> dict:
@@ -151,16 +185,30 @@ def test_handoff_protocol_loads_the_prefill_on_decode(fleet, handoff, kind, stre
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("kind", ["chat", "completion"])
-def test_opaque_protocol_runs_a_one_token_prefill_leg_first(fleet, opaque, kind, stream):
-    text = prompt()
-    prefilled = engine_metric(fleet, "vllm:generation_tokens_total", ("prefill",))
-    loaded = engine_metric(fleet, "vllm:external_prefix_cache_hits_total")
+def test_opaque_protocol_runs_a_one_token_prefill_leg_then_decode_loads_it(fleet, shared_fleet, opaque, kind,
+                                                                           stream):
+    text = stored_prompt(shared_fleet, kind)
+    prefilled = engine_metric(shared_fleet, "vllm:generation_tokens_total", ("prefill",))
+    loaded = engine_metric(shared_fleet, "vllm:external_prefix_cache_hits_total")
     status, head, raw = ask(opaque, kind, text, stream, stream_options={"include_usage": True} if stream else None)
     assert status == 200, raw[:300]
     assert pd_note(head)["outcome"] == "disaggregated" and pd_note(head)["protocol"] == "opaque"
     assert answer_text(kind, raw, stream) == aggregated(fleet, kind, text)
-    assert engine_metric(fleet, "vllm:generation_tokens_total", ("prefill",)) - prefilled == 1  # max_tokens=1
-    assert engine_metric(fleet, "vllm:external_prefix_cache_hits_total") == loaded  # no params: D recomputes
+    assert engine_metric(shared_fleet, "vllm:generation_tokens_total", ("prefill",)) - prefilled == 1  # max 1
+    # D found the prompt P stored in the shared folder and loaded it instead of computing it
+    assert engine_metric(shared_fleet, "vllm:external_prefix_cache_hits_total") - loaded > 500
+
+
+def test_opaque_protocol_with_a_cold_folder_decode_recomputes(fleet, shared_fleet, opaque, shared_faults):
+    """Both prefill engines fail: the decode engine serves the request whole, finding nothing stored."""
+    for engine in ("p1", "p2"):
+        shared_faults(engine, fail_5xx=True, fail_status=503)
+    text = stored_prompt(shared_fleet, "chat")
+    loaded = engine_metric(shared_fleet, "vllm:external_prefix_cache_hits_total")
+    status, head, raw = ask(opaque, "chat", text, True)
+    assert status == 200 and answer_text("chat", raw, True) == aggregated(fleet, "chat", text)
+    assert pd_note(head)["outcome"] == "prefill_failed"
+    assert engine_metric(shared_fleet, "vllm:external_prefix_cache_hits_total") == loaded
 
 
 def test_the_decider_skips_the_prefill_leg_and_debug_route_says_why(handoff):
@@ -231,20 +279,30 @@ def _chosen(client: Http, text: str) -> dict:
     return explained["pd"]
 
 
-def test_a_prefill_engine_dying_before_it_answers_is_replaced(fleet, handoff, faults):
+@pytest.fixture(params=["handoff", "opaque"])
+def each_protocol(request):
+    """The router of each protocol, with the faults of its fleet."""
+    if request.param == "handoff":
+        return request.getfixturevalue("handoff"), request.getfixturevalue("faults")
+    return request.getfixturevalue("opaque"), request.getfixturevalue("shared_faults")
+
+
+def test_a_prefill_engine_dying_before_it_answers_is_replaced(fleet, each_protocol):
+    client, faults = each_protocol
     text = prompt()
-    first = _chosen(handoff, text)["prefill"][0]
+    first = _chosen(client, text)["prefill"][0]
     faults(first, die_after=1)  # dies once its one token is generated, before the answer goes out
-    status, head, raw = ask(handoff, "chat", text, False)
+    status, head, raw = ask(client, "chat", text, False)
     assert status == 200 and answer_text("chat", raw, False) == aggregated(fleet, "chat", text)
     note = pd_note(head)
     assert note["outcome"] == "disaggregated" and note["prefill"] != first
 
 
-def test_a_decode_engine_dying_after_the_first_token_is_continued(fleet, handoff, faults):
+def test_a_decode_engine_dying_after_the_first_token_is_continued(each_protocol):
+    client, faults = each_protocol
     text = prompt()
-    first = _chosen(handoff, text)["decode"][0]
+    first = _chosen(client, text)["decode"][0]
     faults(first, die_after=3)
-    status, head, raw = ask(handoff, "chat", text, True)
+    status, head, raw = ask(client, "chat", text, True)
     assert status == 200 and len(answer_text("chat", raw, True)) > 0
-    assert metric(handoff, "kvmesh_stream_continuations_total", outcome="continued") >= 1
+    assert metric(client, "kvmesh_stream_continuations_total", outcome="continued") >= 1

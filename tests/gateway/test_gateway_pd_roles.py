@@ -69,6 +69,16 @@ def test_the_decider_skips_the_prefill_leg_only_when_it_cannot_help():
     assert not disaggregated(["both", "decode"]) and disaggregated(["prefill", "both"])
 
 
+@pytest.mark.parametrize("order", ["cost", "rotate", "ranked"])
+def test_in_a_fleet_of_mixed_connectors_the_best_decode_engine_with_a_pair_takes_the_handoff(order):
+    """The least-loaded decode engine speaks a protocol no prefill engine does: the next one that has a pair
+    decodes (before, the request went whole to the first, skipped as no_prefill_engine)."""
+    lonely = Member("d1", "decode", "handoff", load_s=0.1)
+    paired = Member("d2", "decode", "opaque", load_s=0.5)
+    choice = choose([lonely, paired, P2], 4000, 1, CONFIG, order)
+    assert (choice.decode, choice.prefill, choice.protocol, choice.skipped) == (["d2", "d1"], ["p2"], "opaque", None)
+
+
 def test_prefill_engines_are_ordered_by_their_estimated_prefill_not_by_whole_request_rank():
     busy_holder = Member("p1", "prefill", "handoff", overlap_tokens=3000, ttft_s=2.5)  # ranked first overall
     idle = Member("p2", "prefill", "handoff", overlap_tokens=0, ttft_s=0.4)

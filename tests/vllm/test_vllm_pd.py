@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 from vllm_router import RouterClient, wait_until
-from vllm_wire import metric, post_json, unique_text
+from vllm_wire import get_text, metric, post_json, unique_text
 
 from cluster.router_process import RouterProcess
 from cluster.vllm_engine import SERVED_MODEL_NAME, EngineOptions, VllmEngine, plan_engines, running
+from gateway.disaggregation.roles import SERVER_INFO_PATH, parse_server_info
 
 pytestmark = pytest.mark.vllm
 
@@ -57,9 +58,20 @@ def ask(messages: list[dict], **extra) -> dict:
     return {"model": SERVED_MODEL_NAME, "messages": messages, "max_tokens": 8, "seed": 11, **extra}
 
 
+def storable(engine: VllmEngine) -> list[dict]:
+    """A new prompt ExampleConnector keys alike when storing and when looking it up: its keys differ (the
+    decode engine misses) when the prompt's length less one is a multiple of the block size."""
+    for _ in range(20):  # one length in 32 is refused
+        messages = [{"role": "user", "content": unique_text(120)}]
+        counted = post_json(engine, "/tokenize", {"model": SERVED_MODEL_NAME, "messages": messages})
+        if (counted["count"] - 1) % engine.options.block_size:
+            return messages
+    raise AssertionError("no prompt of a storable length in 20 draws")
+
+
 def test_decode_loads_the_prefill_from_the_connector_and_answers_as_one_engine_would(pair, router):
     prefill, decode = pair
-    messages = [{"role": "user", "content": unique_text(120)}]
+    messages = storable(decode)
     loaded = metric(decode, "vllm:external_prefix_cache_hits_total")
     status, head, answer = router.post("/v1/chat/completions", ask(messages))
     assert status == 200, answer
@@ -78,3 +90,7 @@ def test_a_cold_decode_engine_still_answers(pair, router):
     assert metric(decode, "vllm:external_prefix_cache_hits_total") == loaded
     status, head, _ = router.post("/v1/chat/completions", ask([{"role": "user", "content": "hi"}]))
     assert status == 200 and "outcome=skipped_short_prompt" in head["x-kvmesh-pd"]
+    # /server_info is the only place vLLM names its connector's role; these engines run in development mode
+    # (for /reset_prefix_cache), so kvmesh would read their roles there had the config not named them.
+    for engine, expected in zip(pair, (("prefill", "opaque"), ("decode", "opaque")), strict=True):
+        assert parse_server_info(get_text(engine, SERVER_INFO_PATH, timeout=60.0).encode()) == expected
