@@ -100,6 +100,10 @@ class _Batch(msgspec.Struct, array_like=True):
 
 _TYPED = msgspec.msgpack.Decoder(_Batch)
 _NIL = b"\xc0"
+_NIL_ARRAYS = {bytes([0x90 | n]) + _NIL * n: n for n in range(1, 16)}
+"""The extra keys vLLM sends for plain text blocks (one None per block) as msgpack bytes, by block count: a
+decode event's are matched whole instead of unpacked into a list to check and drop (0.24 against 0.49 us,
+plus two helper calls)."""
 
 
 def decode_payload(seq: int, payload: bytes) -> EventBatch:
@@ -146,16 +150,21 @@ def _typed_stored(raw: _Stored) -> BlockStored:
     u64 parents take no helper call: most stored events are single-block decode events, where the calls
     were most of the event's decode."""
     extra: Any = None
+    nils = -1
     if raw.extra_keys and raw.extra_keys != _NIL:
-        try:
-            extra = msgpack.unpackb(raw.extra_keys, raw=False, strict_map_key=False)
-        except Exception as exc:  # the generic path fails on these bytes before any check
-            raise DecodeError("msgpack") from exc
+        nils = _NIL_ARRAYS.get(bytes(raw.extra_keys), -1)
+        if nils < 0:
+            try:
+                extra = msgpack.unpackb(raw.extra_keys, raw=False, strict_map_key=False)
+            except Exception as exc:  # the generic path fails on these bytes before any check
+                raise DecodeError("msgpack") from exc
     hashes = _hashes(raw.block_hashes)
     if len(raw.token_ids) != len(hashes) * raw.block_size:
         raise DecodeError("token_ids")
     if extra is not None:
         _check_extra(extra, len(hashes))
+    elif nils >= 0 and nils != len(hashes):
+        raise DecodeError("extra_keys")
     parent = raw.parent_block_hash
     if parent is not None:
         parent = parent & KEY_MASK if type(parent) is int and 0 <= parent <= U64_MASK else _hash(parent)
