@@ -117,30 +117,33 @@ def decode_payload(seq: int, payload: bytes) -> EventBatch:
 
 
 def _typed_events(raw_events: list[_Stored | _Removed | _Cleared]) -> list[Event]:
-    """The typed twin of `_events`: same runs of BlockRemoved, same checks in the same order."""
+    """The typed twin of `_events`: same runs of BlockRemoved, same checks in the same order. Removals are
+    most events (one per evicted block), so their turn of the loop compares medium and group as they come
+    instead of building a tuple per event."""
     events: list[Event] = []
     run: list[Any] = []
-    run_where: tuple[Any, Any] = (None, None)
+    medium: Any = None
+    group: Any = None
     for raw in raw_events:
         if type(raw) is _Removed:
-            if not raw.block_hashes:
+            hashes = raw.block_hashes
+            if not hashes:
                 raise DecodeError("block_hashes")
-            where = (raw.medium, raw.group_idx)
-            if run and where != run_where:
-                events.append(_removed(run, run_where))
+            if run and (raw.medium != medium or raw.group_idx != group):
+                events.append(_removed(run, (medium, group)))
                 run = []
-            run_where = where
-            run.extend(raw.block_hashes)
+            medium, group = raw.medium, raw.group_idx
+            run += hashes
             continue
         if run:
-            events.append(_removed(run, run_where))
+            events.append(_removed(run, (medium, group)))
             run = []
         if type(raw) is _Stored:
             events.append(_typed_stored(raw))
         else:
             events.append(AllBlocksCleared())
     if run:
-        events.append(_removed(run, run_where))
+        events.append(_removed(run, (medium, group)))
     return events
 
 
