@@ -100,6 +100,10 @@ class _Batch(msgspec.Struct, array_like=True):
 
 _TYPED = msgspec.msgpack.Decoder(_Batch)
 _NIL = b"\xc0"
+_NIL_ARRAYS = {bytes([0x90 | n]) + _NIL * n: n for n in range(1, 16)}
+"""The extra keys vLLM sends for plain text blocks (one None per block) as msgpack bytes, by block count: a
+decode event's are matched whole instead of unpacked into a list to check and drop (0.24 against 0.49 us,
+plus two helper calls)."""
 
 
 def decode_payload(seq: int, payload: bytes) -> EventBatch:
@@ -113,30 +117,33 @@ def decode_payload(seq: int, payload: bytes) -> EventBatch:
 
 
 def _typed_events(raw_events: list[_Stored | _Removed | _Cleared]) -> list[Event]:
-    """The typed twin of `_events`: same runs of BlockRemoved, same checks in the same order."""
+    """The typed twin of `_events`: same runs of BlockRemoved, same checks in the same order. Removals are
+    most events (one per evicted block), so their turn of the loop compares medium and group as they come
+    instead of building a tuple per event."""
     events: list[Event] = []
     run: list[Any] = []
-    run_where: tuple[Any, Any] = (None, None)
+    medium: Any = None
+    group: Any = None
     for raw in raw_events:
         if type(raw) is _Removed:
-            if not raw.block_hashes:
+            hashes = raw.block_hashes
+            if not hashes:
                 raise DecodeError("block_hashes")
-            where = (raw.medium, raw.group_idx)
-            if run and where != run_where:
-                events.append(_removed(run, run_where))
+            if run and (raw.medium != medium or raw.group_idx != group):
+                events.append(_removed(run, (medium, group)))
                 run = []
-            run_where = where
-            run.extend(raw.block_hashes)
+            medium, group = raw.medium, raw.group_idx
+            run += hashes
             continue
         if run:
-            events.append(_removed(run, run_where))
+            events.append(_removed(run, (medium, group)))
             run = []
         if type(raw) is _Stored:
             events.append(_typed_stored(raw))
         else:
             events.append(AllBlocksCleared())
     if run:
-        events.append(_removed(run, run_where))
+        events.append(_removed(run, (medium, group)))
     return events
 
 
@@ -146,16 +153,21 @@ def _typed_stored(raw: _Stored) -> BlockStored:
     u64 parents take no helper call: most stored events are single-block decode events, where the calls
     were most of the event's decode."""
     extra: Any = None
+    nils = -1
     if raw.extra_keys and raw.extra_keys != _NIL:
-        try:
-            extra = msgpack.unpackb(raw.extra_keys, raw=False, strict_map_key=False)
-        except Exception as exc:  # the generic path fails on these bytes before any check
-            raise DecodeError("msgpack") from exc
+        nils = _NIL_ARRAYS.get(bytes(raw.extra_keys), -1)
+        if nils < 0:
+            try:
+                extra = msgpack.unpackb(raw.extra_keys, raw=False, strict_map_key=False)
+            except Exception as exc:  # the generic path fails on these bytes before any check
+                raise DecodeError("msgpack") from exc
     hashes = _hashes(raw.block_hashes)
     if len(raw.token_ids) != len(hashes) * raw.block_size:
         raise DecodeError("token_ids")
     if extra is not None:
         _check_extra(extra, len(hashes))
+    elif nils >= 0 and nils != len(hashes):
+        raise DecodeError("extra_keys")
     parent = raw.parent_block_hash
     if parent is not None:
         parent = parent & KEY_MASK if type(parent) is int and 0 <= parent <= U64_MASK else _hash(parent)

@@ -47,13 +47,13 @@ def chain_from(parent: int, token_ids: Sequence[int], block_size: int) -> list[i
     """Keys of the full blocks of `token_ids` chained after `parent` (a root seed or a held block's key)."""
     data = tokens_to_bytes(token_ids)
     step = block_size * 4
-    view = memoryview(data)
     digest = xxhash.xxh3_64_intdigest
-    keys: list[int] = []
-    for start in range(0, len(data) - step + 1, step):
-        parent = digest(view[start : start + step], parent) & KEY_MASK
-        keys.append(parent)
-    return keys
+    if len(data) == step:  # a decode event's one block: no view, no loop
+        return [digest(data, parent) & KEY_MASK]
+    view = memoryview(data)
+    # One comprehension carrying the parent forward: no list.append call per block.
+    return [parent := digest(view[start : start + step], parent) & KEY_MASK
+            for start in range(0, len(data) - step + 1, step)]
 
 
 def next_key(parent: int, block_tokens: Sequence[int], extra: bytes | None = None) -> int:

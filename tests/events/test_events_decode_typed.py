@@ -115,3 +115,14 @@ def test_a_well_formed_map_batch_takes_the_typed_path():
         decode_module._decode_generic = generic
     assert batch == generic(1, payload)
     assert len(batch.events) == 2 and batch.events[1].block_hashes[0] == 2
+
+
+def test_plain_text_extra_keys_are_matched_whole_and_still_counted():
+    """One None per block (what vLLM sends for plain text) is read from the bytes without unpacking, yet a
+    count that differs from the blocks is refused as the generic path refuses it, for short and long events."""
+    for blocks, nils in ((1, 1), (3, 3), (20, 20), (2, 3), (3, 2), (15, 16)):
+        payload = msgpack.packb([0.0, [{"type": "BlockStored", "block_hashes": list(range(1, blocks + 1)),
+                                        "token_ids": [1] * blocks, "block_size": 1, "extra_keys": [None] * nils}]])
+        outcome = _outcome(decode_payload, payload)
+        assert outcome == _outcome(_decode_generic, payload)
+        assert outcome == "extra_keys" if blocks != nils else outcome.events[0].extra_keys is None

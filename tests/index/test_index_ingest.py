@@ -14,7 +14,7 @@ from index.ingest import EngineIngest, split_extra_keys
 from index.prefix_index import PrefixIndex
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "events"))
-from events_frames import payload, removed_array, stored_array, stored_map  # noqa: E402
+from events_frames import payload, removed_array, removed_map, stored_array, stored_map  # noqa: E402
 
 MODEL = "tiny"
 
@@ -81,6 +81,22 @@ def test_remove_orphans_and_filtered_media():
     stats = ingest.apply(decode_payload(2, payload([["AllBlocksCleared"]])))
     assert stats.cleared == 1 and store.block_count("e1") == 0
     assert ingest.last_seq == 2
+
+
+def test_one_batch_keeps_event_order_across_merged_stores():
+    """Stored events of one batch enter the store together, yet a decode block chained on a block stored
+    earlier in the batch gets the router's key, and a removal between them applies in its place."""
+    store = PrefixIndex()
+    ingest = EngineIngest("e1", MODEL, store)
+    tokens = list(range(24))
+    events = [stored_map([1, 2], None, tokens[:8], 4), stored_map([3], 2, tokens[8:12], 4),
+              stored_array([4], 3, tokens[12:16], 4), removed_map([4]), stored_map([5], 4, tokens[16:20], 4),
+              stored_map([6], 3, tokens[20:24], 4)]
+    stats = ingest.apply(decode_payload(0, payload(events)))
+    assert (stats.stored, stats.removed, stats.orphaned) == (5, 1, 1)
+    keys = chain(tokens[:12] + tokens[20:24], 4, root_seed(MODEL))
+    assert store.overlap(keys) == {"e1": 4} and stats.stored_keys[:3] == keys[:3]
+    assert store.block_count("e1") == 4 and store.own_key("e1", 5) is None
 
 
 def test_multimodal_extra_keys_never_match_text_chain():
