@@ -9,6 +9,7 @@ engine's numbers from the same round.
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 from collections.abc import AsyncIterator
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.client import HttpClient, model_name, run_closed_loop
+from bench.engine_stats import ENGINE_TTFT, ScrapeResult, delta, mean_engine_ttft, scrape
 from bench.passthrough import passthrough_relay
 from bench.peers import smg_router
 from bench.replica_stats import process_cpu
@@ -140,6 +142,10 @@ class Block:
     wall: float
     cpu_s: float | None = None
     """CPU time of the path's own process (a router, not the engine) during the block."""
+    engine_cpu_s: float | None = None
+    """CPU time of the engine's process during the block, whichever path sent the requests."""
+    engine_ttft_s: float | None = None
+    """The engine's own mean TTFT over the block (its /metrics histogram: scheduler arrival to first token)."""
 
     @property
     def ok(self) -> list[RequestResult]:
@@ -164,11 +170,13 @@ PEER_POLICY = "cache_aware"
 
 @asynccontextmanager
 async def _paths(client: HttpClient, spec: FleetSpec, log_dir: Path, policy: str, peer_names: list[str],
-                 pids: dict[str, int], router_cores: frozenset[int] | None) -> AsyncIterator[dict[str, str]]:
+                 pids: dict[str, int], engine_pids: dict[str, int],
+                 router_cores: frozenset[int] | None) -> AsyncIterator[dict[str, str]]:
     """One engine, kvmesh in front of it, and each peer in front of the same engine (the routers on
-    ``router_cores`` when given); each router's pid goes into ``pids`` by URL."""
+    ``router_cores`` when given); each router's pid goes into ``pids`` by URL, the engine's into
+    ``engine_pids``."""
     async with AsyncExitStack() as stack:
-        engines = await stack.enter_async_context(sim_fleet(client, spec, log_dir))
+        engines = await stack.enter_async_context(sim_fleet(client, spec, log_dir, engine_pids))
         config = log_dir / "overhead-router.toml"
         config.write_text(f"[admission]\nqueue_threshold = {QUEUE_THRESHOLD}\n")
         kvmesh = await stack.enter_async_context(router(client, engines, policy, log_dir, pids=pids,
@@ -184,13 +192,19 @@ async def _paths(client: HttpClient, spec: FleetSpec, log_dir: Path, policy: str
 async def measure_system_prompt(spec: FleetSpec, log_dir: Path, rounds: int = 5, policy: str = "kv_aware",
                                 peer_names: list[str] | None = None, cases: list[Case] | None = None,
                                 router_cores: frozenset[int] | None = None) -> list[Block]:
-    """Interleaved rounds: in each, every case runs on every path (engine, kvmesh, peers) in rotated order."""
+    """Interleaved rounds: in each, every case runs on every path (engine, kvmesh, peers) in rotated order.
+    Around each block the engine's CPU time and its own TTFT histogram are read as well: every path shares
+    the one engine, so a path that changes the engine's own work or queueing shows there, apart from what
+    the path itself adds."""
     client = HttpClient()
     cases = cases or system_prompt_cases()
     blocks: list[Block] = []
     pids: dict[str, int] = {}
+    engine_pids: dict[str, int] = {}
     try:
-        async with _paths(client, spec, log_dir, policy, peer_names or [], pids, router_cores) as urls:
+        async with _paths(client, spec, log_dir, policy, peer_names or [], pids, engine_pids,
+                          router_cores) as urls:
+            engine_url = urls["engine"]
             model = await model_name(client, urls["engine"])
             for url in urls.values():  # warm-up: the system prompt cached, connections open
                 await run_closed_loop(client, url, system_prompt_requests(10_000, 8, USER_WORDS), 4, model, True)
@@ -201,13 +215,26 @@ async def measure_system_prompt(spec: FleetSpec, log_dir: Path, rounds: int = 5,
                         seed += 1
                         convs = system_prompt_requests(seed, case.requests, case.user_words)
                         pid = pids.get(urls[path])
-                        cpu_before = process_cpu(pid) if pid else 0.0
+                        seen_before = await scrape(client, [engine_url], names=ENGINE_TTFT)
+                        cpu_before, engine_before = (process_cpu(pid) if pid else 0.0,
+                                                     process_cpu(engine_pids[engine_url]))
                         results, wall = await run_closed_loop(client, urls[path], convs, case.concurrency, model, True)
                         cpu = process_cpu(pid) - cpu_before if pid else None
-                        blocks.append(Block(path, case.name, rnd, results, wall, cpu))
+                        engine_cpu = process_cpu(engine_pids[engine_url]) - engine_before
+                        blocks.append(Block(path, case.name, rnd, results, wall, cpu, engine_cpu,
+                                            _engine_ttft(seen_before, await scrape(client, [engine_url],
+                                                                                   names=ENGINE_TTFT))))
     finally:
         await client.aclose()
     return blocks
+
+
+def _engine_ttft(before: ScrapeResult, after: ScrapeResult) -> float | None:
+    """The engine's own mean TTFT between two scrapes; None when either failed or no first token came."""
+    if before.snapshots[0] is None or after.snapshots[0] is None:
+        return None
+    mean = mean_engine_ttft(delta(before.snapshots[0], after.snapshots[0]))
+    return None if math.isnan(mean) else mean
 
 
 def path_blocks(blocks: list[Block], case: str, path: str) -> list[Block]:
@@ -252,4 +279,27 @@ def format_system_prompt(blocks: list[Block]) -> str:
     lines.append("added = median over rounds of (path - engine, same round); req/s x = median of per-round ratios;"
                  " spread = per-round range of added p50 (noise); CPU/req = the router process's CPU time per"
                  " answered request (its background work included)")
+    return "\n".join(lines)
+
+
+def format_engine_view(blocks: list[Block]) -> str:
+    """Per case and path, what the one engine did while that path sent it the requests: its own mean TTFT
+    (median over rounds), its CPU time per answered request and the share of its core it used. A router
+    that made the engine slower (more work per request, polls, a worse arrival order) shows here, apart
+    from its own added TTFT; an engine near 100% of its core is the bottleneck, and its TTFT is then
+    mostly its own queueing."""
+    lines = [f"{'case':<8} {'path':<11} {'engine own TTFT mean':>21} {'engine CPU/req':>15} {'engine core busy':>17}"]
+    for case in dict.fromkeys(b.case for b in blocks):
+        for path in dict.fromkeys(b.path for b in blocks):
+            mine = [b for b in path_blocks(blocks, case, path) if b.engine_cpu_s is not None]
+            ttfts = [b.engine_ttft_s for b in mine if b.engine_ttft_s is not None]
+            answered = sum(len(b.ok) for b in mine)
+            if not mine or not answered:
+                continue
+            busy = statistics.median((b.engine_cpu_s or 0.0) / b.wall for b in mine if b.wall > 0)
+            own = f"{statistics.median(ttfts) * 1e3:>19.1f}ms" if ttfts else f"{'-':>21}"
+            lines.append(f"{case:<8} {path:<11} {own} "
+                         f"{sum(b.engine_cpu_s or 0.0 for b in mine) / answered * 1e3:>13.2f}ms {busy:>16.0%}")
+    lines.append("engine own TTFT = median over rounds of the engine's /metrics TTFT mean in the block (arrival in"
+                 " its scheduler to the first token); CPU/req = the engine process's CPU time per answered request")
     return "\n".join(lines)
