@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +21,7 @@ from bench.client import HttpClient, model_name, run_closed_loop
 from bench.engine_stats import ENGINE_TTFT, ScrapeResult, delta, mean_engine_ttft, scrape
 from bench.passthrough import passthrough_relay
 from bench.peers import smg_router
-from bench.replica_stats import process_cpu
+from bench.replica_stats import process_cpu, process_run_wait
 from bench.runner import FleetSpec, router, sim_fleet
 from bench.stats import RequestResult, Summary, percentile, summarize
 from bench.workloads import Conversation, text, unique_prompts
@@ -146,6 +146,10 @@ class Block:
     """CPU time of the engine's process during the block, whichever path sent the requests."""
     engine_ttft_s: float | None = None
     """The engine's own mean TTFT over the block (its /metrics histogram: scheduler arrival to first token)."""
+    engine_wait_s: float | None = None
+    """Time the engine's threads were runnable but got no core (the kernel's run queue) during the block."""
+    wait_s: float | None = None
+    """The same for the path's own process (a router): on a shared machine, other work takes its core."""
 
     @property
     def ok(self) -> list[RequestResult]:
@@ -214,19 +218,29 @@ async def measure_system_prompt(spec: FleetSpec, log_dir: Path, rounds: int = 5,
                     for path in rotated(list(urls), rnd):
                         seed += 1
                         convs = system_prompt_requests(seed, case.requests, case.user_words)
-                        pid = pids.get(urls[path])
+                        pid, engine_pid = pids.get(urls[path]), engine_pids[engine_url]
                         seen_before = await scrape(client, [engine_url], names=ENGINE_TTFT)
-                        cpu_before, engine_before = (process_cpu(pid) if pid else 0.0,
-                                                     process_cpu(engine_pids[engine_url]))
+                        before = _process_times(pid), _process_times(engine_pid)
                         results, wall = await run_closed_loop(client, urls[path], convs, case.concurrency, model, True)
-                        cpu = process_cpu(pid) - cpu_before if pid else None
-                        engine_cpu = process_cpu(engine_pids[engine_url]) - engine_before
-                        blocks.append(Block(path, case.name, rnd, results, wall, cpu, engine_cpu,
-                                            _engine_ttft(seen_before, await scrape(client, [engine_url],
-                                                                                   names=ENGINE_TTFT))))
+                        (cpu, wait), (engine_cpu, engine_wait) = (
+                            _since(before[0], _process_times(pid)), _since(before[1], _process_times(engine_pid)))
+                        own_ttft = _engine_ttft(seen_before, await scrape(client, [engine_url], names=ENGINE_TTFT))
+                        blocks.append(Block(path, case.name, rnd, results, wall, cpu, engine_cpu, own_ttft,
+                                            engine_wait, wait))
     finally:
         await client.aclose()
     return blocks
+
+
+def _process_times(pid: int | None) -> tuple[float, float] | None:
+    """(CPU time, run-queue wait) of a process so far; None for a path without a process of its own."""
+    return (process_cpu(pid), process_run_wait(pid)) if pid else None
+
+
+def _since(before: tuple[float, float] | None, after: tuple[float, float] | None) -> tuple[float | None, float | None]:
+    if before is None or after is None:
+        return None, None
+    return after[0] - before[0], after[1] - before[1]
 
 
 def _engine_ttft(before: ScrapeResult, after: ScrapeResult) -> float | None:
@@ -282,13 +296,19 @@ def format_system_prompt(blocks: list[Block]) -> str:
     return "\n".join(lines)
 
 
+def _share(blocks: list[Block], seconds: Callable[[Block], float | None]) -> str:
+    shares = [s / b.wall for b in blocks if (s := seconds(b)) is not None and b.wall > 0]
+    return f"{statistics.median(shares):>15.0%}" if shares else f"{'-':>15}"
+
+
 def format_engine_view(blocks: list[Block]) -> str:
     """Per case and path, what the one engine did while that path sent it the requests: its own mean TTFT
     (median over rounds), its CPU time per answered request and the share of its core it used. A router
     that made the engine slower (more work per request, polls, a worse arrival order) shows here, apart
     from its own added TTFT; an engine near 100% of its core is the bottleneck, and its TTFT is then
     mostly its own queueing."""
-    lines = [f"{'case':<8} {'path':<11} {'engine own TTFT mean':>21} {'engine CPU/req':>15} {'engine core busy':>17}"]
+    lines = [f"{'case':<8} {'path':<11} {'engine own TTFT mean':>21} {'engine CPU/req':>15} {'engine core busy':>17}"
+             f" {'engine no core':>15} {'router no core':>15}"]
     for case in dict.fromkeys(b.case for b in blocks):
         for path in dict.fromkeys(b.path for b in blocks):
             mine = [b for b in path_blocks(blocks, case, path) if b.engine_cpu_s is not None]
@@ -299,7 +319,10 @@ def format_engine_view(blocks: list[Block]) -> str:
             busy = statistics.median((b.engine_cpu_s or 0.0) / b.wall for b in mine if b.wall > 0)
             own = f"{statistics.median(ttfts) * 1e3:>19.1f}ms" if ttfts else f"{'-':>21}"
             lines.append(f"{case:<8} {path:<11} {own} "
-                         f"{sum(b.engine_cpu_s or 0.0 for b in mine) / answered * 1e3:>13.2f}ms {busy:>16.0%}")
+                         f"{sum(b.engine_cpu_s or 0.0 for b in mine) / answered * 1e3:>13.2f}ms {busy:>16.0%} "
+                         f"{_share(mine, lambda b: b.engine_wait_s)} {_share(mine, lambda b: b.wait_s)}")
     lines.append("engine own TTFT = median over rounds of the engine's /metrics TTFT mean in the block (arrival in"
-                 " its scheduler to the first token); CPU/req = the engine process's CPU time per answered request")
+                 " its scheduler to the first token); CPU/req = the engine process's CPU time per answered request;"
+                 " no core = median share of the block's wall time the process was runnable and waited for a CPU"
+                 " (its threads summed): other work on the machine")
     return "\n".join(lines)

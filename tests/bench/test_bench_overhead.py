@@ -128,10 +128,13 @@ def test_the_engine_view_shows_the_engines_own_ttft_and_cpu_per_path():
     blocks = [_block("engine", 0, 10, wall=2.0), _block("kvmesh", 0, 12, wall=2.0),
               _block("engine", 1, 10, wall=2.0), _block("kvmesh", 1, 12, wall=2.0, failed=1)]
     for b, (cpu, own) in zip(blocks, [(1.0, 0.100), (1.2, 0.300), (1.0, 0.120), (1.4, None)], strict=True):
-        b.engine_cpu_s, b.engine_ttft_s = cpu, own
+        b.engine_cpu_s, b.engine_ttft_s, b.engine_wait_s = cpu, own, cpu / 2
+    blocks[1].wait_s = blocks[3].wait_s = 0.2
     rows = {line.split()[1]: line for line in format_engine_view(blocks).splitlines()[1:3]}
-    assert rows["engine"].split()[2:] == ["110.0ms", "100.00ms", "50%"]  # median TTFT; 2 s / 20 answered
-    assert rows["kvmesh"].split()[2:] == ["300.0ms", "130.00ms", "65%"]  # a block without a TTFT is left out
+    # median TTFT; 2 s of CPU over 20 answered; half the wall on its core; a quarter waiting for one; no router
+    assert rows["engine"].split()[2:] == ["110.0ms", "100.00ms", "50%", "25%", "-"]
+    # a block without a TTFT is left out of that median only
+    assert rows["kvmesh"].split()[2:] == ["300.0ms", "130.00ms", "65%", "32%", "10%"]
 
 
 def test_the_engines_own_ttft_is_its_histograms_sum_over_count():
