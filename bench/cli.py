@@ -11,12 +11,20 @@ from pathlib import Path
 import trio
 
 from bench import mesh, overhead_sweep, scale, suite, suite_report
-from bench.overhead import PEERS, format_overhead, format_system_prompt, measure_overhead, measure_system_prompt
+from bench.overhead import (
+    PEERS,
+    format_engine_view,
+    format_overhead,
+    format_system_prompt,
+    measure_overhead,
+    measure_system_prompt,
+)
 from bench.peers import smg_binary
 from bench.processes import StartFailed
 from bench.report import Row, format_table, verdicts
 from bench.runner import FleetSpec, MeasureOptions, compare_policies, measure_target
 from bench.workloads import PARTITION_NUM_BLOCKS, WORKLOAD_NAMES
+from sim.profiles import PROFILES
 
 TARGET_PLAN: tuple[tuple[str, tuple[int, ...], tuple[str, ...], bool], ...] = (
     ("a", (1,), ("kv_aware", "round_robin"), False),
@@ -43,7 +51,9 @@ def _int_list(text: str) -> list[int]:
 
 def _fleet_args(p: argparse.ArgumentParser, profile: str) -> None:
     p.add_argument("--engines", type=int, default=3)
-    p.add_argument("--profile", default=profile)
+    p.add_argument("--profile", choices=sorted(PROFILES), default=profile,
+                   help="the simulated engines' cost model: fast (near-zero modelled time, the engine's own CPU is "
+                        "its bottleneck), a40-qwen1.5b or h100-70b (modelled GPU steps)")
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--num-blocks", type=int, help="KV blocks per engine (default 4096; 256 for d, 160 for e)")
     p.add_argument("--block-size", type=int, default=16)
@@ -198,15 +208,18 @@ def _overhead(args: argparse.Namespace, log_dir: Path) -> int:
     if not args.pin:
         blocks = trio.run(measure_system_prompt, spec, log_dir, args.rounds, args.policy, peer_names)
         print(format_system_prompt(blocks))
+        print(format_engine_view(blocks))
         return 0
     pinning = overhead_sweep.pin_this_process()
     spec = overhead_sweep.fleet_for_sweep(spec, args.sweep)
     print(f"router under test on CPU {sorted(pinning.router)}, engine and load on CPU {sorted(pinning.rest)}; "
-          f"engine max_num_seqs {spec.max_num_seqs}")
+          f"engine profile {spec.profile}, max_num_seqs {spec.max_num_seqs}; {overhead_sweep.load_average()}")
     cases = overhead_sweep.sweep_cases(args.sweep, args.short)
     blocks = trio.run(measure_system_prompt, spec, log_dir, args.rounds, args.policy, peer_names, cases,
                       pinning.router)
     print(format_system_prompt(blocks))
+    print(format_engine_view(blocks))
+    print(overhead_sweep.load_average())
     for line in overhead_sweep.verdicts(blocks, args.sweep):
         print(line)
     plot = args.plot or log_dir / "overhead-sweep.png"

@@ -19,6 +19,9 @@ QUERIES = "vllm:prefix_cache_queries_total"
 SUCCESSES = "vllm:request_success_total"
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 COUNTERS = (HITS, QUERIES, SUCCESSES, PROMPT_TOKENS)
+TTFT_SUM = "vllm:time_to_first_token_seconds_sum"
+TTFT_COUNT = "vllm:time_to_first_token_seconds_count"
+ENGINE_TTFT = (TTFT_SUM, TTFT_COUNT)
 DECISION_SUM = "kvmesh_route_decision_seconds_sum"
 DECISION_COUNT = "kvmesh_route_decision_seconds_count"
 ROUTER_COUNTERS = (DECISION_SUM, DECISION_COUNT)
@@ -31,6 +34,13 @@ def mean_decision_ms(deltas: list[Snapshot]) -> float:
     return 1e3 * sum(d.get(DECISION_SUM, 0.0) for d in deltas) / count if count > 0 else math.nan
 
 Snapshot = dict[str, float]
+
+
+def mean_engine_ttft(d: Snapshot) -> float:
+    """The engine's own mean time to first token (its scheduler's arrival to the token) over a delta; NaN
+    when no request got one."""
+    count = d.get(TTFT_COUNT, 0.0)
+    return d.get(TTFT_SUM, 0.0) / count if count > 0 else math.nan
 
 
 def parse_counters(text: str, names: tuple[str, ...] = COUNTERS) -> Snapshot:

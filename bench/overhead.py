@@ -9,17 +9,19 @@ engine's numbers from the same round.
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.client import HttpClient, model_name, run_closed_loop
+from bench.engine_stats import ENGINE_TTFT, ScrapeResult, delta, mean_engine_ttft, scrape
 from bench.passthrough import passthrough_relay
 from bench.peers import smg_router
-from bench.replica_stats import process_cpu
+from bench.replica_stats import process_cpu, process_run_wait
 from bench.runner import FleetSpec, router, sim_fleet
 from bench.stats import RequestResult, Summary, percentile, summarize
 from bench.workloads import Conversation, text, unique_prompts
@@ -140,6 +142,14 @@ class Block:
     wall: float
     cpu_s: float | None = None
     """CPU time of the path's own process (a router, not the engine) during the block."""
+    engine_cpu_s: float | None = None
+    """CPU time of the engine's process during the block, whichever path sent the requests."""
+    engine_ttft_s: float | None = None
+    """The engine's own mean TTFT over the block (its /metrics histogram: scheduler arrival to first token)."""
+    engine_wait_s: float | None = None
+    """Time the engine's threads were runnable but got no core (the kernel's run queue) during the block."""
+    wait_s: float | None = None
+    """The same for the path's own process (a router): on a shared machine, other work takes its core."""
 
     @property
     def ok(self) -> list[RequestResult]:
@@ -164,11 +174,13 @@ PEER_POLICY = "cache_aware"
 
 @asynccontextmanager
 async def _paths(client: HttpClient, spec: FleetSpec, log_dir: Path, policy: str, peer_names: list[str],
-                 pids: dict[str, int], router_cores: frozenset[int] | None) -> AsyncIterator[dict[str, str]]:
+                 pids: dict[str, int], engine_pids: dict[str, int],
+                 router_cores: frozenset[int] | None) -> AsyncIterator[dict[str, str]]:
     """One engine, kvmesh in front of it, and each peer in front of the same engine (the routers on
-    ``router_cores`` when given); each router's pid goes into ``pids`` by URL."""
+    ``router_cores`` when given); each router's pid goes into ``pids`` by URL, the engine's into
+    ``engine_pids``."""
     async with AsyncExitStack() as stack:
-        engines = await stack.enter_async_context(sim_fleet(client, spec, log_dir))
+        engines = await stack.enter_async_context(sim_fleet(client, spec, log_dir, engine_pids))
         config = log_dir / "overhead-router.toml"
         config.write_text(f"[admission]\nqueue_threshold = {QUEUE_THRESHOLD}\n")
         kvmesh = await stack.enter_async_context(router(client, engines, policy, log_dir, pids=pids,
@@ -184,13 +196,19 @@ async def _paths(client: HttpClient, spec: FleetSpec, log_dir: Path, policy: str
 async def measure_system_prompt(spec: FleetSpec, log_dir: Path, rounds: int = 5, policy: str = "kv_aware",
                                 peer_names: list[str] | None = None, cases: list[Case] | None = None,
                                 router_cores: frozenset[int] | None = None) -> list[Block]:
-    """Interleaved rounds: in each, every case runs on every path (engine, kvmesh, peers) in rotated order."""
+    """Interleaved rounds: in each, every case runs on every path (engine, kvmesh, peers) in rotated order.
+    Around each block the engine's CPU time and its own TTFT histogram are read as well: every path shares
+    the one engine, so a path that changes the engine's own work or queueing shows there, apart from what
+    the path itself adds."""
     client = HttpClient()
     cases = cases or system_prompt_cases()
     blocks: list[Block] = []
     pids: dict[str, int] = {}
+    engine_pids: dict[str, int] = {}
     try:
-        async with _paths(client, spec, log_dir, policy, peer_names or [], pids, router_cores) as urls:
+        async with _paths(client, spec, log_dir, policy, peer_names or [], pids, engine_pids,
+                          router_cores) as urls:
+            engine_url = urls["engine"]
             model = await model_name(client, urls["engine"])
             for url in urls.values():  # warm-up: the system prompt cached, connections open
                 await run_closed_loop(client, url, system_prompt_requests(10_000, 8, USER_WORDS), 4, model, True)
@@ -200,14 +218,37 @@ async def measure_system_prompt(spec: FleetSpec, log_dir: Path, rounds: int = 5,
                     for path in rotated(list(urls), rnd):
                         seed += 1
                         convs = system_prompt_requests(seed, case.requests, case.user_words)
-                        pid = pids.get(urls[path])
-                        cpu_before = process_cpu(pid) if pid else 0.0
+                        pid, engine_pid = pids.get(urls[path]), engine_pids[engine_url]
+                        seen_before = await scrape(client, [engine_url], names=ENGINE_TTFT)
+                        before = _process_times(pid), _process_times(engine_pid)
                         results, wall = await run_closed_loop(client, urls[path], convs, case.concurrency, model, True)
-                        cpu = process_cpu(pid) - cpu_before if pid else None
-                        blocks.append(Block(path, case.name, rnd, results, wall, cpu))
+                        (cpu, wait), (engine_cpu, engine_wait) = (
+                            _since(before[0], _process_times(pid)), _since(before[1], _process_times(engine_pid)))
+                        own_ttft = _engine_ttft(seen_before, await scrape(client, [engine_url], names=ENGINE_TTFT))
+                        blocks.append(Block(path, case.name, rnd, results, wall, cpu, engine_cpu, own_ttft,
+                                            engine_wait, wait))
     finally:
         await client.aclose()
     return blocks
+
+
+def _process_times(pid: int | None) -> tuple[float, float] | None:
+    """(CPU time, run-queue wait) of a process so far; None for a path without a process of its own."""
+    return (process_cpu(pid), process_run_wait(pid)) if pid else None
+
+
+def _since(before: tuple[float, float] | None, after: tuple[float, float] | None) -> tuple[float | None, float | None]:
+    if before is None or after is None:
+        return None, None
+    return after[0] - before[0], after[1] - before[1]
+
+
+def _engine_ttft(before: ScrapeResult, after: ScrapeResult) -> float | None:
+    """The engine's own mean TTFT between two scrapes; None when either failed or no first token came."""
+    if before.snapshots[0] is None or after.snapshots[0] is None:
+        return None
+    mean = mean_engine_ttft(delta(before.snapshots[0], after.snapshots[0]))
+    return None if math.isnan(mean) else mean
 
 
 def path_blocks(blocks: list[Block], case: str, path: str) -> list[Block]:
@@ -252,4 +293,36 @@ def format_system_prompt(blocks: list[Block]) -> str:
     lines.append("added = median over rounds of (path - engine, same round); req/s x = median of per-round ratios;"
                  " spread = per-round range of added p50 (noise); CPU/req = the router process's CPU time per"
                  " answered request (its background work included)")
+    return "\n".join(lines)
+
+
+def _share(blocks: list[Block], seconds: Callable[[Block], float | None]) -> str:
+    shares = [s / b.wall for b in blocks if (s := seconds(b)) is not None and b.wall > 0]
+    return f"{statistics.median(shares):>15.0%}" if shares else f"{'-':>15}"
+
+
+def format_engine_view(blocks: list[Block]) -> str:
+    """Per case and path, what the one engine did while that path sent it the requests: its own mean TTFT
+    (median over rounds), its CPU time per answered request and the share of its core it used. A router
+    that made the engine slower (more work per request, polls, a worse arrival order) shows here, apart
+    from its own added TTFT; an engine near 100% of its core is the bottleneck, and its TTFT is then
+    mostly its own queueing."""
+    lines = [f"{'case':<8} {'path':<11} {'engine own TTFT mean':>21} {'engine CPU/req':>15} {'engine core busy':>17}"
+             f" {'engine no core':>15} {'router no core':>15}"]
+    for case in dict.fromkeys(b.case for b in blocks):
+        for path in dict.fromkeys(b.path for b in blocks):
+            mine = [b for b in path_blocks(blocks, case, path) if b.engine_cpu_s is not None]
+            ttfts = [b.engine_ttft_s for b in mine if b.engine_ttft_s is not None]
+            answered = sum(len(b.ok) for b in mine)
+            if not mine or not answered:
+                continue
+            busy = statistics.median((b.engine_cpu_s or 0.0) / b.wall for b in mine if b.wall > 0)
+            own = f"{statistics.median(ttfts) * 1e3:>19.1f}ms" if ttfts else f"{'-':>21}"
+            lines.append(f"{case:<8} {path:<11} {own} "
+                         f"{sum(b.engine_cpu_s or 0.0 for b in mine) / answered * 1e3:>13.2f}ms {busy:>16.0%} "
+                         f"{_share(mine, lambda b: b.engine_wait_s)} {_share(mine, lambda b: b.wait_s)}")
+    lines.append("engine own TTFT = median over rounds of the engine's /metrics TTFT mean in the block (arrival in"
+                 " its scheduler to the first token); CPU/req = the engine process's CPU time per answered request;"
+                 " no core = median share of the block's wall time the process was runnable and waited for a CPU"
+                 " (its threads summed): other work on the machine")
     return "\n".join(lines)

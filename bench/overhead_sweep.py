@@ -49,6 +49,13 @@ def pin_this_process() -> Pinning:
     return pinning
 
 
+def load_average() -> str:
+    """The machine's load average, printed with the sweep: on a shared machine other work takes the cores
+    the pinning promised, and the numbers are read with it."""
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} CPUs"
+
+
 def fleet_for_sweep(spec: FleetSpec, concurrencies: list[int]) -> FleetSpec:
     """The engine admits every stream of the widest case at once, as a vLLM replica sized for that load
     would (vLLM's default is 256 sequences): with 64 slots, 192 of 256 streams would wait in the engine's

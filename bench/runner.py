@@ -83,14 +83,18 @@ class MeasureOptions:
 
 
 @asynccontextmanager
-async def sim_fleet(client: HttpClient, spec: FleetSpec, log_dir: Path) -> AsyncIterator[list[str]]:
-    """Start ``spec.engines`` simulated engines; yields their base URLs."""
+async def sim_fleet(client: HttpClient, spec: FleetSpec, log_dir: Path,
+                    pids: dict[str, int] | None = None) -> AsyncIterator[list[str]]:
+    """Start ``spec.engines`` simulated engines; yields their base URLs (and notes the one process's pid in
+    ``pids`` under each URL, for a caller that reads the engines' CPU time)."""
     base = free_port_range(spec.engines, SIM_PORT_OFFSETS)
     log = log_dir / f"sim-{base}.log"
     async with spawned(python_module("sim.cli", *spec.argv(base)), log) as proc:
         urls = [f"http://127.0.0.1:{base + i}" for i in range(spec.engines)]
         for url in urls:
             await wait_ready(client, url + "/health", proc, log)
+        if pids is not None:
+            pids.update(dict.fromkeys(urls, proc.pid))
         yield urls
 
 

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
 from bench.client import HttpClient
-from bench.overhead import SYSTEM_WORDS, Block, format_system_prompt, rotated, system_prompt_requests
+from bench.engine_stats import ENGINE_TTFT, delta, mean_engine_ttft, parse_counters
+from bench.overhead import (
+    SYSTEM_WORDS,
+    Block,
+    format_engine_view,
+    format_system_prompt,
+    rotated,
+    system_prompt_requests,
+)
 from bench.overhead_sweep import fleet_for_sweep, plot, split_cores, sweep_cases, verdicts
 from bench.passthrough import passthrough_relay
 from bench.runner import FleetSpec, sim_fleet
@@ -112,3 +121,28 @@ async def test_the_passthrough_floor_relays_the_engines_stream_unchanged(tmp_pat
         [line for line in direct.body.decode().splitlines() if line.startswith("data: ")])
     deltas = [c["delta"].get("content", "") for e in events[:-1] for c in json.loads(e[6:])["choices"]]
     assert sum(d != "" for d in deltas) == 5
+
+
+def test_the_engine_view_shows_the_engines_own_ttft_and_cpu_per_path():
+    """Every path shares one engine: the view sets what the engine did under each path side by side."""
+    blocks = [_block("engine", 0, 10, wall=2.0), _block("kvmesh", 0, 12, wall=2.0),
+              _block("engine", 1, 10, wall=2.0), _block("kvmesh", 1, 12, wall=2.0, failed=1)]
+    for b, (cpu, own) in zip(blocks, [(1.0, 0.100), (1.2, 0.300), (1.0, 0.120), (1.4, None)], strict=True):
+        b.engine_cpu_s, b.engine_ttft_s, b.engine_wait_s = cpu, own, cpu / 2
+    blocks[1].wait_s = blocks[3].wait_s = 0.2
+    rows = {line.split()[1]: line for line in format_engine_view(blocks).splitlines()[1:3]}
+    # median TTFT; 2 s of CPU over 20 answered; half the wall on its core; a quarter waiting for one; no router
+    assert rows["engine"].split()[2:] == ["110.0ms", "100.00ms", "50%", "25%", "-"]
+    # a block without a TTFT is left out of that median only
+    assert rows["kvmesh"].split()[2:] == ["300.0ms", "130.00ms", "65%", "32%", "10%"]
+
+
+def test_the_engines_own_ttft_is_its_histograms_sum_over_count():
+    text = ('# TYPE vllm:time_to_first_token_seconds histogram\n'
+            'vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1"} 3.0\n'
+            'vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf"} 4.0\n'
+            'vllm:time_to_first_token_seconds_count{engine="0"} 4.0\n'
+            'vllm:time_to_first_token_seconds_sum{engine="0"} 0.8\n')
+    before = parse_counters(text.replace(" 4.0", " 2.0").replace(" 0.8", " 0.2"), ENGINE_TTFT)
+    assert mean_engine_ttft(delta(before, parse_counters(text, ENGINE_TTFT))) == pytest.approx(0.3)
+    assert math.isnan(mean_engine_ttft(delta(before, before)))
