@@ -22,6 +22,21 @@ _TIE_DIGITS = 9
 # was forgotten and its cache is cold, so the cost model alone could leave it idle at low load for good
 # (peers measured here took ~30 s, or never, to send to a restarted engine again).
 REJOIN_PROBE_MAX_CACHED_SHARE = 0.5
+AGREE_SHARE = 0.1
+"""Share of a new prefix's prefill that its placement may give up for agreeing with the other replicas (see
+``agreed_order``), beyond one request's difference."""
+AGREE_MIN_S = 0.002
+
+
+def agreed_order(ranked: list[str], scores: Scores, home_key: str, tolerance_s: float) -> list[str]:
+    """``ranked`` with the engines within ``tolerance_s`` of the best cost ordered by ``home_key``'s rendezvous
+    weight, which every replica computes alike (for a prefix no engine holds: ``KvAwarePolicy.rank``)."""
+    best = scores[ranked[0]].cost_s
+    near = [e for e in ranked if scores[e].cost_s <= best + tolerance_s]
+    if len(near) < 2:
+        return ranked
+    h = key_hash(home_key)
+    return sorted(near, key=lambda e: -rendezvous_weight(h, e)) + [e for e in ranked if e not in near]
 
 
 def _why_not_the_cache(chosen: CandidateScore, holder: CandidateScore) -> str:
@@ -106,11 +121,33 @@ class KvAwarePolicy(Policy):
             )
 
         ranked = [e.id for e in sorted(pool, key=order)]
+        if (self.keeps_homes and request.home_key and not self.homes.homes(request.home_key)
+                and all(score.overlap_tokens <= 0 for score in scores.values())):
+            ranked = agreed_order(ranked, scores, request.home_key, self._agreement_s(request, pool, scores[ranked[0]]))
         probe = next((e.id for e in pool if e.rejoining and e.id != ranked[0]), None)
         chosen = scores[ranked[0]]
         if probe is not None and chosen.cached_tokens < REJOIN_PROBE_MAX_CACHED_SHARE * request.prompt_tokens:
             return [probe, *(i for i in ranked if i != probe)], "rejoin-probe"
         return ranked, describe(request, ranked, scores)
+
+    def _agreement_s(self, request: RouteRequest, pool: list[EngineView], best: CandidateScore) -> float:
+        """How far from the best cost a new prefix's placement goes by rendezvous instead (``agreed_order``).
+
+        Its first requests reach the replicas behind a balancer at once, before any of them hears where another
+        sent it (dispatches are shared a quarter second later): each placed it by its own view, whose
+        differences (mostly each replica's own in-flight requests) picked different engines, and the prefix was
+        computed and homed twice (seed 0 suite shape #6, 3 replicas: 2 of 40 requests, 5,426 uncached tokens;
+        one router: none). The tolerance covers one request more on the best engine (its queue and decode
+        terms: two views that differ by one request agree) and a tenth of the prefill at stake (a duplicate
+        costs all of it)."""
+        engine = next(e for e in pool if e.id == best.engine)
+        slots = engine.max_num_seqs
+        params = self.costs.learner.params(engine.id, slots)
+        depth, answer = best.queue_depth, request.max_tokens
+        one_more = (params.queue_s(depth + 1, slots) - params.queue_s(depth, slots)
+                    + self.costs.decode.decode_s(engine.id, depth + 1, answer)
+                    - self.costs.decode.decode_s(engine.id, depth, answer))
+        return max(AGREE_MIN_S, AGREE_SHARE * best.prefill_s) + max(0.0, one_more)
 
     def home_note(self, request: RouteRequest, pool: list[EngineView], scores: Scores,
                   ranked: list[str]) -> HomeNote | None:

@@ -1,0 +1,55 @@
+"""Replicas place a prefix nobody holds alike: near-best engines go by the home key's rendezvous order."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.routing import EngineView, RouteRequest, make_policy
+from gateway.routing.hashing import rendezvous_order
+
+IDS = [f"e{i}" for i in range(6)]
+
+
+def _request(home_key: str, tokens: int = 4000) -> RouteRequest:
+    return RouteRequest("m", tokens, tokens // 16, prefix_key=f"{home_key}-user-text", home_key=home_key)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(min_size=1, max_size=12), st.integers(0, 5), st.integers(0, 1))
+def test_two_replicas_whose_views_differ_by_one_request_place_a_new_prefix_alike(home_key, busy, which):
+    """One replica has a request of its own in flight on some engine (the other has not heard of it yet); both
+    send a new 4k-token prefix to the same engine, its home key's rendezvous choice. Before, the one that saw the
+    request avoided that engine whenever it was the rendezvous choice, and the prefix was computed twice."""
+    idle = [EngineView(i, "u", max_num_seqs=64) for i in IDS]
+    seen = list(idle)
+    seen[busy] = replace(seen[busy], in_flight=1)
+    views = (idle, seen) if which else (seen, idle)
+    chosen = [make_policy("kv_aware").choose(_request(home_key), view).chosen for view in views]
+    assert chosen[0] == chosen[1] == rendezvous_order(home_key, IDS)[0]
+
+
+def test_a_held_prefix_and_a_clearly_busier_engine_are_not_overruled():
+    request = _request("k")
+    top = rendezvous_order("k", IDS)[0]
+    held = [EngineView(i, "u", exact_blocks=200 if i != top else 0) if i == IDS[-1] or i == top else
+            EngineView(i, "u") for i in IDS]
+    holder = next(e.id for e in held if e.exact_blocks)
+    assert make_policy("kv_aware").choose(request, held).chosen == holder
+    busy = [EngineView(i, "u", max_num_seqs=64, in_flight=12 if i == top else 0) for i in IDS]
+    decision = make_policy("kv_aware").choose(request, busy)
+    assert decision.chosen != top and decision.chosen == rendezvous_order("k", [i for i in IDS if i != top])[0]
+
+
+def test_a_homed_prefix_is_ranked_by_its_costs_alone():
+    """Once this replica placed the prefix (a home), its next requests rank by cost: the agreement is for
+    requests that meet no trace of the prefix."""
+    policy = make_policy("kv_aware")
+    request = _request("k", tokens=400)
+    idle = [EngineView(i, "u", max_num_seqs=64) for i in IDS]
+    first = policy.choose(request, idle)
+    policy.dispatched(first, first.chosen)
+    loaded = [replace(e, in_flight=1) if e.id == first.chosen else e for e in idle]
+    assert policy.choose(request, loaded).chosen != first.chosen
