@@ -13,8 +13,9 @@ from gateway.routing.hashing import rendezvous_order
 IDS = [f"e{i}" for i in range(6)]
 
 
-def _request(home_key: str, tokens: int = 4000) -> RouteRequest:
-    return RouteRequest("m", tokens, tokens // 16, prefix_key=f"{home_key}-user-text", home_key=home_key)
+def _request(home_key: str, tokens: int = 4000, answer: int | None = None) -> RouteRequest:
+    return RouteRequest("m", tokens, tokens // 16, prefix_key=f"{home_key}-user-text", home_key=home_key,
+                        max_tokens=answer)
 
 
 @settings(max_examples=60, deadline=None)
@@ -53,3 +54,21 @@ def test_a_homed_prefix_is_ranked_by_its_costs_alone():
     policy.dispatched(first, first.chosen)
     loaded = [replace(e, in_flight=1) if e.id == first.chosen else e for e in idle]
     assert policy.choose(request, loaded).chosen != first.chosen
+
+
+def test_replicas_that_share_their_placements_place_new_prefixes_alike():
+    """Replica a placed 2 warm-up prompts (its home book heats their engines, and a prefix without a home is
+    charged the crowding beside them); replica b placed none. Told a's placements, b prices every engine as a does
+    and both place 40 new prefixes alike; on their own books they part on some of them."""
+    fleet = [EngineView(i, "u", max_num_seqs=64, num_blocks=2000) for i in IDS]
+    a, b, alone = (make_policy("kv_aware") for _ in range(3))
+    placed = []
+    a.on_placed = placed.append
+    for n in range(2):
+        decision = a.choose(_request(f"warm{n}", tokens=300), fleet)
+        a.dispatched(decision, decision.chosen)
+    for placement in placed:
+        b.record_peer_placement(*placement)
+    keys = [_request(f"new{n}", tokens=1000, answer=16) for n in range(40)]
+    assert [a.choose(k, fleet).chosen for k in keys] == [b.choose(k, fleet).chosen for k in keys]
+    assert [a.choose(k, fleet).chosen for k in keys] != [alone.choose(k, fleet).chosen for k in keys]
