@@ -31,9 +31,15 @@ AGREE_MIN_S = 0.002
 
 def agreed_order(ranked: list[str], scores: Scores, home_key: str, tolerance_s: float) -> list[str]:
     """``ranked`` with the engines within ``tolerance_s`` of the best cost ordered by ``home_key``'s rendezvous
-    weight, which every replica computes alike (for a prefix no engine holds: ``KvAwarePolicy.rank``)."""
-    best = scores[ranked[0]].cost_s
-    near = [e for e in ranked if scores[e].cost_s <= best + tolerance_s]
+    weight, which every replica computes alike (for a prefix no engine holds: ``KvAwarePolicy.rank``). Only
+    engines whose home terms (crowding and displacement, from the placements every replica shares) are as low as
+    the best one's compete: the tolerance is for what each replica sees alone (its own in-flight requests, its
+    own learned speeds). Without that restriction it overrode the crowding term, new prefixes went by hash onto
+    engines already busy with hot homes, and one router's hit on seed 0 shape #6 fell to 0.58 of the bound."""
+    best = scores[ranked[0]]
+    homed = best.crowding_s + best.displacement_s + AGREE_MIN_S
+    near = [e for e in ranked if scores[e].cost_s <= best.cost_s + tolerance_s
+            and scores[e].crowding_s + scores[e].displacement_s <= homed]
     if len(near) < 2:
         return ranked
     h = key_hash(home_key)

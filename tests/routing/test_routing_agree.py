@@ -72,3 +72,18 @@ def test_replicas_that_share_their_placements_place_new_prefixes_alike():
     keys = [_request(f"new{n}", tokens=1000, answer=16) for n in range(40)]
     assert [a.choose(k, fleet).chosen for k in keys] == [b.choose(k, fleet).chosen for k in keys]
     assert [a.choose(k, fleet).chosen for k in keys] != [alone.choose(k, fleet).chosen for k in keys]
+
+
+def test_a_new_prefix_still_keeps_off_the_engines_its_replicas_know_are_busy_with_homes():
+    """The rendezvous choice competes only among engines whose crowding is as low as the best one's: the
+    agreement once overrode the crowding term, and new prefixes piled onto engines holding hot homes (seed 0
+    shape #6, one router: 0.58 of the bound)."""
+    fleet = [EngineView(i, "u", max_num_seqs=64, num_blocks=2000) for i in IDS]
+    policy = make_policy("kv_aware")
+    busy = IDS[0]
+    for engine in [*IDS, busy, busy]:  # a home on every engine, twice the heat on one
+        decision = policy.choose(_request(f"home-{engine}", tokens=300), fleet)
+        policy.dispatched(decision, engine)
+    keys = [k for k in (f"new{n}" for n in range(200)) if rendezvous_order(k, IDS)[0] == busy][:10]
+    assert keys
+    assert all(policy.choose(_request(k, tokens=1000, answer=16), fleet).chosen != busy for k in keys)
