@@ -168,6 +168,7 @@ def follow_mesh(fleet: Fleet, state: MeshState) -> None:
     policy = planner.policy
     if isinstance(policy, KvAwarePolicy) and policy.keeps_homes:
         policy.on_placed = state.publish_placement
+        policy.agree_with_peers = True
         state.on_placements(on_placements)
     fleet.replicate = state.set_registry
     state.on_registry(on_registry)

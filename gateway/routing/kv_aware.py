@@ -80,6 +80,9 @@ class KvAwarePolicy(Policy):
         self.homes = HomeBook()
         self.on_placed: Callable[[tuple[str, str, int, int | None]], None] | None = None
         """Told every placement this replica records (the mesh shares them: ``record_peer_placement``)."""
+        self.agree_with_peers = False
+        """Place prefixes no engine holds by ``agreed_order`` (set for a meshed replica: a lone router has no one to
+        agree with, and ranks them by cost alone)."""
 
     def _priced_by_homes(self, request: RouteRequest, pool: list[EngineView], scores: Scores) -> None:
         """Replace the blind eviction term by what the home book says each placement displaces, and charge a
@@ -130,7 +133,7 @@ class KvAwarePolicy(Policy):
             )
 
         ranked = [e.id for e in sorted(pool, key=order)]
-        if (self.keeps_homes and request.home_key and not self.homes.homes(request.home_key)
+        if (self.agree_with_peers and request.home_key and not self.homes.homes(request.home_key)
                 and all(score.overlap_tokens <= 0 for score in scores.values())):
             ranked = agreed_order(ranked, scores, request.home_key, self._agreement_s(request, pool, scores[ranked[0]]))
         probe = next((e.id for e in pool if e.rejoining and e.id != ranked[0]), None)

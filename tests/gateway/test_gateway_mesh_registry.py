@@ -118,6 +118,7 @@ async def test_a_request_placed_by_one_replica_heats_the_home_book_of_another():
     body = json.dumps({"model": MODEL, "stream": True, "messages": [{"role": "system", "content": prompt},
                                                                   {"role": "user", "content": "hi"}]}).encode()
     assert (await call(first, "POST", "/v1/chat/completions", body)).status == 200
+    assert first.planner.policy.agree_with_peers and second.planner.policy.agree_with_peers
     (key,) = first.planner.policy.homes._prefixes
     assert second.planner.policy.homes.homes(key) == []
     assert states[0].flush_placements() == 1

@@ -9,8 +9,17 @@ from hypothesis import strategies as st
 
 from gateway.routing import EngineView, RouteRequest, make_policy
 from gateway.routing.hashing import rendezvous_order
+from gateway.routing.kv_aware import KvAwarePolicy
 
 IDS = [f"e{i}" for i in range(6)]
+
+
+def replica() -> KvAwarePolicy:
+    """kv_aware as a meshed replica runs it."""
+    policy = make_policy("kv_aware")
+    assert isinstance(policy, KvAwarePolicy)
+    policy.agree_with_peers = True
+    return policy
 
 
 def _request(home_key: str, tokens: int = 4000, answer: int | None = None) -> RouteRequest:
@@ -28,8 +37,10 @@ def test_two_replicas_whose_views_differ_by_one_request_place_a_new_prefix_alike
     seen = list(idle)
     seen[busy] = replace(seen[busy], in_flight=1)
     views = (idle, seen) if which else (seen, idle)
-    chosen = [make_policy("kv_aware").choose(_request(home_key), view).chosen for view in views]
+    chosen = [replica().choose(_request(home_key), view).chosen for view in views]
     assert chosen[0] == chosen[1] == rendezvous_order(home_key, IDS)[0]
+    if busy == IDS.index(chosen[0]):  # a lone router ranks by cost alone: it keeps off the busier engine
+        assert make_policy("kv_aware").choose(_request(home_key), seen).chosen != chosen[0]
 
 
 def test_a_held_prefix_and_a_clearly_busier_engine_are_not_overruled():
@@ -38,16 +49,16 @@ def test_a_held_prefix_and_a_clearly_busier_engine_are_not_overruled():
     held = [EngineView(i, "u", exact_blocks=200 if i != top else 0) if i == IDS[-1] or i == top else
             EngineView(i, "u") for i in IDS]
     holder = next(e.id for e in held if e.exact_blocks)
-    assert make_policy("kv_aware").choose(request, held).chosen == holder
+    assert replica().choose(request, held).chosen == holder
     busy = [EngineView(i, "u", max_num_seqs=64, in_flight=12 if i == top else 0) for i in IDS]
-    decision = make_policy("kv_aware").choose(request, busy)
+    decision = replica().choose(request, busy)
     assert decision.chosen != top and decision.chosen == rendezvous_order("k", [i for i in IDS if i != top])[0]
 
 
 def test_a_homed_prefix_is_ranked_by_its_costs_alone():
     """Once this replica placed the prefix (a home), its next requests rank by cost: the agreement is for
     requests that meet no trace of the prefix."""
-    policy = make_policy("kv_aware")
+    policy = replica()
     request = _request("k", tokens=400)
     idle = [EngineView(i, "u", max_num_seqs=64) for i in IDS]
     first = policy.choose(request, idle)
@@ -61,7 +72,7 @@ def test_replicas_that_share_their_placements_place_new_prefixes_alike():
     charged the crowding beside them); replica b placed none. Told a's placements, b prices every engine as a does
     and both place 40 new prefixes alike; on their own books they part on some of them."""
     fleet = [EngineView(i, "u", max_num_seqs=64, num_blocks=2000) for i in IDS]
-    a, b, alone = (make_policy("kv_aware") for _ in range(3))
+    a, b, alone = (replica() for _ in range(3))
     placed = []
     a.on_placed = placed.append
     for n in range(2):
@@ -79,7 +90,7 @@ def test_a_new_prefix_still_keeps_off_the_engines_its_replicas_know_are_busy_wit
     agreement once overrode the crowding term, and new prefixes piled onto engines holding hot homes (seed 0
     shape #6, one router: 0.58 of the bound)."""
     fleet = [EngineView(i, "u", max_num_seqs=64, num_blocks=2000) for i in IDS]
-    policy = make_policy("kv_aware")
+    policy = replica()
     busy = IDS[0]
     for engine in [*IDS, busy, busy]:  # a home on every engine, twice the heat on one
         decision = policy.choose(_request(f"home-{engine}", tokens=300), fleet)
