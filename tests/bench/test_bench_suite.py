@@ -173,6 +173,13 @@ def test_a_killing_entry_is_added_beside_the_meshed_one_and_judged_against_one_r
     assert "0.610" in line.split() and "0.90" in line.split()
 
 
+def test_a_suite_without_round_robin_judges_no_tail():
+    rr = [0.1, 0.2, 0.3, 0.4]
+    runs = [_run(1, [_row("kv_aware", 0.8, 0.8, rr), _row("kv_aware x3", 0.8, 0.8, rr, routers=3)])]
+    judged = [v.target for v in verdicts(runs)]
+    assert not any("TTFT" in t for t in judged) and any("x3" in t for t in judged)
+
+
 def test_each_shape_measures_a_different_entry_first():
     todo = entries(["kv_aware", "approximate", "round_robin"], ["kv_aware"], 3)
     firsts = [rotated(todo, shape)[0] for shape in shapes.draw_suite(0, 4)]
