@@ -93,6 +93,8 @@ def parser() -> argparse.ArgumentParser:
     suite_args.add_argument("--mesh-replicas", type=int, default=3, help="meshed replicas of --mesh-policies "
                             "(0: none)")
     suite_args.add_argument("--mesh-policies", default="kv_aware")
+    suite_args.add_argument("--mesh-kill", action="store_true", help="also run the meshed replicas with one of "
+                            "them killed halfway through each shape (kv_aware x3>2)")
     suite_args.add_argument("--plot", type=Path, help="PNG of fraction of bound per shape (default: in --log-dir)")
     _fleet_args(routing, "a40-qwen1.5b")
     _measure_args(routing)
@@ -177,7 +179,7 @@ def _names(text: str) -> list[str]:
 def _suite(args: argparse.Namespace, log_dir: Path) -> int:
     count = args.shapes or (suite.QUICK_SHAPES if args.quick else suite.DEFAULT_SHAPES)
     policies = _names(args.policies) if args.policies else suite.default_policies()
-    todo = suite.entries(policies, _names(args.mesh_policies), args.mesh_replicas)
+    todo = suite.entries(policies, _names(args.mesh_policies), args.mesh_replicas, args.mesh_kill)
     fleet = _spec(args, "suite")
     options = _options(args, "suite")
     runs = trio.run(suite.run_suite, args.seed, count, todo, fleet, options, args.budget_s, log_dir,

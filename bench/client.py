@@ -6,7 +6,6 @@ generator the bottleneck; a keep-alive pool of h11 connections keeps the client'
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import random
@@ -222,26 +221,84 @@ async def model_name(client: HttpClient, base_url: str) -> str:
     return listing["data"][0]["id"]  # type: ignore[index]
 
 
+CHAT_PATH = "/v1/chat/completions"
+
+
+class Balancer:
+    """Router replicas taking requests in turn, as an L4 balancer's round robin does (sans-IO).
+
+    A replica taken out (``take_out``: it was killed) gets no further request. With ``kill_after``, the pick
+    after that many picks first takes out the last replica and calls ``on_kill`` with its base URL: a replica
+    dies partway through a run, at the same point of the trace for every entry that kills."""
+
+    def __init__(self, bases: str | Sequence[str], kill_after: int | None = None,
+                 on_kill: Callable[[str], None] | None = None) -> None:
+        listed = [bases] if isinstance(bases, str) else list(bases)
+        if not listed:
+            raise ValueError("a balancer needs at least one replica")
+        if kill_after is not None and len(listed) < 2:
+            raise ValueError("killing a replica needs a survivor")
+        self.bases = [b.rstrip("/") for b in listed]
+        self.live = list(self.bases)
+        self.picks = 0
+        self.kill_after = kill_after
+        self.on_kill = on_kill
+        self.killed_at: int | None = None
+        """Picks made before the kill (None: no replica was killed)."""
+        self._turn = 0
+
+    def take_out(self, base: str) -> None:
+        base = base.rstrip("/")
+        if base in self.live:
+            self.live.remove(base)
+
+    def is_live(self, chat_url: str) -> bool:
+        return chat_url.removesuffix(CHAT_PATH) in self.live
+
+    def next(self) -> str:
+        """The chat URL of the next live replica."""
+        if self.kill_after is not None and self.killed_at is None and self.picks >= self.kill_after:
+            victim = self.bases[-1]
+            self.take_out(victim)
+            self.killed_at = self.picks
+            if self.on_kill is not None:
+                self.on_kill(victim)
+        self.picks += 1
+        base = self.live[self._turn % len(self.live)]
+        self._turn += 1
+        return base + CHAT_PATH
+
+
 async def _session_turn(
-    client: HttpClient, url: str, conv: Conversation, model: str, stream: bool, timeout: float, route_header: str,
-    t0: float,
+    client: HttpClient, balancer: Balancer, conv: Conversation, model: str, stream: bool, timeout: float,
+    route_header: str, t0: float,
 ) -> RequestResult:
-    """Send a conversation's next turn and record its answer in the history (results keep key and turn)."""
+    """Send a conversation's next turn and record its answer in the history (results keep key and turn).
+
+    A turn that failed because its replica was killed under it is sent again to a live one, as a client
+    retries a broken connection; its TTFT and total count the failed attempt too."""
+    url = balancer.next()
     result = await completion(client, url, conv.body(model, stream), timeout, route_header, trio.current_time() - t0)
+    if result.error and not balancer.is_live(url):
+        lost, started = result.total, result.started
+        result = await completion(client, balancer.next(), conv.body(model, stream), timeout, route_header, started)
+        result.retried = True
+        result.total += lost
+        if result.ttft is not None:
+            result.ttft += lost
     result.key, result.turn = conv.key, conv.sent
     conv.record_answer(result.content)
     return result
 
 
-def _chat_urls(base_url: str | Sequence[str]) -> itertools.cycle[str]:
+def _balancer(base_url: str | Sequence[str] | Balancer) -> Balancer:
     """Several base URLs (router replicas) take requests in turn, as a client-side round robin would."""
-    bases = [base_url] if isinstance(base_url, str) else list(base_url)
-    return itertools.cycle([b.rstrip("/") + "/v1/chat/completions" for b in bases])
+    return base_url if isinstance(base_url, Balancer) else Balancer(base_url)
 
 
 async def run_closed_loop(
     client: HttpClient,
-    base_url: str | Sequence[str],
+    base_url: str | Sequence[str] | Balancer,
     conversations: list[Conversation],
     concurrency: int,
     model: str,
@@ -254,7 +311,7 @@ async def run_closed_loop(
     Conversations rotate through one queue so a chat's turns stay in order while others interleave.
     Returns the results and the wall time.
     """
-    urls = _chat_urls(base_url)
+    balancer = _balancer(base_url)
     pending = deque(conversations)
     results: list[RequestResult] = []
     t0 = trio.current_time()
@@ -262,7 +319,7 @@ async def run_closed_loop(
     async def worker() -> None:
         while pending:
             conv = pending.popleft()
-            results.append(await _session_turn(client, next(urls), conv, model, stream, timeout, route_header, t0))
+            results.append(await _session_turn(client, balancer, conv, model, stream, timeout, route_header, t0))
             if not conv.done:
                 pending.append(conv)
 
@@ -274,7 +331,7 @@ async def run_closed_loop(
 
 async def run_sessions(
     client: HttpClient,
-    base_url: str | Sequence[str],
+    base_url: str | Sequence[str] | Balancer,
     conversations: list[Conversation],
     rate: float,
     model: str,
@@ -288,13 +345,13 @@ async def run_sessions(
     results and the wall time."""
     if rate <= 0:
         raise ValueError("rate must be positive")
-    urls = _chat_urls(base_url)
+    balancer = _balancer(base_url)
     results: list[RequestResult] = []
     t0 = trio.current_time()
 
     async def session(conv: Conversation) -> None:
         while not conv.done:
-            results.append(await _session_turn(client, next(urls), conv, model, stream, timeout, route_header, t0))
+            results.append(await _session_turn(client, balancer, conv, model, stream, timeout, route_header, t0))
 
     async with trio.open_nursery() as nursery:
         arrival = t0

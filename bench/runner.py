@@ -6,6 +6,7 @@ the policies of one concurrency run one after the other on the same noisy machin
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -19,14 +20,22 @@ from urllib.parse import urlsplit
 import trio
 
 from bench import engine_stats, peers, workloads
-from bench.client import ROUTE_HEADER, TRANSPORT_ERRORS, HttpClient, model_name, run_closed_loop, run_sessions
+from bench.client import (
+    ROUTE_HEADER,
+    TRANSPORT_ERRORS,
+    Balancer,
+    HttpClient,
+    model_name,
+    run_closed_loop,
+    run_sessions,
+)
 from bench.cost_floor import perfect_cache_ttft
 from bench.offline_bound import Fleet, TraceRequest, offline_bound
 from bench.prefix import PrefixMeter
 from bench.processes import StartFailed, free_port_range, free_udp_port, python_module, spawned, wait_ready
 from bench.report import Row
-from bench.stats import RequestResult, percentile, shares, summarize
-from bench.workloads import Conversation
+from bench.stats import RequestResult, late_hit_rate, percentile, shares, summarize
+from bench.workloads import Conversation, total_requests
 from sim.profiles import get_profile
 from tokenization.registry import DEFAULT_TOKENIZER_DIR, load_tokenizer
 from tokenization.render import prompt_token_ids_sync
@@ -154,17 +163,18 @@ async def wait_meshed(client: HttpClient, urls: list[str], timeout: float = 30.0
 
 @asynccontextmanager
 async def routers(
-    client: HttpClient, engine_urls: list[str], policy: str, count: int, log_dir: Path, tokenizer: str | None = None
+    client: HttpClient, engine_urls: list[str], policy: str, count: int, log_dir: Path, tokenizer: str | None = None,
+    pids: dict[str, int] | None = None,
 ) -> AsyncIterator[list[str]]:
     """``count`` router replicas with ``policy``; meshed when the policy shares an index (see
     ``MESHED_POLICIES``), independent otherwise; a peer router for ``smg:POLICY`` (bench/peers.py).
-    Yields their base URLs."""
+    Yields their base URLs (and notes kvmesh replicas' pids in ``pids``, by URL)."""
     meshed = count > 1 and policy in MESHED_POLICIES
     if peers.is_peer(policy):
         starts = [peers.smg_router(client, engine_urls, policy, log_dir) for _ in range(count)]
     else:
         extra = _mesh_args(log_dir, count) if meshed else [[] for _ in range(count)]
-        starts = [router(client, engine_urls, policy, log_dir, tokenizer, args) for args in extra]
+        starts = [router(client, engine_urls, policy, log_dir, tokenizer, args, pids) for args in extra]
     async with AsyncExitStack() as stack:
         urls = [await stack.enter_async_context(start) for start in starts]
         if meshed:
@@ -207,6 +217,20 @@ def bound_for(spec: FleetSpec, concurrency: int, trace: list[TraceRequest]):
     return offline_bound(trace, fleet)
 
 
+def write_requests(path: Path, results: list[RequestResult]) -> None:
+    """One JSON line per request in the order they were sent: when, how long to the first token and to the
+    end, the route header (engine, overlap, estimate and reason of a kvmesh router), the engine's usage."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as out:
+        for r in sorted(results, key=lambda r: r.started):
+            out.write(json.dumps({
+                "started": round(r.started, 4), "ttft": None if r.ttft is None else round(r.ttft, 4),
+                "total": round(r.total, 4), "key": r.key, "turn": r.turn, "route": r.route, "error": r.error,
+                "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
+                "output_tokens": r.output_tokens, "retried": r.retried,
+            }) + "\n")
+
+
 @dataclass(frozen=True)
 class Load:
     """How requests are sent: ``concurrency`` clients in a closed loop, or sessions arriving on their own at
@@ -247,12 +271,15 @@ async def measure_sent(
     run: int = 1,
     primed: Sequence[Conversation] = (),
     bounded: bool = False,
+    balancer: Balancer | None = None,
+    request_log: Path | None = None,
 ) -> Row:
     """Warm up (and send ``primed`` first), then send ``convs`` between two metric scrapes.
 
-    Several router URLs share the requests in turn. With the ``fleet`` that serves them, the row also
-    carries the cost model's perfect-cache TTFT for the same prompts, and when ``bounded`` the offline
-    planner's bound for the trace as it was sent.
+    Several router URLs share the requests in turn (through ``balancer`` when given: one that kills a
+    replica partway). With the ``fleet`` that serves them, the row also carries the cost model's
+    perfect-cache TTFT for the same prompts, and when ``bounded`` the offline planner's bound for the trace
+    as it was sent. ``request_log`` gets one JSON line per request, in the order they were sent.
     """
     urls = [url] if isinstance(url, str) else list(url)
     model = await model_name(client, urls[0])
@@ -262,10 +289,10 @@ async def measure_sent(
     routers_before = await engine_stats.scrape(client, urls, names=engine_stats.ROUTER_COUNTERS)
     if load.arrival_rate is None:
         results, wall = await run_closed_loop(
-            client, urls, convs, load.concurrency, model, True, options.timeout, options.route_header
+            client, balancer or urls, convs, load.concurrency, model, True, options.timeout, options.route_header
         )
     else:
-        results, wall = await run_sessions(client, urls, convs, load.arrival_rate, model,
+        results, wall = await run_sessions(client, balancer or urls, convs, load.arrival_rate, model,
                                            random.Random(f"arrivals-{load.seed}"), True, options.timeout,
                                            options.route_header)
     after = await engine_stats.scrape(client, engine_urls)
@@ -276,6 +303,8 @@ async def measure_sent(
     tokenizer = load_tokenizer(options.tokenizer or str(DEFAULT_TOKENIZER_DIR))
     PrefixMeter(tokenizer, block_size).assign(results, convs)
     summary = summarize(results, wall)
+    if request_log is not None:
+        write_requests(request_log, results)
     prompts = [r.prompt_tokens for r in results if r.ok and r.prompt_tokens]
     bound = None
     if fleet and bounded:
@@ -301,6 +330,7 @@ async def measure_sent(
         bound_ttft_p50=bound.ttft_p50 if bound else math.nan,
         run=run,
         decision_ms=engine_stats.mean_decision_ms(engine_stats.deltas(routers_before, routers_after)),
+        late_hit_rate=late_hit_rate(results, total_requests(convs) // 2),
     )
 
 

@@ -30,6 +30,8 @@ class RequestResult:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     reusable_tokens: int = 0
+    retried: bool = False
+    """Sent again to another router replica after the first one was killed under it."""
 
     @property
     def ok(self) -> bool:
@@ -115,3 +117,14 @@ def ratio(value: float, baseline: float) -> float:
     if not baseline or math.isnan(baseline) or math.isnan(value):
         return math.nan
     return value / baseline
+
+
+def late_hit_rate(results: list[RequestResult], skip: int) -> float:
+    """Cached over prompt tokens, by the engines' usage reports, of the requests sent after the first ``skip``
+    (in the order they were sent): the same later part of the trace for every entry of a shape, so a run in
+    which a router replica was killed after ``skip`` requests compares with the runs in which none was. NaN
+    when none of them reported usage."""
+    later = sorted(results, key=lambda r: r.started)[skip:]
+    reported = [r for r in later if r.ok and r.prompt_tokens and r.cached_tokens is not None]
+    prompt = sum(r.prompt_tokens or 0 for r in reported)
+    return sum(r.cached_tokens or 0 for r in reported) / prompt if prompt else math.nan

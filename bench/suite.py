@@ -11,18 +11,22 @@ of one shape share the machine's state as closely as the runner's back-to-back r
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import trio
 
 from bench import peers
-from bench.client import HttpClient
+from bench.client import Balancer, HttpClient
 from bench.processes import StartFailed
 from bench.runner import FleetSpec, Load, MeasureOptions, measure_sent, routers, sim_fleet
 from bench.suite_report import ShapeRun
 from bench.suite_shapes import Shape, draw_suite, plan
+from bench.workloads import total_requests
 from sim.profiles import get_profile
 
 DEFAULT_SHAPES = 20
@@ -36,10 +40,14 @@ BUDGET_S = 4.0
 class Entry:
     policy: str
     replicas: int
+    kill: bool = False
+    """One replica is killed (SIGKILL) halfway through the run; the balancer moves on to the survivors."""
 
     @property
     def label(self) -> str:
-        return self.policy if self.replicas == 1 else f"{self.policy} x{self.replicas}"
+        if self.replicas == 1:
+            return self.policy
+        return f"{self.policy} x{self.replicas}>{self.replicas - 1}" if self.kill else f"{self.policy} x{self.replicas}"
 
 
 def default_policies() -> list[str]:
@@ -51,11 +59,25 @@ def default_policies() -> list[str]:
     return [*KVMESH_POLICIES, "smg:cache_aware"]
 
 
-def entries(policies: list[str], mesh_policies: list[str], mesh_replicas: int) -> list[Entry]:
+def entries(policies: list[str], mesh_policies: list[str], mesh_replicas: int, mesh_kill: bool = False) -> list[Entry]:
+    """One router per policy; ``mesh_replicas`` meshed replicas of each mesh policy; with ``mesh_kill``, as many
+    again of which one is killed halfway (``kv_aware x3>2``)."""
     out = [Entry(p, 1) for p in policies]
     if mesh_replicas > 1:
         out += [Entry(p, mesh_replicas) for p in mesh_policies]
+        if mesh_kill:
+            out += [Entry(p, mesh_replicas, kill=True) for p in mesh_policies]
     return out
+
+
+def killer(pids: dict[str, int], label: str) -> Callable[[str], None]:
+    """What a balancer calls to kill a router replica (by its pid) partway through a run."""
+
+    def kill(url: str) -> None:
+        os.kill(pids[url], signal.SIGKILL)
+        print(f"  {label}: killed replica {url}", file=sys.stderr, flush=True)
+
+    return kill
 
 
 def rotated(todo: list[Entry], shape: Shape) -> list[Entry]:
@@ -77,12 +99,14 @@ async def run_shape(shape: Shape, todo: list[Entry], fleet: FleetSpec, options: 
                    num_blocks=shape.num_blocks(fleet.block_size))
     client = HttpClient()
     started: list[tuple[list[str], list[str]] | None] = [None] * len(todo)
+    pids: list[dict[str, int]] = [{} for _ in todo]
     ready = [trio.Event() for _ in todo]
     release = [trio.Event() for _ in todo]
 
     async def hold(i: int, entry: Entry) -> None:
         async with (sim_fleet(client, spec, log_dir) as engines,
-                    routers(client, engines, entry.policy, entry.replicas, log_dir, options.tokenizer) as urls):
+                    routers(client, engines, entry.policy, entry.replicas, log_dir, options.tokenizer,
+                            pids[i]) as urls):
             started[i] = (engines, urls)
             ready[i].set()
             await release[i].wait()
@@ -98,8 +122,11 @@ async def run_shape(shape: Shape, todo: list[Entry], fleet: FleetSpec, options: 
                 engines, urls = started[i]  # type: ignore[misc]
                 convs = plan(shape, profile, budget_s).conversations  # fresh: a run records answers in them
                 load = Load(shape.concurrency, sized.arrival_rate, shape.seed)
+                balancer = Balancer(urls, total_requests(convs) // 2, killer(pids[i], entry.label)) \
+                    if entry.kill else None
                 row = await measure_sent(client, entry.label, urls, engines, load, convs, options, spec,
-                                         bounded=not rows)
+                                         bounded=not rows, balancer=balancer,
+                                         request_log=log_dir / f"requests-{shape.index}-{entry.label}.jsonl")
                 if rows:
                     row.bound_hit_rate, row.bound_ttft_p50 = rows[0].bound_hit_rate, rows[0].bound_ttft_p50
                 row.workload = f"#{shape.index}"

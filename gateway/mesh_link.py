@@ -2,7 +2,8 @@
 
 What flows from the mesh into this replica: admin state of engines (drain, maintenance, island, added
 and removed engines), the blocks other replicas just sent to engines (speculative entries; for engines
-without events, the approximate index itself), and how many requests the other replicas have in flight
+without events, the approximate index itself), the requests they placed (each prefix's homes and heat,
+recorded as if this replica had placed them), and how many requests the other replicas have in flight
 per engine (fresher than any engine's /metrics). The block index does not flow here: every replica
 ingests every engine's events itself (gateway/event_ingest.py).
 """
@@ -19,8 +20,9 @@ import trio
 
 from gateway.config import ConfigError, EngineConfig, RouterConfig, _build
 from gateway.fleet import ENGINE_FIELDS, Fleet, registry_settings
-from gateway.mesh_state import NAMESPACES, MeshState
+from gateway.mesh_state import NAMESPACES, MeshState, Placement
 from gateway.openai_errors import ApiError
+from gateway.routing.kv_aware import KvAwarePolicy
 from mesh.auth import load_secret
 from mesh.node import MeshNode
 from mesh.settings import MeshSettings
@@ -100,15 +102,18 @@ def replicated_engine(engine_id: str, entry: dict[str, Any], island: str | None)
 
 
 async def sweep_dispatches(state: MeshState) -> None:
-    """Every replica writes its dispatch buckets that changed; the mesh's leader also deletes expired ones
-    (a departed replica's too), so the document does not keep them."""
+    """Every replica writes its dispatch buckets that changed and its placements since the last write; the mesh's
+    leader also deletes expired buckets (a departed replica's too) and departed replicas' placements, so the
+    document does not keep them."""
     swept_at = 0.0
     while True:
         await trio.sleep(DISPATCH_FLUSH_S)
         now = time.time()
         state.flush_dispatches(now)
+        state.flush_placements()
         if now - swept_at >= DISPATCH_SWEEP_S and state.node.is_leader():
             state.sweep_dispatches(now)
+            state.sweep_placements(state.live_members())
             swept_at = now
 
 
@@ -151,6 +156,20 @@ def follow_mesh(fleet: Fleet, state: MeshState) -> None:
     def share_dispatch(engine_id: str, own_keys: Sequence[int], ttl_s: float) -> None:
         state.publish_dispatch(engine_id, own_keys, time.time(), ttl_s)
 
+    def on_placements(replica: str, placements: list[Placement]) -> None:
+        """A peer's placements heat this replica's home book; those naming an engine it does not know (an
+        untrusted peer's, or one added a moment ago) are counted and skipped."""
+        for key, engine_id, blocks, capacity in placements:
+            if fleet.engines.get(engine_id) is None:
+                state.malformed["placement_engine"] += 1
+                continue
+            policy.record_peer_placement(key, engine_id, blocks, capacity)
+
+    policy = planner.policy
+    if isinstance(policy, KvAwarePolicy) and policy.keeps_homes:
+        policy.on_placed = state.publish_placement
+        policy.agree_with_peers = True
+        state.on_placements(on_placements)
     fleet.replicate = state.set_registry
     state.on_registry(on_registry)
     state.on_dispatch(on_dispatch)

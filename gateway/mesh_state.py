@@ -8,6 +8,9 @@ Namespaces (flat maps of string keys to string values, see mesh/crdt_doc.py):
                 blocks that replica sent to that engine, packed per expiry bucket (approximate entries of
                 engines without events, speculative entries of the others); see ``DispatchBuckets``
 - ``limits``:   ``"<replica>"`` -> JSON of that replica's windowed request/token counts per tenant
+- ``homes``:    ``"<replica>"`` -> ``"<sequence>:<JSON list of [prefix home key, engine, blocks, engine blocks]>"``:
+                the requests that replica placed since its previous write (``PlacementOutbox``), which every
+                other replica records in its own home book as if it had placed them
 - ``autoscaler``: ``"lease"`` -> JSON lease (holder, expiry, term) and ``"members"`` -> JSON list of the
                 replica ids quorum is counted against (autoscale/lease.py); ``"state"``,
                 ``"pending:<request>"`` and ``"engine:<id>"`` -> JSON written by the lease holder
@@ -36,7 +39,7 @@ from mesh.node import MeshNode
 
 log = logging.getLogger("kvmesh.mesh")
 
-NAMESPACES = ("registry", "approx", "limits", "autoscaler")
+NAMESPACES = ("registry", "approx", "limits", "autoscaler", "homes")
 MAX_JSON_BYTES = 64 * 1024
 """A registry or limits value larger than this is refused (a replica writes a few hundred bytes)."""
 
@@ -50,6 +53,14 @@ MAX_BUCKET_KEYS = 1024
 document key per block, ~280k dispatched blocks took the document past the 16 MiB frame limit; packed and
 capped, the document holds at most ~60 KB per (engine, replica) whatever the traffic."""
 LimitsCallback = Callable[[str, Any], None]
+Placement = tuple[str, str, int, int | None]
+"""A placed request as a home book records it: (prefix home key, engine, prompt blocks, the engine's blocks)."""
+PlacementsCallback = Callable[[str, list[Placement]], None]
+MAX_PLACEMENTS = 512
+"""Placements one write carries (about 40 KB of JSON); more in one flush interval are dropped and counted: a
+replica placing over 2,000 requests a second shares a sample of them."""
+MAX_KEY_CHARS = 128
+MAX_BLOCKS = 2**24
 
 
 def parse_dispatch(key: str, text: str | None) -> tuple[str, list[int], float] | None:
@@ -123,6 +134,61 @@ class DispatchBuckets:
         return out
 
 
+class PlacementOutbox:
+    """This replica's placements since its last write (sans-IO), numbered so a peer applies each write once."""
+
+    def __init__(self) -> None:
+        self._pending: list[Placement] = []
+        self.sequence = 0
+        self.dropped = 0
+
+    def add(self, placement: Placement) -> None:
+        if len(self._pending) >= MAX_PLACEMENTS:
+            self.dropped += 1
+            return
+        self._pending.append(placement)
+
+    def flush(self) -> str | None:
+        """The value to write (None: nothing placed since the last one)."""
+        if not self._pending:
+            return None
+        self.sequence += 1
+        text = f"{self.sequence}:" + json.dumps(self._pending, separators=(",", ":"))
+        self._pending = []
+        return text
+
+
+def _count(value: Any, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value <= high
+
+
+def parse_placements(text: str | None) -> tuple[int, list[Placement]] | None:
+    """(sequence, placements) of a ``homes`` value, or None when deleted or malformed (a peer's value is
+    untrusted: every field is checked, and one bad placement refuses the whole write)."""
+    if text is None or len(text) > MAX_JSON_BYTES:
+        return None
+    head, _, body = text.partition(":")
+    if not head.isdigit():
+        return None
+    try:
+        listed = parse_json(body)
+    except ValueError:
+        return None
+    if not isinstance(listed, list) or len(listed) > MAX_PLACEMENTS:
+        return None
+    out: list[Placement] = []
+    for item in listed:
+        if not (isinstance(item, list) and len(item) == 4):
+            return None
+        key, engine, blocks, capacity = item
+        if not (isinstance(key, str) and 0 < len(key) <= MAX_KEY_CHARS and isinstance(engine, str) and engine
+                and len(engine) <= MAX_KEY_CHARS and SEP not in engine and _count(blocks, MAX_BLOCKS)
+                and (capacity is None or _count(capacity, MAX_BLOCKS))):
+            return None
+        out.append((key, engine, blocks, capacity))
+    return int(head), out
+
+
 def parse_json(text: str) -> Any:
     """A registry or limits value; ValueError when oversized, not JSON, or nested too deep."""
     if len(text) > MAX_JSON_BYTES:
@@ -147,6 +213,10 @@ class MeshState:
         self._registry: list[RegistryCallback] = []
         self._dispatch: list[DispatchCallback] = []
         self._limits: list[LimitsCallback] = []
+        self._placements: list[PlacementsCallback] = []
+        self._placed = PlacementOutbox()
+        self._applied: dict[str, int] = {}
+        """Per peer, the sequence of its last placements write applied here."""
         self._outbox = DispatchBuckets()
         node.subscribe(self._on_changes)
 
@@ -204,6 +274,31 @@ class MeshState:
         """Call ``callback(engine, own_keys, expires_at)`` for every dispatch bucket any replica shares."""
         self._dispatch.append(callback)
 
+    # ----- placements (prefix homes) --------------------------------------------------------------------
+
+    def publish_placement(self, placement: Placement) -> None:
+        """Share a request this replica placed, at the next :meth:`flush_placements`."""
+        self._placed.add(placement)
+
+    def flush_placements(self) -> int:
+        """Write the placements since the last flush (one document key per replica, rewritten)."""
+        text = self._placed.flush()
+        return len(self.node.write([("homes", self.node.member_id, text)])) if text else 0
+
+    def sweep_placements(self, live: Iterable[str]) -> int:
+        """Delete the placements of replicas no longer live (the mesh's leader does this)."""
+        alive = set(live)
+        gone = [key for key in self.content["homes"] if key not in alive]
+        return len(self.node.write(("homes", key, None) for key in gone)) if gone else 0
+
+    def on_placements(self, callback: PlacementsCallback) -> None:
+        """Call ``callback(replica, placements)`` once for every placements write of another replica."""
+        self._placements.append(callback)
+
+    @property
+    def placements_dropped(self) -> int:
+        return self._placed.dropped
+
     # ----- rate-limit counts -----------------------------------------------------------------------
 
     def set_limits(self, payload: Any) -> None:
@@ -251,6 +346,8 @@ class MeshState:
                     self.malformed["dispatch"] += 1
                     continue
                 self._notify(self._dispatch, *dispatch)
+            elif name == "homes" and key != self.node.member_id and new is not None:
+                self._on_placements(key, new)
             elif name == "limits" and key != self.node.member_id and new is not None:
                 try:
                     payload = parse_json(new)
@@ -268,6 +365,17 @@ class MeshState:
                     self.malformed["registry"] += 1
                     continue
                 self._notify(self._registry, key, state)
+
+    def _on_placements(self, replica: str, text: str) -> None:
+        parsed = parse_placements(text)
+        if parsed is None:
+            self.malformed["homes"] += 1
+            return
+        sequence, placements = parsed
+        if sequence <= self._applied.get(replica, 0):
+            return
+        self._applied[replica] = sequence
+        self._notify(self._placements, replica, placements)
 
     def _notify(self, callbacks: list[Callable[..., None]], *args: Any) -> None:
         """One callback that raises is logged and counted; the others and replication go on."""

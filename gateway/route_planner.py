@@ -118,6 +118,8 @@ class Plan:
     """The fresh rest still to encode (``RoutePlanner.encode_rest`` starts it once)."""
     batch_tokens: int = 0
     """Tokens of a completions batch's other prompts: routing reads the first, the tenant pays for all."""
+    decided_s: float = 0.0
+    """Wall time from the request to its ranked engines (tokenize and score)."""
 
     @property
     def charged_tokens(self) -> int:
@@ -132,6 +134,8 @@ class Plan:
     def header(self, engine_id: str, attempts: int, detailed: bool = True) -> str:
         """The ``x-kvmesh-route`` value; cache details only when ``detailed`` (the caller is an admin)."""
         value = route_header(self.decision, detailed)
+        if detailed:
+            value += f"; decide_ms={self.decided_s * 1e3:.1f}"
         if self.decision.chosen != engine_id:
             value += f"; served_by={engine_id if detailed else public_engine_name(engine_id)}; attempts={attempts}"
         return value
@@ -399,10 +403,11 @@ class RoutePlanner:
         if not ranked:
             raise ApiError(503, f"no engine is available for model `{parsed.model}`", code="no_engine_available")
         self.metrics.decisions.labels(decision.policy, decision.reason.split(" ")[0]).inc()
-        self.metrics.decision_latency.observe(trio.current_time() - started)
+        decided_s = trio.current_time() - started
+        self.metrics.decision_latency.observe(decided_s)
         later = deferred if deferred is not None and (deferred.fresh or deferred.rest_chars >= DEFER_CHARS) else None
         return Plan(parsed, decision, ranked, chains, prompt_tokens, estimated=deferred is not None,
-                    unencoded=later, batch_tokens=batch_tokens)
+                    unencoded=later, batch_tokens=batch_tokens, decided_s=decided_s)
 
     def encode_rest(self, plan: Plan) -> None:
         """Start encoding a deferred prompt's fresh rest, once. The router calls this when the answer has

@@ -9,6 +9,7 @@ then to the prefix key's rendezvous order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from gateway.routing.base import Policy, Scores
@@ -22,6 +23,27 @@ _TIE_DIGITS = 9
 # was forgotten and its cache is cold, so the cost model alone could leave it idle at low load for good
 # (peers measured here took ~30 s, or never, to send to a restarted engine again).
 REJOIN_PROBE_MAX_CACHED_SHARE = 0.5
+AGREE_SHARE = 0.1
+"""Share of a new prefix's prefill that its placement may give up for agreeing with the other replicas (see
+``agreed_order``), beyond one request's difference."""
+AGREE_MIN_S = 0.002
+
+
+def agreed_order(ranked: list[str], scores: Scores, home_key: str, tolerance_s: float) -> list[str]:
+    """``ranked`` with the engines within ``tolerance_s`` of the best cost ordered by ``home_key``'s rendezvous
+    weight, which every replica computes alike (for a prefix no engine holds: ``KvAwarePolicy.rank``). Only
+    engines whose home terms (crowding and displacement, from the placements every replica shares) are as low as
+    the best one's compete: the tolerance is for what each replica sees alone (its own in-flight requests, its
+    own learned speeds). Without that restriction it overrode the crowding term, new prefixes went by hash onto
+    engines already busy with hot homes, and one router's hit on seed 0 shape #6 fell to 0.58 of the bound."""
+    best = scores[ranked[0]]
+    homed = best.crowding_s + best.displacement_s + AGREE_MIN_S
+    near = [e for e in ranked if scores[e].cost_s <= best.cost_s + tolerance_s
+            and scores[e].crowding_s + scores[e].displacement_s <= homed]
+    if len(near) < 2:
+        return ranked
+    h = key_hash(home_key)
+    return sorted(near, key=lambda e: -rendezvous_weight(h, e)) + [e for e in ranked if e not in near]
 
 
 def _why_not_the_cache(chosen: CandidateScore, holder: CandidateScore) -> str:
@@ -56,6 +78,11 @@ class KvAwarePolicy(Policy):
     def __init__(self, costs: CostModel | None = None) -> None:
         super().__init__(costs)
         self.homes = HomeBook()
+        self.on_placed: Callable[[tuple[str, str, int, int | None]], None] | None = None
+        """Told every placement this replica records (the mesh shares them: ``record_peer_placement``)."""
+        self.agree_with_peers = False
+        """Place prefixes no engine holds by ``agreed_order`` (set for a meshed replica: a lone router has no one to
+        agree with, and ranks them by cost alone)."""
 
     def _priced_by_homes(self, request: RouteRequest, pool: list[EngineView], scores: Scores) -> None:
         """Replace the blind eviction term by what the home book says each placement displaces, and charge a
@@ -106,11 +133,33 @@ class KvAwarePolicy(Policy):
             )
 
         ranked = [e.id for e in sorted(pool, key=order)]
+        if (self.agree_with_peers and request.home_key and not self.homes.homes(request.home_key)
+                and all(score.overlap_tokens <= 0 for score in scores.values())):
+            ranked = agreed_order(ranked, scores, request.home_key, self._agreement_s(request, pool, scores[ranked[0]]))
         probe = next((e.id for e in pool if e.rejoining and e.id != ranked[0]), None)
         chosen = scores[ranked[0]]
         if probe is not None and chosen.cached_tokens < REJOIN_PROBE_MAX_CACHED_SHARE * request.prompt_tokens:
             return [probe, *(i for i in ranked if i != probe)], "rejoin-probe"
         return ranked, describe(request, ranked, scores)
+
+    def _agreement_s(self, request: RouteRequest, pool: list[EngineView], best: CandidateScore) -> float:
+        """How far from the best cost a new prefix's placement goes by rendezvous instead (``agreed_order``).
+
+        Its first requests reach the replicas behind a balancer at once, before any of them hears where another
+        sent it (dispatches are shared a quarter second later): each placed it by its own view, whose
+        differences (mostly each replica's own in-flight requests) picked different engines, and the prefix was
+        computed and homed twice (seed 0 suite shape #6, 3 replicas: 2 of 40 requests, 5,426 uncached tokens;
+        one router: none). The tolerance covers one request more on the best engine (its queue and decode
+        terms: two views that differ by one request agree) and a tenth of the prefill at stake (a duplicate
+        costs all of it)."""
+        engine = next(e for e in pool if e.id == best.engine)
+        slots = engine.max_num_seqs
+        params = self.costs.learner.params(engine.id, slots)
+        depth, answer = best.queue_depth, request.max_tokens
+        one_more = (params.queue_s(depth + 1, slots) - params.queue_s(depth, slots)
+                    + self.costs.decode.decode_s(engine.id, depth + 1, answer)
+                    - self.costs.decode.decode_s(engine.id, depth, answer))
+        return max(AGREE_MIN_S, AGREE_SHARE * best.prefill_s) + max(0.0, one_more)
 
     def home_note(self, request: RouteRequest, pool: list[EngineView], scores: Scores,
                   ranked: list[str]) -> HomeNote | None:
@@ -131,7 +180,19 @@ class KvAwarePolicy(Policy):
     def dispatched(self, decision: Decision, engine_id: str) -> None:
         note = decision.home
         if note is not None:
-            self.homes.record(note.key, engine_id, note.blocks, note.capacity_blocks.get(engine_id))
+            capacity = note.capacity_blocks.get(engine_id)
+            self.homes.record(note.key, engine_id, note.blocks, capacity)
+            if self.on_placed is not None:
+                self.on_placed((note.key, engine_id, note.blocks, capacity))
+
+    def record_peer_placement(self, key: str, engine_id: str, blocks: int, capacity_blocks: int | None) -> None:
+        """Another replica placed a request of ``key`` on ``engine_id``: heat it here too, so every replica's
+        homes, and the crowding and displacement priced from them, are the fleet's rather than its own third.
+
+        Each replica used to see only the requests its balancer gave it; their home books differed, so a new
+        prefix's first requests, reaching several replicas at once, met different crowding terms (up to ~26 ms
+        on 13 engines after 6 warm-up requests, more than ``agreed_order`` tolerates) and were placed apart."""
+        self.homes.record(key, engine_id, blocks, capacity_blocks)
 
     def forget_engine(self, engine_id: str) -> None:
         self.homes.forget_engine(engine_id)

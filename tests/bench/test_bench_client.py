@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -12,7 +13,15 @@ import pytest
 import trio
 
 from bench import engine_stats
-from bench.client import HttpClient, completion, model_name, run_closed_loop, run_open_loop, run_sessions
+from bench.client import (
+    Balancer,
+    HttpClient,
+    completion,
+    model_name,
+    run_closed_loop,
+    run_open_loop,
+    run_sessions,
+)
 from bench.stats import RequestResult
 from bench.workloads import multi_turn, unique_prompts
 
@@ -211,6 +220,49 @@ async def test_closed_loop_takes_router_replicas_in_turn_and_names_each_turn(nur
     await client.aclose()
     assert [len(f.requests) for f in fakes] == [3, 3]
     assert sorted((r.key, r.turn) for r in results) == sorted((c.key, t) for c in convs for t in range(2))
+
+
+def test_a_balancer_takes_replicas_in_turn_and_after_the_kill_only_the_survivors():
+    killed = []
+    balancer = Balancer(["http://a/", "http://b", "http://c"], kill_after=4, on_kill=killed.append)
+    picks = [balancer.next() for _ in range(8)]
+    hosts = [p.removeprefix("http://").removesuffix("/v1/chat/completions") for p in picks]
+    assert hosts[:4] == ["a", "b", "c", "a"] and killed == ["http://c"] and balancer.killed_at == 4
+    assert set(hosts[4:]) == {"a", "b"} and sorted(Counter(hosts[4:]).values()) == [2, 2]
+    assert not balancer.is_live("http://c/v1/chat/completions") and balancer.is_live(picks[0])
+    assert Balancer("http://a").next() == "http://a/v1/chat/completions"
+    with pytest.raises(ValueError):
+        Balancer(["http://a"], kill_after=1)
+    with pytest.raises(ValueError):
+        Balancer([])
+
+
+async def test_a_turn_in_flight_on_a_killed_replica_is_sent_again_to_a_survivor(nursery):
+    """The second replica holds its first answer; the third pick kills it: that turn breaks and is resent to the
+    first replica, which answers every turn after it, and the run ends with no error."""
+    fakes = [FakeOpenAI(), FakeOpenAI(hold_first_token=trio.Event())]
+    scopes, urls = [], []
+    for fake in fakes:
+        scope = trio.CancelScope()
+        scopes.append(scope)
+
+        async def serve(handler=fake.handle, scope=scope, task_status=trio.TASK_STATUS_IGNORED):
+            with scope:
+                await trio.serve_tcp(handler, 0, host="127.0.0.1", task_status=task_status)
+
+        listeners = await nursery.start(serve)
+        urls.append(f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}")
+    balancer = Balancer(urls, kill_after=2, on_kill=lambda url: scopes[urls.index(url)].cancel())
+    client = HttpClient()
+    convs = multi_turn(seed=7, conversations=2, turns=2, system_tokens=5)
+    with trio.fail_after(10):
+        results, _ = await run_closed_loop(client, balancer, convs, concurrency=2, model="tiny")
+    await client.aclose()
+    assert balancer.killed_at == 2 and len(fakes[1].requests) == 1
+    assert len(results) == 4 and all(r.ok for r in results)
+    (retried,) = [r for r in results if r.retried]
+    assert retried.ttft is not None and retried.ttft <= retried.total
+    assert len(fakes[0].requests) == 4
 
 
 async def test_sessions_arrive_on_their_own_and_send_their_turns_in_order(server):

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from bench import engine_stats
 from bench.sse import SseSplitter, StreamedAnswer, usage_counts
-from bench.stats import RequestResult, percentile, ratio, shares, summarize
+from bench.stats import RequestResult, late_hit_rate, percentile, ratio, shares, summarize
 
 
 def test_percentile_interpolates():
@@ -178,3 +179,17 @@ def test_a_routers_mean_decision_time_comes_from_its_histogram_over_replicas():
     replica = engine_stats.delta(before, after)
     assert math.isclose(engine_stats.mean_decision_ms([replica, replica]), 5.0)
     assert math.isnan(engine_stats.mean_decision_ms([{}]))
+
+
+def test_late_hit_rate_counts_the_requests_sent_after_the_first_ones_by_start():
+    results = [
+        RequestResult(started=2.0, status=200, prompt_tokens=100, cached_tokens=100),
+        RequestResult(started=0.0, status=200, prompt_tokens=100, cached_tokens=0),
+        RequestResult(started=3.0, status=200, prompt_tokens=300, cached_tokens=0),
+        RequestResult(started=1.0, status=200, prompt_tokens=100, cached_tokens=0),
+        RequestResult(started=4.0, status=502, error="x", prompt_tokens=100, cached_tokens=100),
+        RequestResult(started=5.0, status=200),
+    ]
+    assert late_hit_rate(results, 2) == pytest.approx(100 / 400)
+    assert late_hit_rate(results, 0) == pytest.approx(100 / 600)
+    assert math.isnan(late_hit_rate(results, 5))

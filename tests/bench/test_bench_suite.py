@@ -156,6 +156,30 @@ def test_entries_add_meshed_replicas_only_when_asked(tmp_path):
     assert (tmp_path / "suite.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_killing_entry_is_added_beside_the_meshed_one_and_judged_against_one_router():
+    todo = entries(["kv_aware"], ["kv_aware"], 3, mesh_kill=True)
+    assert [e.label for e in todo] == ["kv_aware", "kv_aware x3", "kv_aware x3>2"]
+    assert entries(["kv_aware"], ["kv_aware"], 0, mesh_kill=True) == [Entry("kv_aware", 1)]
+    rr = [0.1, 0.2, 0.3, 0.4]
+    killed = _row("kv_aware x3>2", 0.72, 0.8, rr, routers=3)
+    killed.late_hit_rate = 0.61
+    runs = [_run(1, [_row("round_robin", 0.3, 0.8, rr), _row("kv_aware", 0.8, 0.8, rr),
+                     _row("kv_aware x3", 0.8, 0.8, rr, routers=3), killed])]
+    judged = {v.target: v for v in verdicts(runs)}
+    assert judged["kv_aware x3 mean fraction of bound below one router's"].passed
+    after = judged["kv_aware x3>2 mean fraction of bound below one router's"]
+    assert after.value == pytest.approx(0.1) and not after.passed
+    line = next(x for x in format_shapes(runs).splitlines() if "x3>2" in x)
+    assert "0.610" in line.split() and "0.90" in line.split()
+
+
+def test_a_suite_without_round_robin_judges_no_tail():
+    rr = [0.1, 0.2, 0.3, 0.4]
+    runs = [_run(1, [_row("kv_aware", 0.8, 0.8, rr), _row("kv_aware x3", 0.8, 0.8, rr, routers=3)])]
+    judged = [v.target for v in verdicts(runs)]
+    assert not any("TTFT" in t for t in judged) and any("x3" in t for t in judged)
+
+
 def test_each_shape_measures_a_different_entry_first():
     todo = entries(["kv_aware", "approximate", "round_robin"], ["kv_aware"], 3)
     firsts = [rotated(todo, shape)[0] for shape in shapes.draw_suite(0, 4)]

@@ -9,13 +9,16 @@ from collections import Counter
 from types import SimpleNamespace
 
 import trio
-from router_inprocess import call, make_router
+from router_inprocess import MODEL, call, make_router
 
 from events.counters import ENGINE_TASK_FAILURES, EVENTS_DROPPED
 from gateway.config import EngineConfig
 from gateway.mesh_link import follow_mesh
 from gateway.mesh_state import NAMESPACES, MeshState
 from mesh.crdt_doc import ReplicatedDoc
+from mesh.node import MeshNode
+from mesh.settings import MeshSettings
+from mesh.sync_protocol import SyncProtocol
 
 SERVER_KEY = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"
 
@@ -45,6 +48,12 @@ class Feed:
         pass
 
     def on_dispatch(self, callback) -> None:
+        pass
+
+    def on_placements(self, callback) -> None:
+        pass
+
+    def publish_placement(self, placement) -> None:
         pass
 
     def registry(self) -> dict:
@@ -127,3 +136,22 @@ async def test_a_role_changed_through_the_admin_api_is_the_role_on_every_replica
         feed.on_registry_change("e1", {**entry, "role": "decoder"})
         assert feed.malformed["registry"] == 1 and second.engines.get("e1").config.role == "prefill"
         nursery.cancel_scope.cancel()
+
+
+async def test_a_request_placed_by_one_replica_heats_the_home_book_of_another():
+    """Each replica's home book used to hold only the requests its balancer gave it."""
+    first, second = make_router(policy="kv_aware"), make_router(policy="kv_aware")
+    states = [MeshState(MeshNode(MeshSettings(secret=b"placements-test-secret-0123", name=name, bind="127.0.0.1:0"),
+                                 NAMESPACES)) for name in ("a", "b")]
+    for router, state in zip((first, second), states, strict=True):
+        follow_mesh(router.fleet, state)
+    prompt = "You are a careful assistant. " * 40
+    body = json.dumps({"model": MODEL, "stream": True, "messages": [{"role": "system", "content": prompt},
+                                                                  {"role": "user", "content": "hi"}]}).encode()
+    assert (await call(first, "POST", "/v1/chat/completions", body)).status == 200
+    assert first.planner.policy.agree_with_peers and second.planner.policy.agree_with_peers
+    (key,) = first.planner.policy.homes._prefixes
+    assert second.planner.policy.homes.homes(key) == []
+    assert states[0].flush_placements() == 1
+    SyncProtocol(states[1].node.doc).on_frame(states[0].node.protocol.update_frame(), 0.0)
+    assert second.planner.policy.homes.homes(key) == first.planner.policy.homes.homes(key) != []

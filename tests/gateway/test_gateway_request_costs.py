@@ -325,3 +325,12 @@ async def test_every_prompt_of_a_completions_batch_is_charged_to_the_tenant(monk
     assert assert_openai_error(refused, 429)["code"] == "rate_limit_exceeded", "8 prompts fit a 60-token budget"
     single = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 1}).encode()
     assert (await call(router, "POST", "/v1/completions", single, headers)).status == 200
+
+
+async def test_the_detailed_route_header_says_how_long_the_decision_took():
+    """The bench's per-request logs read it to tell a slow decision from a slow engine."""
+    router = make_router(policy="kv_aware")
+    answer = await call(router, "POST", "/v1/chat/completions", STREAMED_CHAT)
+    assert answer.status == 200
+    field = next(f for f in answer.headers["x-kvmesh-route"].split("; ") if f.startswith("decide_ms="))
+    assert float(field.removeprefix("decide_ms=")) >= 0

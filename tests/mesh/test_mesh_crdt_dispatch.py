@@ -1,9 +1,18 @@
 """Shared dispatch entries: packed per engine and expiry bucket, flushed in batches, parsed defensively,
-swept when expired, and bounded whatever the traffic."""
+swept when expired, and bounded whatever the traffic; shared placements (prefix homes) likewise."""
 
+import pytest
 from mesh_node_helpers import settings
 
-from gateway.mesh_state import MAX_BUCKET_KEYS, NAMESPACES, MeshState, pack_dispatch, parse_dispatch
+from gateway.mesh_state import (
+    MAX_BUCKET_KEYS,
+    MAX_PLACEMENTS,
+    NAMESPACES,
+    MeshState,
+    pack_dispatch,
+    parse_dispatch,
+    parse_placements,
+)
 from mesh.node import MeshNode
 from mesh.sync_protocol import SyncProtocol
 
@@ -59,3 +68,38 @@ def test_malformed_entries_are_refused():
     assert parse_dispatch("e1\x1fr\x1f3", "nan:" + good.partition(":")[2]) is None
     assert parse_dispatch("e1\x1fr\x1f3", "1.0:AAAA") is None  # not whole u64 words
     assert parse_dispatch("e1\x1fr\x1f3", pack_dispatch(range(MAX_BUCKET_KEYS + 1), 1.0)) is None
+
+
+def test_placements_reach_every_peer_once_and_departed_replicas_are_swept():
+    a, b = state("a"), state("b")
+    seen = []
+    b.on_placements(lambda replica, placements: seen.append((replica, placements)))
+    a.publish_placement(("home-1", "e1", 40, 800))
+    a.publish_placement(("home-2", "e2", 3, None))
+    assert a.flush_placements() == 1 and a.flush_placements() == 0  # nothing new: no write
+    frame = a.node.protocol.update_frame()
+    SyncProtocol(b.node.doc).on_frame(frame, 0.0)
+    SyncProtocol(b.node.doc).on_frame(frame, 0.0)
+    assert seen == [(a.node.member_id, [("home-1", "e1", 40, 800), ("home-2", "e2", 3, None)])]
+    a.publish_placement(("home-1", "e3", 40, 800))
+    a.flush_placements()
+    SyncProtocol(b.node.doc).on_frame(a.node.protocol.update_frame(), 0.0)
+    assert seen[-1] == (a.node.member_id, [("home-1", "e3", 40, 800)]) and len(seen) == 2
+    assert b.sweep_placements([b.node.member_id]) == 1 and b.content["homes"] == {}
+
+
+def test_placements_are_bounded_per_write_and_malformed_ones_refused_whole():
+    a = state("a")
+    for i in range(MAX_PLACEMENTS + 5):
+        a.publish_placement((f"k{i}", "e1", 1, None))
+    assert a.placements_dropped == 5 and a.flush_placements() == 1
+    assert parse_placements(a.content["homes"][a.node.member_id])[1][-1] == (f"k{MAX_PLACEMENTS - 1}", "e1", 1, None)
+    assert parse_placements('3:[["k","e1",2,16]]') == (3, [("k", "e1", 2, 16)])
+    for bad in ['x:[["k","e1",2,16]]', '3:[["k","e1",0,16]]', '3:[["k","e1",2,true]]', '3:[["k","e\x1f1",2,16]]',
+                '3:[["","e1",2,16]]', '3:{"k":1}', '3:[["k","e1",2]]', "3:" + "[" * 5000, None,
+                '3:[["' + "k" * 200 + '","e1",2,16]]', '-1:[["k","e1",2,16]]']:
+        assert parse_placements(bad) is None, bad
+    b = state("b")
+    b.on_placements(lambda replica, placements: pytest.fail("a malformed write reached the callback"))
+    b.node.write([("homes", "peer", '1:[["k","e1",-4,16]]')])
+    assert b.malformed["homes"] == 1
