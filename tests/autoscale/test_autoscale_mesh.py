@@ -126,18 +126,22 @@ def post(url: str, body: dict) -> dict:
         return json.loads(response.read())
 
 
-def test_a_partition_longer_than_a_minute_keeps_one_actor_and_one_provision(tmp_path):
-    """Three real routers; one that does not hold the lease is cut off from the mesh for 65 s, longer than
-    the minute after which the old rule let a lone replica count itself a majority and claim beside the
-    holder. Sampled every 0.2 s on every replica: never two actors; the provider sees one provision in all,
-    and after the partition heals one actor remains. (Cutting off the holder itself is the chaos scenario's
-    job in real processes, tests/chaos/test_chaos_lease_holder.py, and both cuts run in process for 90 s in
-    tests/autoscale/test_autoscale_partition.py.)"""
+FORGET_S = 15.0
+"""The partition test's member_forget_s: shorter than the default minute, so the partition outlasting it is short."""
+
+
+def test_a_partition_longer_than_member_forget_s_keeps_one_actor_and_one_provision(tmp_path):
+    """Three real routers; one that does not hold the lease is cut off from the mesh for 25 s, longer than
+    ``member_forget_s`` (15 s here; a minute by default), after which the old rule let a lone replica count
+    itself a majority and claim beside the holder. Sampled every 0.2 s on every replica: never two actors;
+    the provider sees one provision in all, and after the partition heals one actor remains. (Cutting off
+    the holder itself is the chaos scenario's job in real processes, tests/chaos/test_chaos_lease_holder.py,
+    and both cuts run in process for 90 s in tests/autoscale/test_autoscale_partition.py.)"""
     state = tmp_path / "pool.json"
     with SimFleetProcess(engines=4, profile="fast") as fleet:
         static, spares = fleet.urls[:2], fleet.urls[2:]
-        with meshed_routers(tmp_path, static, spares, state, "join_s = 3.0\nmin_engines = 3\nmax_engines = 4") \
-                as routers:
+        settings = f"join_s = 3.0\nmin_engines = 3\nmax_engines = 4\nmember_forget_s = {FORGET_S}"
+        with meshed_routers(tmp_path, static, spares, state, settings) as routers:
             urls = [r.url for r in routers]
 
             def actors() -> list[int]:
@@ -150,7 +154,7 @@ def test_a_partition_longer_than_a_minute_keeps_one_actor_and_one_provision(tmp_
             post(urls[victim] + "/admin/mesh/isolate", {"isolated": True})
             started = time.monotonic()
             seen: set[int] = set()
-            while time.monotonic() - started < 65:
+            while time.monotonic() - started < FORGET_S + 10:
                 now_acting = actors()
                 assert len(now_acting) <= 1, (time.monotonic() - started, now_acting)
                 seen.update(now_acting)
