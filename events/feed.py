@@ -51,9 +51,9 @@ class EngineFeed:
         self.totals = IngestStats()
         self.overflowed = 0
         self.replay_generation = 0
+        """Identity of the replay the tracker waits for; replies of any other replay are stale."""
         self._series: dict[str, Any] = {}
         """Counter children of this engine by op (and "batches"), looked up on first use."""
-        """Identity of the replay the tracker waits for; replies of any other replay are stale."""
 
     def _drop(self, reason: str, count: int = 1) -> None:
         EVENTS_DROPPED.labels(engine=self.engine, reason=reason).inc(count)

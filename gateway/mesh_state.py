@@ -346,8 +346,11 @@ class MeshState:
                     self.malformed["dispatch"] += 1
                     continue
                 self._notify(self._dispatch, *dispatch)
-            elif name == "homes" and key != self.node.member_id and new is not None:
-                self._on_placements(key, new)
+            elif name == "homes" and key != self.node.member_id:
+                if new is None:  # the replica left and the leader swept its key
+                    self._applied.pop(key, None)
+                else:
+                    self._on_placements(key, new)
             elif name == "limits" and key != self.node.member_id and new is not None:
                 try:
                     payload = parse_json(new)

@@ -22,7 +22,7 @@ import msgpack
 from index.block_hash import chain_from, next_key, root_seed
 from index.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from index.store import BlockStore
-from index.tiers import TIER_MEDIA, tier_holder
+from index.tiers import TIER_MEDIA, clear_source, tier_holder
 
 # The engine's own KV cache; offloaded tiers go to tier holders (index/tiers.py), other groups are skipped.
 INDEXED_MEDIA = frozenset({None, "GPU"})
@@ -200,4 +200,4 @@ class EngineIngest:
 
     def reset(self) -> int:
         """The stream's publisher restarted: its cache and lower tiers are empty; returns the blocks dropped."""
-        return self.store.clear(self.holder) + sum(self.store.clear(tier_holder(self.holder, m)) for m in TIER_MEDIA)
+        return clear_source(self.store, self.holder)

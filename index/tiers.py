@@ -28,6 +28,11 @@ def tier_holder(holder: str, medium: str) -> str:
     return f"{holder}{_TIER_MARK}{medium}"
 
 
+def clear_source(store: BlockStore, holder: str) -> int:
+    """Drop an event source's blocks, its lower tiers' included; returns how many were dropped."""
+    return store.clear(holder) + sum(store.clear(tier_holder(holder, medium)) for medium in TIER_MEDIA)
+
+
 def source_of(holder: str) -> str:
     """The event source a tier holder belongs to (the key itself for a GPU holder)."""
     source, mark, medium = holder.rpartition(_TIER_MARK)

@@ -19,7 +19,7 @@ from index.approximate import ApproximateIndex
 from index.freshness import EngineFreshness, FreshnessPolicy
 from index.ingest import IngestStats
 from index.store import BlockStore
-from index.tiers import TIER_MEDIA, TierRun, tier_holder, tier_holders, tier_runs
+from index.tiers import TierRun, clear_source, tier_holders, tier_runs
 
 OVERFLOW_MARGIN = 1.25
 
@@ -78,19 +78,13 @@ class CacheView:
         self._engines.pop(engine, None)
         self.approximate.clear(engine)
         for holder in self._holders.pop(engine, (engine,)):
-            self._clear_source(holder)
+            clear_source(self.store, holder)
 
     def set_holders(self, engine: str, holders: Sequence[str]) -> None:
         """The engine's event sources are (again) these; blocks of holders it no longer has are dropped."""
         for gone in set(self.holders(engine)) - set(holders):
-            self._clear_source(gone)
+            clear_source(self.store, gone)
         self._holders[engine] = tuple(holders)
-
-    def _clear_source(self, holder: str) -> None:
-        """Drop an event source's blocks, its lower tiers' included."""
-        self.store.clear(holder)
-        for medium in TIER_MEDIA:
-            self.store.clear(tier_holder(holder, medium))
 
     def holders(self, engine: str) -> tuple[str, ...]:
         return self._holders.get(engine, (engine,))

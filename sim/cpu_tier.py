@@ -36,9 +36,6 @@ class CpuTier:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def holds(self, block_hash: bytes) -> bool:
-        return block_hash in self._blocks
-
     def match(self, hashes: Sequence[bytes], start: int, end: int) -> int:
         """How many of ``hashes[start:end]`` the tier holds without a gap (no side effects)."""
         count = 0
@@ -79,6 +76,3 @@ class CpuTier:
             return
         events.append(stored_run(hashes, run[0], run[-1] + 1, token_ids, block_size, extra_keys, lora, MEDIUM_CPU))
 
-    def reset(self) -> None:
-        """The tier's contents are gone (the engine restarted)."""
-        self._blocks.clear()

@@ -297,18 +297,12 @@ class EngineCore:
         num_full = req.num_computed // self.block_size
         if num_full > req.num_cached_blocks:
             hashes = self._hashes(req)
-            self.cache.cache_blocks(
-                req.blocks,
-                hashes,
-                req.num_cached_blocks,
-                num_full,
-                req.all_token_ids(),
-                self._extra_keys(req, num_full),
-                req.lora,
-            )
+            tokens = req.all_token_ids()
+            extra_keys = self._extra_keys(req, num_full)
+            self.cache.cache_blocks(req.blocks, hashes, req.num_cached_blocks, num_full, tokens, extra_keys, req.lora)
             if self.tier is not None:
-                self.cache.extend_events(self.tier.store(hashes, req.num_cached_blocks, num_full, req.all_token_ids(),
-                                                         self.block_size, self._extra_keys(req, num_full), req.lora))
+                self.cache.extend_events(self.tier.store(hashes, req.num_cached_blocks, num_full, tokens,
+                                                         self.block_size, extra_keys, req.lora))
             req.num_cached_blocks = num_full
         if req.num_computed < req.num_tokens:
             return

@@ -139,13 +139,13 @@ class TokenizerService:
 
         Raises ``RenderError`` for a request the engine would reject with a 400.
         """
-        tok = self.tokenizers[self.registry.spec_for(model)]
-        return (await self._ids_of(tok, await self._render(tok, body, kind, placeholders)))[0]
+        return (await self.all_token_ids(model, body, kind, placeholders))[0]
 
-    async def all_token_ids(self, model: object, body: dict[str, Any], kind: Kind) -> list[list[int]]:
+    async def all_token_ids(self, model: object, body: dict[str, Any], kind: Kind,
+                            placeholders: Mapping[str, str] | None = None) -> list[list[int]]:
         """The ids of every prompt in the request."""
         tok = self.tokenizers[self.registry.spec_for(model)]
-        return await self._ids_of(tok, await self._render(tok, body, kind))
+        return await self._ids_of(tok, await self._render(tok, body, kind, placeholders))
 
     def token_text(self, model: object, token_id: int) -> str:
         """The text of one token of the model's tokenizer (a media placeholder's default text)."""
