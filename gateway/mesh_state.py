@@ -299,6 +299,11 @@ class MeshState:
     def placements_dropped(self) -> int:
         return self._placed.dropped
 
+    @property
+    def dispatch_dropped(self) -> int:
+        """Dispatched blocks not shared because their expiry bucket was full."""
+        return self._outbox.dropped
+
     # ----- rate-limit counts -----------------------------------------------------------------------
 
     def set_limits(self, payload: Any) -> None:

@@ -47,6 +47,7 @@ from gateway.mesh_link import (
     sweep_dispatches,
     sweep_tombstones,
 )
+from gateway.mesh_metrics import MeshCollector
 from gateway.mesh_state import MeshState
 from gateway.metrics import RouterMetrics
 from gateway.proxy import Forward, forward
@@ -90,6 +91,8 @@ def build_replica(config: RouterConfig, *, forward: Forward = forward, watch: Wa
     metrics = RouterMetrics()
     mesh = build_mesh_node(config)
     mesh_state = MeshState(mesh) if mesh is not None else None
+    if mesh is not None and mesh_state is not None:
+        metrics.registry.register(MeshCollector(mesh, mesh_state))
     member_id = mesh.member_id if mesh is not None else "local"
     planner = RoutePlanner(config, engines, metrics)
     curve = CurveClient.load(config.events_curve_secret_file) if config.events_curve_secret_file else None

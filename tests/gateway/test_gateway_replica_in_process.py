@@ -13,7 +13,7 @@ from router_inprocess import call
 from autoscale.config import AutoscaleConfig
 from autoscale.offers import Offer
 from autoscale.providers.base import Provider, ProvisionedEngine
-from gateway.config import EngineConfig, RouterConfig
+from gateway.config import EngineConfig, MeshConfig, RouterConfig
 from gateway.replica import build_replica, run_replica
 from sim.config import EngineConfig as SimEngineConfig
 from sim.engine import SimEngine
@@ -157,3 +157,17 @@ async def test_a_replica_runs_in_process_on_a_mock_clock(autojump_clock):
         assert tasks_below(me) > 10
         root.cancel_scope.cancel()
     assert tasks_below(me) == 0
+
+
+async def test_a_meshed_replica_scrapes_its_mesh_counters(tmp_path):
+    """The composition root registers the mesh's counters on the router's /metrics (built, not run)."""
+    secret = tmp_path / "secret"
+    secret.write_text("a" * 16 + "-in-process-test-secret")
+    config = RouterConfig(engines=[EngineConfig(url="http://sim-0:8000", id="sim-0")],
+                          mesh=MeshConfig(bind="127.0.0.1:0", secret_file=str(secret)))
+    replica = build_replica(config)
+    assert replica.mesh is not None
+    replica.mesh.protocol.on_frame(b"\xc1", 0.0)
+    page = replica.metrics.render().decode()
+    assert 'kvmesh_mesh_events_total{event="malformed",layer="protocol"} 1.0' in page
+    assert 'kvmesh_mesh_values_rejected_total{namespace="document"} 0.0' in page

@@ -103,3 +103,28 @@ def test_placements_are_bounded_per_write_and_malformed_ones_refused_whole():
     b.on_placements(lambda replica, placements: pytest.fail("a malformed write reached the callback"))
     b.node.write([("homes", "peer", '1:[["k","e1",-4,16]]')])
     assert b.malformed["homes"] == 1
+
+
+def test_refused_and_dropped_mesh_state_is_counted_on_a_scrape():
+    """What the mesh refuses (malformed frames and values) or drops (full writes) shows on /metrics."""
+    from prometheus_client import CollectorRegistry
+
+    from gateway.mesh_metrics import MeshCollector
+
+    a = state("a")
+    registry = CollectorRegistry()
+    registry.register(MeshCollector(a.node, a))
+
+    def sample(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, labels)
+
+    assert sample("kvmesh_mesh_events_total", layer="protocol", event="malformed") is None
+    assert sample("kvmesh_mesh_values_rejected_total", namespace="document") == 0
+    assert a.node.protocol.on_frame(b"\xc1 not msgpack", 0.0) == []
+    a.node.write([("homes", "peer", '1:[["k","e1",-4,16]]')])
+    for i in range(MAX_PLACEMENTS + 3):
+        a.publish_placement((f"k{i}", "e1", 1, None))
+    assert sample("kvmesh_mesh_events_total", layer="protocol", event="malformed") == 1
+    assert sample("kvmesh_mesh_values_rejected_total", namespace="homes") == 1
+    assert sample("kvmesh_mesh_writes_dropped_total", kind="placements") == 3
+    assert sample("kvmesh_mesh_writes_dropped_total", kind="dispatch") == 0
