@@ -137,6 +137,9 @@ class EngineHealth:
     def __init__(self, breaker: CircuitBreaker | None = None, health_failures_down: int = 2,
                  metric_failures_down: int = 3) -> None:
         self.breaker = breaker or CircuitBreaker()
+        self.prefill_breaker = CircuitBreaker()
+        """Failed prefill legs of a disaggregated fleet, when the engine also decodes (they must not keep
+        its decode traffic away); it goes with the engine's state when the engine is removed."""
         self.health_failures_down = health_failures_down
         self.metric_failures_down = metric_failures_down
         self.health_checked = False

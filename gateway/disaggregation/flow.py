@@ -72,18 +72,12 @@ class Disaggregation:
         self.load = PrefillLoad()
         self._turn = 0
         self._rank_turn = 0
-        self._prefill_breakers: dict[str, CircuitBreaker] = {}
 
     def prefill_breaker(self, engine: EngineState) -> CircuitBreaker:
         """The breaker of an engine's prefill legs: its own for a prefill-only engine (that is all it does),
         one of their own for an engine that also decodes, so that failed prefill legs keep only prefill legs
         from it (as smg counts a prefill failure against the prefill side only)."""
-        if engine.role == "prefill":
-            return engine.health.breaker
-        found = self._prefill_breakers.get(engine.id)
-        if found is None:
-            found = self._prefill_breakers[engine.id] = CircuitBreaker()
-        return found
+        return engine.health.breaker if engine.role == "prefill" else engine.health.prefill_breaker
 
     def route(self, fleet: list[EngineState], ranked: list[EngineState], decision: Decision,
               prompt_tokens: int, body: dict[str, Any], dry_run: bool = False,
