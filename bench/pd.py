@@ -21,6 +21,7 @@ from pathlib import Path
 import trio
 
 from bench.client import TRANSPORT_ERRORS, HttpClient
+from bench.engine_stats import HITS, QUERIES, parse_counters
 from bench.pd_workload import PdRow, PdWorkload, StreamTimes, format_rows, medians, summarize, verdicts
 from bench.processes import StartFailed
 from bench.runner import FleetSpec, router, sim_fleet
@@ -55,11 +56,8 @@ async def prefix_counters(client: HttpClient, urls: list[str]) -> tuple[float, f
     """Prefix-cache (hits, queried tokens) summed over engines: how much prefill the choice of engine saved."""
     hits = queries = 0.0
     for url in urls:
-        for line in (await client.request(url + "/metrics")).body.decode().splitlines():
-            if line.startswith("vllm:prefix_cache_hits_total{"):
-                hits += float(line.rsplit(" ", 1)[1])
-            elif line.startswith("vllm:prefix_cache_queries_total{"):
-                queries += float(line.rsplit(" ", 1)[1])
+        counts = parse_counters((await client.request(url + "/metrics")).body.decode(), (HITS, QUERIES))
+        hits, queries = hits + counts[HITS], queries + counts[QUERIES]
     return hits, queries
 
 
