@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -17,6 +18,12 @@ ENGINE_COUNTERS = (event_counters.EVENTS_DROPPED, event_counters.EVENT_BATCHES, 
                    event_counters.INGEST_DEFERRED, event_counters.ENGINE_TASK_FAILURES,
                    event_counters.ENGINE_VALUES_REJECTED)
 """The process-wide counters with an ``engine`` label."""
+
+
+class EngineAttempt(Protocol):
+    engine: str
+    outcome: str
+    """"ok", or the failure with its cause first (``"status 503"``, ``"unreachable (...)"``)."""
 
 
 class RouterMetrics:
@@ -87,6 +94,16 @@ class RouterMetrics:
                       self.index_blocks, self.confidence, self.engine_role)
         for metric in (*per_engine, *ENGINE_COUNTERS):
             metric.remove_by_labels({"engine": engine_id})
+
+    def count_failed_attempts(self, attempts: Iterable[EngineAttempt]) -> list[str]:
+        """Count each failed attempt against its engine by cause (the outcome's first word); the causes."""
+        causes = []
+        for attempt in attempts:
+            if attempt.outcome != "ok":
+                cause = attempt.outcome.split(" ")[0]
+                self.upstream_errors.labels(attempt.engine, cause).inc()
+                causes.append(cause)
+        return causes
 
     def on_scrape(self, refresh: Callable[[RouterMetrics], None]) -> None:
         """Gauges of live state are set at scrape time rather than on every request."""

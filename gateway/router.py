@@ -256,8 +256,7 @@ class Router:
                                    code="shutting_down")
             except UpstreamFailure as error:
                 record.attempts = _attempt_records(error.attempts)
-                for attempt in error.attempts:
-                    self.metrics.upstream_errors.labels(attempt.engine, attempt.outcome.split(" ")[0]).inc()
+                self.metrics.count_failed_attempts(error.attempts)
                 raise _without_engine_details(error, record) from None
             except ApiError as error:
                 raise _without_engine_details(error, record) from None
@@ -268,9 +267,7 @@ class Router:
                 record.code = "client_disconnected"
                 return 499
             record.attempts = _attempt_records(result.attempts)
-            for attempt in result.attempts:
-                if attempt.outcome != "ok":
-                    self.metrics.upstream_errors.labels(attempt.engine, attempt.outcome.split(" ")[0]).inc()
+            self.metrics.count_failed_attempts(result.attempts)
             self.planner.observe(plan, result, prefilled=pd is not None and bool(pd.prefill))
             if result.continuations:
                 final = plan.header(result.continuations[-1].to_engine or "", len(result.attempts))

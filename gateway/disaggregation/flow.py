@@ -218,10 +218,8 @@ class Disaggregation:
         return result.engine.id, b"".join(captured["body"])
 
     def _count_failures(self, attempts: list) -> None:
-        for attempt in attempts:
-            if attempt.outcome != "ok":
-                self.metrics.pd_leg_failures.labels("prefill", attempt.outcome.split(" ")[0]).inc()
-                self.metrics.upstream_errors.labels(attempt.engine, attempt.outcome.split(" ")[0]).inc()
+        for cause in self.metrics.count_failed_attempts(attempts):
+            self.metrics.pd_leg_failures.labels("prefill", cause).inc()
 
     @staticmethod
     def _note(prefill: str | None, choice: PdChoice, outcome: str, detailed: bool) -> bytes:
