@@ -223,7 +223,7 @@ class MaskTable:
         chain's first ``depth`` blocks and not the next), in order; holders of the whole chain come last
         at ``len(own_keys)``.
 
-        The chain is read in parts of growing length (``_FIRST_PART``, then eight times more each time), so a
+        The chain is read in parts of growing length (``_FIRST_PART``, then sixteen times more each time), so a
         prompt whose prefix no candidate holds costs a few probes, and a long hit costs a few numpy passes."""
         drops: list[tuple[int, int]] = []
         alive, start, part = wanted, 0, _FIRST_PART
@@ -236,7 +236,7 @@ class MaskTable:
             else:
                 alive = self._walk(keys, start, alive, drops)
             start += part
-            part *= 8
+            part *= 16
         if alive:
             drops.append((len(own_keys), alive))
         return drops
@@ -252,7 +252,9 @@ class MaskTable:
             while current != code and current:
                 slot = (slot + 1) & last
                 current = table[slot]
-            mask = self._decode(values[slot])
+            mask = values[slot]
+            if mask >= _WIDE:
+                mask = self._wide[mask ^ _WIDE]
             dropped = alive & ~mask
             if dropped:
                 drops.append((depth, dropped))
@@ -263,20 +265,26 @@ class MaskTable:
 
     def _walk_vectorised(self, own_keys: Sequence[int], start: int, alive: int,
                          drops: list[tuple[int, int]]) -> int:
-        """``_walk`` with numpy, for holders in slots 0-62: one gather of each key's first ``_WINDOW`` slots
-        (a stored code sits before the first empty slot after its home; a window holding neither, rare at
-        this load, is finished in Python), then the running AND of the masks, read where it changes."""
+        """``_walk`` with numpy, for holders in slots 0-62: one gather of each key's home slot, then of the first
+        ``_WINDOW`` slots of the keys found neither there nor absent (a stored code sits before the first
+        empty slot after its home; a window holding neither, rare at this load, is finished in Python), then
+        the running AND of the masks, read where it changes. Gathering every key's window at once cost
+        0.9 ms for a 2048-block hit against 0.2 for the dict this table replaced."""
         codes = np.frombuffer(array("Q", own_keys), dtype=np.uint64) + np.uint64(1)
         codes *= np.uint64(self._multiplier)  # array arithmetic wraps modulo 2**64 silently
-        slots = ((codes >> np.uint64(self._shift)).view(np.int64)[:, None] + _OFFSETS) & (self._size - 1)
-        seen = np.frombuffer(self._codes, dtype=np.uint64)[slots]
-        hit = seen == codes[:, None]
-        rows = np.arange(len(slots))
-        column = hit.argmax(axis=1)
-        values = np.frombuffer(self._values, dtype=np.uint64)[slots[rows, column]]
-        values *= hit[rows, column]
-        if seen.all(axis=1).any():  # some window holds no empty slot: is its key past it?
-            for i in np.flatnonzero(seen.all(axis=1) & ~hit.any(axis=1)).tolist():
+        homes = (codes >> np.uint64(self._shift)).view(np.int64)
+        table, masks = np.frombuffer(self._codes, dtype=np.uint64), np.frombuffer(self._values, dtype=np.uint64)
+        seen = table[homes]
+        hit = seen == codes
+        values = masks[homes] * hit
+        away = np.flatnonzero(seen != codes * hit)  # neither at home nor absent there (home slot empty)
+        if len(away):
+            slots = (homes[away][:, None] + _OFFSETS) & (self._size - 1)
+            window = table[slots]
+            found = window == codes[away][:, None]
+            rows, column = np.arange(len(away)), found.argmax(axis=1)
+            values[away] = masks[slots[rows, column]] * found[rows, column]
+            for i in away[~found.any(axis=1) & window.all(axis=1)].tolist():
                 values[i] = self._values[self._find(int(codes[i]))]
         if self._wide_ids:
             for i in np.flatnonzero(values >= np.uint64(_WIDE)).tolist():
