@@ -182,7 +182,9 @@ class MaskTable:
         ``pop_many`` gives for hashes it did not hold) are skipped.
 
         A removed slot is emptied and each later entry of its run that may live there shifts back into it
-        (no tombstones); most removals find the next slot empty and shift nothing."""
+        (no tombstones): on the realistic mix about half the removals find the next slot occupied, and
+        the back-shift is most of a removal's cost here (one without it cost 0.44-0.63 us against 1.0-1.1
+        with it), paid so that the table never needs a sweep. The probe is inlined as in ``add_absent``."""
         if mask >= _WIDE and mask not in self._wide_ids:
             return [code for code in codes if code is not None]  # no block has this mask
         value = mask if mask < _WIDE else _WIDE | self._wide_ids[mask]
