@@ -85,7 +85,7 @@ def _reference_drops(reference: dict[int, int], chain: list[int], wanted: int) -
     return drops + [(len(chain), alive)] if alive else drops
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(ops, st.integers(1, 7), st.integers(0, 3))
 def test_table_behaves_as_a_dict(sequence: list[tuple[str, object, int]], wanted: int, extra: int) -> None:
     table, reference = MaskTable(), {}
@@ -160,7 +160,7 @@ index_ops = st.lists(
 )
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(index_ops)
 def test_an_index_of_more_holders_than_a_word_answers_as_a_model(sequence: list[tuple[str, str, list[int]]]) -> None:
     """Holder slots past 62 make masks wider than a table word (interned): stores, removals, clears and the
