@@ -24,6 +24,7 @@ import msgpack
 import numpy as np
 
 from index.alias_table import storable
+from index.mask_table import KEY_LIMIT
 
 FORMAT = 3
 NAMESPACE = "index"
@@ -64,6 +65,8 @@ def _arrays(hashes: object, own_keys: object) -> tuple[np.ndarray, np.ndarray]:
     own_array = np.frombuffer(own_keys, dtype="<u8").astype(np.uint64)
     if len(hash_array) and not storable(int(hash_array.max()), 0):
         raise ValueError("index snapshot hash out of range")
+    if len(own_array) and int(own_array.max()) >= KEY_LIMIT:
+        raise ValueError("index snapshot own key out of range")
     return hash_array, own_array
 
 

@@ -50,6 +50,16 @@ def test_a_snapshot_larger_than_the_engine_is_refused_and_the_least_lagging_peer
     assert ingest.stats["bad_snapshot"] == 1
 
 
+def test_a_snapshot_with_an_own_key_the_index_cannot_hold_is_refused_before_any_block_is_stored():
+    """Own keys are below 2**63 (the index keys blocks by a code of the own key); a peer's larger one is a bad
+    snapshot, not an exception out of the warm start."""
+    hashes = np.arange(1, 4, dtype=np.uint64)
+    bad = index_transfer.encode([50], [hashes], [np.array([5, 1 << 63, 7], dtype=np.uint64)])
+    ingest, view, resume = warm({"bad": bad, "fresh": blob(seq=40, blocks=10)}, capacity=100)
+    assert resume == (40,) and len(view.store.export(ENGINE)[0]) == 10
+    assert ingest.stats["bad_snapshot"] == 1
+
+
 def test_a_warmed_engine_is_trusted_less_until_its_own_events_confirm_it():
     _, view, _ = warm({"peer": blob(seq=7, blocks=10, lag_s=10.0)}, capacity=100)
     freshness = view.info(ENGINE).freshness
