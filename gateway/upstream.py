@@ -22,6 +22,8 @@ from urllib.parse import SplitResult, urlsplit
 import h11
 import trio
 
+from gateway.chunked_body import ChunkedBody, ChunkedBodyError
+
 READ_SIZE = 65536
 IDLE_LIMIT_S = 4.0
 """Below uvicorn's keep-alive timeout (5 s, vLLM's default), so the router never reuses a connection the
@@ -146,12 +148,17 @@ class _IdleConnections:
 class UpstreamResponse:
     """A response whose body is read lazily; ``aclose`` returns the connection to its pool when clean."""
 
-    def __init__(self, idle: _IdleConnections, connection: _Connection, response: h11.Response) -> None:
+    def __init__(self, idle: _IdleConnections, connection: _Connection, response: h11.Response,
+                 method: bytes = b"POST") -> None:
         self.status = response.status_code
         self.headers = [(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in response.headers]
         self._idle = idle
         self._connection: _Connection | None = connection
         self._done = False
+        self._chunked = (method not in (b"HEAD", b"CONNECT") and self.status not in (204, 304)
+                         and self.header("transfer-encoding") is not None)
+        """h11's framing rule for a response (it accepts no transfer-encoding but ``chunked``): such a body is
+        read by ``ChunkedBody``, and h11 is not used on the connection again until it is replaced."""
 
     def header(self, name: str) -> str | None:
         for key, value in self.headers:
@@ -159,8 +166,38 @@ class UpstreamResponse:
                 return value
         return None
 
-    async def iter_body(self, idle_timeout: float) -> AsyncIterator[bytes]:
-        """Yield body chunks; raise UpstreamError if the engine stalls or drops mid-body."""
+    def iter_body(self, idle_timeout: float) -> AsyncIterator[bytes]:
+        """Yield body chunks (what each read from the engine completed); raise UpstreamError if the engine
+        stalls, drops or breaks the framing mid-body."""
+        assert self._connection is not None
+        return self._chunked_body(self._connection, idle_timeout) if self._chunked else self._h11_body(idle_timeout)
+
+    async def _chunked_body(self, connection: _Connection, idle_timeout: float) -> AsyncIterator[bytes]:
+        decoder = ChunkedBody()
+        data = connection.conn.trailing_data[0]  # what the read of the head brought past it
+        while True:
+            if not data:
+                try:
+                    with trio.CancelScope(deadline=trio.current_time() + idle_timeout) as idle:
+                        data = await connection.stream.receive_some(READ_SIZE)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
+                    raise UpstreamError(f"engine broke the response: {e}") from None
+                if idle.cancelled_caught:
+                    raise UpstreamError("engine stalled mid-response")
+                if not data:
+                    raise UpstreamError("engine closed the connection mid-response")
+            try:
+                chunk = decoder.feed(data)
+            except ChunkedBodyError as e:
+                raise UpstreamError(f"engine broke the response: {e}") from None
+            data = b""
+            if chunk:
+                yield chunk
+            if decoder.done:
+                self._done = not decoder.extra  # bytes past the body: the connection is not reused
+                return
+
+    async def _h11_body(self, idle_timeout: float) -> AsyncIterator[bytes]:
         assert self._connection is not None
         while True:
             try:
@@ -197,7 +234,10 @@ class UpstreamResponse:
         connection, self._connection = self._connection, None
         if connection is None:
             return
-        if self._done and connection.conn.our_state is h11.DONE and connection.conn.their_state is h11.DONE:
+        if self._done and self._chunked and connection.conn.our_state is h11.DONE:
+            connection.conn = h11.Connection(h11.CLIENT)  # h11 saw the head only; ChunkedBody read the rest
+            await self._idle.put(connection)
+        elif self._done and connection.conn.our_state is h11.DONE and connection.conn.their_state is h11.DONE:
             connection.conn.start_next_cycle()
             await self._idle.put(connection)
         else:
@@ -321,7 +361,7 @@ class EnginePool:
             await _close_quietly(connection)
             raise
         assert isinstance(event, h11.Response)
-        return UpstreamResponse(idle, connection, event)
+        return UpstreamResponse(idle, connection, event, request.method)
 
     async def _send(self, idle: _IdleConnections, request: h11.Request, body: bytes, connect_timeout: float,
                     send_timeout: float, first_byte_timeout: float) -> UpstreamResponse:

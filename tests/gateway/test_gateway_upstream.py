@@ -190,3 +190,60 @@ async def test_body_chunks_one_read_brought_together_go_on_as_one(nursery):
     assert b"".join(chunks) == b"".join(events) and len(chunks) < len(events)
     await response.aclose()
     await pool.aclose()
+
+
+async def _raw_engine(nursery, answer: bytes) -> tuple[EnginePool, list[int]]:
+    """An engine that answers every request on a connection with ``answer`` (bytes as given); the list counts
+    its connections."""
+    connections = [0]
+
+    async def serve(stream: trio.SocketStream) -> None:
+        connections[0] += 1
+        request = b""
+        while True:
+            data = await stream.receive_some(65536)
+            if not data:
+                return
+            request += data
+            while b"\r\n\r\n{}" in request:
+                request = request.split(b"\r\n\r\n{}", 1)[1]
+                await stream.send_all(answer)
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    nursery.start_soon(trio.serve_listeners, serve, listeners)
+    return EnginePool(f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"), connections
+
+
+_CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+@pytest.mark.parametrize(("tail", "reused"), [(b"", True), (b"HTTP/1.1 200 OK\r\n", False)])
+async def test_a_chunked_answer_read_to_its_end_leaves_its_connection_reusable_unless_bytes_follow(
+        nursery, tail, reused):
+    pool, connections = await _raw_engine(nursery, _CHUNKED_HEAD + b"5;x=1\r\nhello\r\n1\r\n!\r\n0\r\n\r\n" + tail)
+    with trio.fail_after(10):
+        for _ in range(2):
+            response = await pool.request("POST", "/v1/completions", b"{}", [])
+            assert await response.read(5.0) == b"hello!"
+            await response.aclose()
+    assert connections[0] == (1 if reused else 2)
+    await pool.aclose()
+
+
+@pytest.mark.parametrize("body", [b"5\r\nhelloXX", b"zz\r\n", b"5\r\nhel"])
+async def test_a_broken_or_cut_chunked_answer_is_an_upstream_error(nursery, body):
+    async def once(stream: trio.SocketStream) -> None:
+        await stream.receive_some(65536)
+        await stream.send_all(_CHUNKED_HEAD + body)
+        await stream.aclose()
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    nursery.start_soon(trio.serve_listeners, once, listeners)
+    pool = EnginePool(f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}")
+    with trio.fail_after(10):
+        response = await pool.request("POST", "/v1/completions", b"{}", [])
+        with pytest.raises(UpstreamError, match="broke the response|closed the connection"):
+            await response.read(5.0)
+        await response.aclose()
+    assert pool.idle_connections == 0
+    await pool.aclose()
