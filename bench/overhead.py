@@ -22,6 +22,7 @@ from bench.engine_stats import ENGINE_TTFT, ScrapeResult, delta, mean_engine_ttf
 from bench.passthrough import passthrough_relay
 from bench.peers import smg_router
 from bench.replica_stats import process_cpu, process_run_wait
+from bench.revision import exported, is_revision_peer, split_peer
 from bench.runner import FleetSpec, router, sim_fleet
 from bench.stats import RequestResult, Summary, percentile, summarize
 from bench.workloads import Conversation, text, unique_prompts
@@ -165,7 +166,12 @@ class Block:
 
 PEERS = ("smg", "passthrough")
 """``passthrough`` is not a router: it is kvmesh's own HTTP stack relaying to the engine and nothing else
-(bench/passthrough.py), the floor under kvmesh's row."""
+(bench/passthrough.py), the floor under kvmesh's row. ``kvmesh@REV`` and ``passthrough@REV`` run the code of
+git revision REV beside this one's (``bench.revision``): a change's before and after in one run."""
+
+
+def known_peer(name: str) -> bool:
+    return name in PEERS or is_revision_peer(name)
 QUEUE_THRESHOLD = 1024
 """kvmesh sheds load (429) once an engine's queue passes its threshold, 64 by default; the peer does not, and
 at c=64 on one engine the default sheds. The bench compares data paths, so shedding is kept out of it."""
@@ -187,8 +193,15 @@ async def _paths(client: HttpClient, spec: FleetSpec, log_dir: Path, policy: str
                                                         extra_args=["--config", str(config)], cores=router_cores))
         urls = {"engine": engines[0], "kvmesh": kvmesh}
         for name in peer_names:
-            start = (passthrough_relay(client, engines[0], log_dir, pids, router_cores) if name == "passthrough"
-                     else smg_router(client, engines, f"smg:{PEER_POLICY}", log_dir, pids, router_cores))
+            base, revision = split_peer(name)
+            root = exported(revision, log_dir) if revision else None
+            if base == "kvmesh":
+                start = router(client, engines, policy, log_dir, pids=pids, extra_args=["--config", str(config)],
+                               cores=router_cores, root=root)
+            elif base == "passthrough":
+                start = passthrough_relay(client, engines[0], log_dir, pids, router_cores, root)
+            else:
+                start = smg_router(client, engines, f"smg:{PEER_POLICY}", log_dir, pids, router_cores)
             urls[name] = await stack.enter_async_context(start)
         yield urls
 
@@ -293,6 +306,25 @@ def format_system_prompt(blocks: list[Block]) -> str:
     lines.append("added = median over rounds of (path - engine, same round); req/s x = median of per-round ratios;"
                  " spread = per-round range of added p50 (noise); CPU/req = the router process's CPU time per"
                  " answered request (its background work included)")
+    return "\n".join(lines)
+
+
+def cpu_per_request(block: Block) -> float | None:
+    return block.cpu_s / len(block.ok) if block.cpu_s is not None and block.ok else None
+
+
+def format_revision_cpu(blocks: list[Block]) -> str:
+    """For each ``X@REV`` path: per round, X's CPU per request over X@REV's (the same case and round, so the
+    same machine load within a few seconds); empty without such paths."""
+    lines = []
+    for case in dict.fromkeys(b.case for b in blocks):
+        for other in dict.fromkeys(b.path for b in blocks if is_revision_peer(b.path)):
+            base = split_peer(other)[0]
+            then = {b.round: cpu_per_request(b) for b in path_blocks(blocks, case, other)}
+            ratios = [f"{now / old:.2f}" for b in path_blocks(blocks, case, base)
+                      if (now := cpu_per_request(b)) is not None and (old := then.get(b.round))]
+            if ratios:
+                lines.append(f"{case:<8} CPU/req {base} / {other} per round: {' '.join(ratios)}")
     return "\n".join(lines)
 
 
