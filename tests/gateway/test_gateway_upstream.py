@@ -217,10 +217,14 @@ async def _raw_engine(nursery, answer: bytes) -> tuple[EnginePool, list[int]]:
 _CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
 
-@pytest.mark.parametrize(("tail", "reused"), [(b"", True), (b"HTTP/1.1 200 OK\r\n", False)])
-async def test_a_chunked_answer_read_to_its_end_leaves_its_connection_reusable_unless_bytes_follow(
-        nursery, tail, reused):
-    pool, connections = await _raw_engine(nursery, _CHUNKED_HEAD + b"5;x=1\r\nhello\r\n1\r\n!\r\n0\r\n\r\n" + tail)
+@pytest.mark.parametrize(("head", "tail", "reused"), [
+    (_CHUNKED_HEAD, b"", True), (_CHUNKED_HEAD, b"HTTP/1.1 200 OK\r\n", False),
+    (_CHUNKED_HEAD.replace(b"\r\n\r\n", b"\r\nconnection: close\r\n\r\n"), b"", False),
+    (_CHUNKED_HEAD.replace(b"HTTP/1.1", b"HTTP/1.0"), b"", False),
+])
+async def test_a_chunked_answer_read_to_its_end_leaves_its_connection_reusable_unless_bytes_follow_or_it_closes(
+        nursery, head, tail, reused):
+    pool, connections = await _raw_engine(nursery, head + b"5;x=1\r\nhello\r\n1\r\n!\r\n0\r\n\r\n" + tail)
     with trio.fail_after(10):
         for _ in range(2):
             response = await pool.request("POST", "/v1/completions", b"{}", [])
