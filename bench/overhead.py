@@ -280,18 +280,24 @@ def speed_ratios(blocks: list[Block], case: str, path: str) -> list[float]:
     return [b.req_per_s / base[b.round].req_per_s for b in path_blocks(blocks, case, path) if base[b.round].req_per_s]
 
 
+def _path_width(blocks: list[Block]) -> int:
+    """The path column fits the longest path name (another revision's is ``kvmesh@REV``)."""
+    return max([11, *(len(b.path) for b in blocks)])
+
+
 def format_system_prompt(blocks: list[Block]) -> str:
     """Per case and path: pooled TTFT p50/p90 and req/s, then the medians over rounds of what each router
     adds to the engine's TTFT p50/p90 and of its req/s ratio to the engine's (both from the same round),
     and the router process's CPU time per answered request."""
-    lines = [f"{'case':<8} {'path':<11} {'reqs':>5} {'errs':>4} {'TTFT p50':>9} {'p90':>7} {'req/s':>7} "
+    w = _path_width(blocks)
+    lines = [f"{'case':<8} {'path':<{w}} {'reqs':>5} {'errs':>4} {'TTFT p50':>9} {'p90':>7} {'req/s':>7} "
              f"{'added p50':>10} {'added p90':>10} {'req/s x':>8} {'spread p50':>11} {'CPU/req':>8}"]
     for case in dict.fromkeys(b.case for b in blocks):
         for path in dict.fromkeys(b.path for b in blocks):
             mine = path_blocks(blocks, case, path)
             pooled = Block(path, case, -1, [r for b in mine for r in b.results], sum(b.wall for b in mine))
             errors = len(pooled.results) - len(pooled.ok)
-            row = (f"{case:<8} {path:<11} {len(pooled.results):>5} {errors:>4} {pooled.ttft(50) * 1e3:>7.2f}ms "
+            row = (f"{case:<8} {path:<{w}} {len(pooled.results):>5} {errors:>4} {pooled.ttft(50) * 1e3:>7.2f}ms "
                    f"{pooled.ttft(90) * 1e3:>5.2f}ms {statistics.median(b.req_per_s for b in mine):>7.1f}")
             if path != "engine":
                 added50, added90 = added_ms(blocks, case, path, 50), added_ms(blocks, case, path, 90)
@@ -339,7 +345,8 @@ def format_engine_view(blocks: list[Block]) -> str:
     that made the engine slower (more work per request, polls, a worse arrival order) shows here, apart
     from its own added TTFT; an engine near 100% of its core is the bottleneck, and its TTFT is then
     mostly its own queueing."""
-    lines = [f"{'case':<8} {'path':<11} {'engine own TTFT mean':>21} {'engine CPU/req':>15} {'engine core busy':>17}"
+    w = _path_width(blocks)
+    lines = [f"{'case':<8} {'path':<{w}} {'engine own TTFT mean':>21} {'engine CPU/req':>15} {'engine core busy':>17}"
              f" {'engine no core':>15} {'router no core':>15}"]
     for case in dict.fromkeys(b.case for b in blocks):
         for path in dict.fromkeys(b.path for b in blocks):
@@ -350,7 +357,7 @@ def format_engine_view(blocks: list[Block]) -> str:
                 continue
             busy = statistics.median((b.engine_cpu_s or 0.0) / b.wall for b in mine if b.wall > 0)
             own = f"{statistics.median(ttfts) * 1e3:>19.1f}ms" if ttfts else f"{'-':>21}"
-            lines.append(f"{case:<8} {path:<11} {own} "
+            lines.append(f"{case:<8} {path:<{w}} {own} "
                          f"{sum(b.engine_cpu_s or 0.0 for b in mine) / answered * 1e3:>13.2f}ms {busy:>16.0%} "
                          f"{_share(mine, lambda b: b.engine_wait_s)} {_share(mine, lambda b: b.wait_s)}")
     lines.append("engine own TTFT = median over rounds of the engine's /metrics TTFT mean in the block (arrival in"
