@@ -169,6 +169,13 @@ async def test_headers_http_cannot_carry_are_dropped_not_raised(nursery):
     await pool.aclose()
 
 
+async def _raw_pool(nursery, handler) -> EnginePool:
+    """A pool for an engine that is ``handler`` on raw sockets (it writes whatever bytes it likes)."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    nursery.start_soon(trio.serve_listeners, handler, listeners)
+    return EnginePool(f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}")
+
+
 async def test_body_chunks_one_read_brought_together_go_on_as_one(nursery):
     """An engine ahead of the router: SSE chunks already in hand are relayed in one write, not one each."""
     events = [f"data: {{\"n\": {i}}}\n\n".encode() for i in range(5)]
@@ -180,9 +187,7 @@ async def test_body_chunks_one_read_brought_together_go_on_as_one(nursery):
                               b"transfer-encoding: chunked\r\n\r\n" + chunked)
         await trio.sleep_forever()
 
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    nursery.start_soon(trio.serve_listeners, burst, listeners)
-    pool = EnginePool(f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}")
+    pool = await _raw_pool(nursery, burst)
     with trio.fail_after(10):
         response = await pool.request("POST", "/v1/completions", b"{}", [])
         await trio.sleep(0.2)  # the whole answer is in the socket before the first read of the body
@@ -209,9 +214,7 @@ async def _raw_engine(nursery, answer: bytes) -> tuple[EnginePool, list[int]]:
                 request = request.split(b"\r\n\r\n{}", 1)[1]
                 await stream.send_all(answer)
 
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    nursery.start_soon(trio.serve_listeners, serve, listeners)
-    return EnginePool(f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"), connections
+    return await _raw_pool(nursery, serve), connections
 
 
 _CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -241,9 +244,7 @@ async def test_a_broken_or_cut_chunked_answer_is_an_upstream_error(nursery, body
         await stream.send_all(_CHUNKED_HEAD + body)
         await stream.aclose()
 
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    nursery.start_soon(trio.serve_listeners, once, listeners)
-    pool = EnginePool(f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}")
+    pool = await _raw_pool(nursery, once)
     with trio.fail_after(10):
         response = await pool.request("POST", "/v1/completions", b"{}", [])
         with pytest.raises(UpstreamError, match="broke the response|closed the connection"):
