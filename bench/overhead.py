@@ -168,14 +168,15 @@ PEERS = ("smg", "passthrough")
 """``passthrough`` is not a router: it is kvmesh's own HTTP stack relaying to the engine and nothing else
 (bench/passthrough.py), the floor under kvmesh's row. ``kvmesh@REV`` and ``passthrough@REV`` run the code of
 git revision REV beside this one's (``bench.revision``): a change's before and after in one run."""
-
-
-def known_peer(name: str) -> bool:
-    return name in PEERS or is_revision_peer(name)
 QUEUE_THRESHOLD = 1024
 """kvmesh sheds load (429) once an engine's queue passes its threshold, 64 by default; the peer does not, and
 at c=64 on one engine the default sheds. The bench compares data paths, so shedding is kept out of it."""
 PEER_POLICY = "cache_aware"
+
+
+def known_peer(name: str) -> bool:
+    """A peer ``--peers`` may name: smg, the floor, or kvmesh or the floor at another git revision."""
+    return name in PEERS or is_revision_peer(name)
 
 
 @asynccontextmanager
