@@ -15,7 +15,9 @@ from bench.overhead import (
     PEERS,
     format_engine_view,
     format_overhead,
+    format_revision_cpu,
     format_system_prompt,
+    known_peer,
     measure_overhead,
     measure_system_prompt,
 )
@@ -111,8 +113,9 @@ def parser() -> argparse.ArgumentParser:
                           help="system: 1,500-token shared system prompt + fresh user turn, streamed, c=1 and "
                                "c=64; tiny: small unique prompts at --concurrency")
     overhead.add_argument("--peers", default=None,
-                          help=f"comma-separated peer routers in the same run ({', '.join(PEERS)}); with --pin "
-                               "the default is passthrough, and smg when it is installed")
+                          help=f"comma-separated peer routers in the same run ({', '.join(PEERS)}, or "
+                               "kvmesh@REV / passthrough@REV: that git revision's code); with --pin the default "
+                               "is passthrough, and smg when it is installed")
     overhead.add_argument("--pin", action="store_true",
                           help="the router under test alone on the last CPU, engine and load on the others, "
                                "and a sweep over --sweep concurrencies (system workload)")
@@ -204,13 +207,15 @@ def _overhead(args: argparse.Namespace, log_dir: Path) -> int:
         print(format_overhead(rows))
         return 0
     peer_names = [p for p in (args.peers if args.peers is not None else _default_peers(args.pin)).split(",") if p]
-    unknown = set(peer_names) - set(PEERS)
+    unknown = {p for p in peer_names if not known_peer(p)}
     if unknown:
-        raise SystemExit(f"kvmesh bench overhead: unknown peers {sorted(unknown)}; known: {', '.join(PEERS)}")
+        raise SystemExit(f"kvmesh bench overhead: unknown peers {sorted(unknown)}; known: {', '.join(PEERS)}, "
+                         "kvmesh@REV, passthrough@REV")
     if not args.pin:
         blocks = trio.run(measure_system_prompt, spec, log_dir, args.rounds, args.policy, peer_names)
         print(format_system_prompt(blocks))
         print(format_engine_view(blocks))
+        print(format_revision_cpu(blocks))
         return 0
     pinning = overhead_sweep.pin_this_process()
     spec = overhead_sweep.fleet_for_sweep(spec, args.sweep)
@@ -221,6 +226,7 @@ def _overhead(args: argparse.Namespace, log_dir: Path) -> int:
                       pinning.router)
     print(format_system_prompt(blocks))
     print(format_engine_view(blocks))
+    print(format_revision_cpu(blocks))
     print(overhead_sweep.load_average())
     for line in overhead_sweep.verdicts(blocks, args.sweep):
         print(line)

@@ -22,6 +22,7 @@ from bench.engine_stats import ENGINE_TTFT, ScrapeResult, delta, mean_engine_ttf
 from bench.passthrough import passthrough_relay
 from bench.peers import smg_router
 from bench.replica_stats import process_cpu, process_run_wait
+from bench.revision import exported, is_revision_peer, split_peer
 from bench.runner import FleetSpec, router, sim_fleet
 from bench.stats import RequestResult, Summary, percentile, summarize
 from bench.workloads import Conversation, text, unique_prompts
@@ -165,11 +166,17 @@ class Block:
 
 PEERS = ("smg", "passthrough")
 """``passthrough`` is not a router: it is kvmesh's own HTTP stack relaying to the engine and nothing else
-(bench/passthrough.py), the floor under kvmesh's row."""
+(bench/passthrough.py), the floor under kvmesh's row. ``kvmesh@REV`` and ``passthrough@REV`` run the code of
+git revision REV beside this one's (``bench.revision``): a change's before and after in one run."""
 QUEUE_THRESHOLD = 1024
 """kvmesh sheds load (429) once an engine's queue passes its threshold, 64 by default; the peer does not, and
 at c=64 on one engine the default sheds. The bench compares data paths, so shedding is kept out of it."""
 PEER_POLICY = "cache_aware"
+
+
+def known_peer(name: str) -> bool:
+    """A peer ``--peers`` may name: smg, the floor, or kvmesh or the floor at another git revision."""
+    return name in PEERS or is_revision_peer(name)
 
 
 @asynccontextmanager
@@ -187,8 +194,15 @@ async def _paths(client: HttpClient, spec: FleetSpec, log_dir: Path, policy: str
                                                         extra_args=["--config", str(config)], cores=router_cores))
         urls = {"engine": engines[0], "kvmesh": kvmesh}
         for name in peer_names:
-            start = (passthrough_relay(client, engines[0], log_dir, pids, router_cores) if name == "passthrough"
-                     else smg_router(client, engines, f"smg:{PEER_POLICY}", log_dir, pids, router_cores))
+            base, revision = split_peer(name)
+            root = exported(revision, log_dir) if revision else None
+            if base == "kvmesh":
+                start = router(client, engines, policy, log_dir, pids=pids, extra_args=["--config", str(config)],
+                               cores=router_cores, root=root)
+            elif base == "passthrough":
+                start = passthrough_relay(client, engines[0], log_dir, pids, router_cores, root)
+            else:
+                start = smg_router(client, engines, f"smg:{PEER_POLICY}", log_dir, pids, router_cores)
             urls[name] = await stack.enter_async_context(start)
         yield urls
 
@@ -267,18 +281,24 @@ def speed_ratios(blocks: list[Block], case: str, path: str) -> list[float]:
     return [b.req_per_s / base[b.round].req_per_s for b in path_blocks(blocks, case, path) if base[b.round].req_per_s]
 
 
+def _path_width(blocks: list[Block]) -> int:
+    """The path column fits the longest path name (another revision's is ``kvmesh@REV``)."""
+    return max([11, *(len(b.path) for b in blocks)])
+
+
 def format_system_prompt(blocks: list[Block]) -> str:
     """Per case and path: pooled TTFT p50/p90 and req/s, then the medians over rounds of what each router
     adds to the engine's TTFT p50/p90 and of its req/s ratio to the engine's (both from the same round),
     and the router process's CPU time per answered request."""
-    lines = [f"{'case':<8} {'path':<11} {'reqs':>5} {'errs':>4} {'TTFT p50':>9} {'p90':>7} {'req/s':>7} "
+    w = _path_width(blocks)
+    lines = [f"{'case':<8} {'path':<{w}} {'reqs':>5} {'errs':>4} {'TTFT p50':>9} {'p90':>7} {'req/s':>7} "
              f"{'added p50':>10} {'added p90':>10} {'req/s x':>8} {'spread p50':>11} {'CPU/req':>8}"]
     for case in dict.fromkeys(b.case for b in blocks):
         for path in dict.fromkeys(b.path for b in blocks):
             mine = path_blocks(blocks, case, path)
             pooled = Block(path, case, -1, [r for b in mine for r in b.results], sum(b.wall for b in mine))
             errors = len(pooled.results) - len(pooled.ok)
-            row = (f"{case:<8} {path:<11} {len(pooled.results):>5} {errors:>4} {pooled.ttft(50) * 1e3:>7.2f}ms "
+            row = (f"{case:<8} {path:<{w}} {len(pooled.results):>5} {errors:>4} {pooled.ttft(50) * 1e3:>7.2f}ms "
                    f"{pooled.ttft(90) * 1e3:>5.2f}ms {statistics.median(b.req_per_s for b in mine):>7.1f}")
             if path != "engine":
                 added50, added90 = added_ms(blocks, case, path, 50), added_ms(blocks, case, path, 90)
@@ -296,6 +316,25 @@ def format_system_prompt(blocks: list[Block]) -> str:
     return "\n".join(lines)
 
 
+def cpu_per_request(block: Block) -> float | None:
+    return block.cpu_s / len(block.ok) if block.cpu_s is not None and block.ok else None
+
+
+def format_revision_cpu(blocks: list[Block]) -> str:
+    """For each ``X@REV`` path: per round, X's CPU per request over X@REV's (the same case and round, so the
+    same machine load within a few seconds); empty without such paths."""
+    lines = []
+    for case in dict.fromkeys(b.case for b in blocks):
+        for other in dict.fromkeys(b.path for b in blocks if is_revision_peer(b.path)):
+            base = split_peer(other)[0]
+            then = {b.round: cpu_per_request(b) for b in path_blocks(blocks, case, other)}
+            ratios = [f"{now / old:.2f}" for b in path_blocks(blocks, case, base)
+                      if (now := cpu_per_request(b)) is not None and (old := then.get(b.round))]
+            if ratios:
+                lines.append(f"{case:<8} CPU/req {base} / {other} per round: {' '.join(ratios)}")
+    return "\n".join(lines)
+
+
 def _share(blocks: list[Block], seconds: Callable[[Block], float | None]) -> str:
     shares = [s / b.wall for b in blocks if (s := seconds(b)) is not None and b.wall > 0]
     return f"{statistics.median(shares):>15.0%}" if shares else f"{'-':>15}"
@@ -307,7 +346,8 @@ def format_engine_view(blocks: list[Block]) -> str:
     that made the engine slower (more work per request, polls, a worse arrival order) shows here, apart
     from its own added TTFT; an engine near 100% of its core is the bottleneck, and its TTFT is then
     mostly its own queueing."""
-    lines = [f"{'case':<8} {'path':<11} {'engine own TTFT mean':>21} {'engine CPU/req':>15} {'engine core busy':>17}"
+    w = _path_width(blocks)
+    lines = [f"{'case':<8} {'path':<{w}} {'engine own TTFT mean':>21} {'engine CPU/req':>15} {'engine core busy':>17}"
              f" {'engine no core':>15} {'router no core':>15}"]
     for case in dict.fromkeys(b.case for b in blocks):
         for path in dict.fromkeys(b.path for b in blocks):
@@ -318,7 +358,7 @@ def format_engine_view(blocks: list[Block]) -> str:
                 continue
             busy = statistics.median((b.engine_cpu_s or 0.0) / b.wall for b in mine if b.wall > 0)
             own = f"{statistics.median(ttfts) * 1e3:>19.1f}ms" if ttfts else f"{'-':>21}"
-            lines.append(f"{case:<8} {path:<11} {own} "
+            lines.append(f"{case:<8} {path:<{w}} {own} "
                          f"{sum(b.engine_cpu_s or 0.0 for b in mine) / answered * 1e3:>13.2f}ms {busy:>16.0%} "
                          f"{_share(mine, lambda b: b.engine_wait_s)} {_share(mine, lambda b: b.wait_s)}")
     lines.append("engine own TTFT = median over rounds of the engine's /metrics TTFT mean in the block (arrival in"

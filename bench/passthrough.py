@@ -53,14 +53,14 @@ class Passthrough:
 
 @asynccontextmanager
 async def passthrough_relay(client: HttpClient, engine_url: str, log_dir: Path,
-                            pids: dict[str, int] | None = None,
-                            cores: frozenset[int] | None = None) -> AsyncIterator[str]:
-    """One relay process in front of the engine, on ``cores`` when given; yields its URL (and notes its pid
-    in ``pids``, by URL)."""
+                            pids: dict[str, int] | None = None, cores: frozenset[int] | None = None,
+                            root: Path | None = None) -> AsyncIterator[str]:
+    """One relay process in front of the engine, on ``cores`` when given, of the code in ``root`` (another
+    revision's tree) when given; yields its URL (and notes its pid in ``pids``, by URL)."""
     port = free_port_range(1)
     log = log_dir / f"passthrough-{port}.log"
     argv = python_module("bench.passthrough", "--engine", engine_url, "--port", str(port))
-    async with spawned(argv, log, cores=cores) as proc:
+    async with spawned(argv, log, cores=cores, root=root) as proc:
         url = f"http://127.0.0.1:{port}"
         await wait_ready(client, url + "/v1/models", proc, log)
         if pids is not None:

@@ -84,15 +84,18 @@ def _log_tail(path: Path, lines: int = 20) -> str:
 
 @asynccontextmanager
 async def spawned(argv: list[str], log_path: Path, env: Mapping[str, str] | None = None,
-                  cores: frozenset[int] | None = None) -> AsyncIterator[trio.Process]:
-    """Run ``argv`` from the repository root for the duration of the block, then stop it. With ``cores``
-    the child (and every thread it starts) runs only on those CPUs; without, it inherits this process's."""
+                  cores: frozenset[int] | None = None, root: Path | None = None) -> AsyncIterator[trio.Process]:
+    """Run ``argv`` from the repository root (or ``root``, another revision's tree, which its modules are then
+    imported from) for the duration of the block, then stop it. With ``cores`` the child (and every thread it
+    starts) runs only on those CPUs; without, it inherits this process's."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     pin = None if cores is None else (lambda: os.sched_setaffinity(0, cores))
+    if root is not None:
+        env = {**(env if env is not None else os.environ), "PYTHONPATH": str(root)}
     with log_path.open("wb") as log:
         proc = await trio.lowlevel.open_process(
-            argv, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO_ROOT), start_new_session=True, env=env,
-            preexec_fn=pin,
+            argv, stdout=log, stderr=subprocess.STDOUT, cwd=str(root or REPO_ROOT), start_new_session=True,
+            env=env, preexec_fn=pin,
         )
     try:
         yield proc

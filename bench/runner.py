@@ -117,9 +117,11 @@ async def router(
     extra_args: Sequence[str] = (),
     pids: dict[str, int] | None = None,
     cores: frozenset[int] | None = None,
+    root: Path | None = None,
 ) -> AsyncIterator[str]:
-    """Start one kvmesh router with ``policy`` in front of the engines (on ``cores`` when given); yields its
-    base URL (and notes its pid in ``pids``, by URL, for a caller that reads its CPU time)."""
+    """Start one kvmesh router with ``policy`` in front of the engines (on ``cores`` when given; the code of
+    ``root``, another revision's tree, when given); yields its base URL (and notes its pid in ``pids``, by URL,
+    for a caller that reads its CPU time)."""
     port = free_port_range(1)
     args = ["router", "--host", "127.0.0.1", "--port", str(port), "--policy", policy, *extra_args]
     for url in engine_urls:
@@ -127,7 +129,7 @@ async def router(
     if tokenizer:
         args += ["--tokenizer", tokenizer]
     log = log_dir / f"router-{policy}-{port}.log"
-    async with spawned(python_module("gateway.cli", *args), log, cores=cores) as proc:
+    async with spawned(python_module("gateway.cli", *args), log, cores=cores, root=root) as proc:
         url = f"http://127.0.0.1:{port}"
         await wait_ready(client, url + "/health", proc, log)
         if pids is not None:

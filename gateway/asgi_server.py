@@ -41,6 +41,10 @@ STREAM_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 App = Callable[[dict[str, Any], Callable[[], Awaitable[dict[str, Any]]], Callable[[dict[str, Any]], Awaitable[None]]],
                Awaitable[None]]
 _NO_BODY_STATUS = frozenset({204, 304})
+_CHUNKED_HEAD = b"\r\ntransfer-encoding: chunked\r\n"
+"""In a response head h11 wrote (names lowered): its body is chunked, and the server frames the chunks itself:
+h11's ``send(Data)`` cost 11 us a chunk here (a streamed answer is ~19 of them), the framing alone under 1 us.
+h11 still writes the head and the final chunk, and keeps the exchange's state."""
 HANGUP_EXTENSION = "kvmesh.hangup"
 """``scope["extensions"][HANGUP_EXTENSION](callback)`` is a context manager: while it is open, ``callback`` is
 called (once, from another task; it must not block) if the client goes away, and the connection's sends are
@@ -275,6 +279,7 @@ class _Exchange:
         self.started = False
         self.complete = False
         self.no_body = False
+        self.chunked = False
 
     async def run(self) -> None:
         try:
@@ -351,10 +356,13 @@ class _Exchange:
         more = message.get("more_body", False)
         out = []
         if self.head is not None:
-            out.append(self.h11.send(self.head) or b"")
+            head = self.h11.send(self.head) or b""
+            self.chunked = _CHUNKED_HEAD in head.lower()
+            out.append(head)
             self.head = None
         if body and not self.no_body:
-            out.append(self.h11.send(h11.Data(data=body)) or b"")
+            chunk = b"%x\r\n%b\r\n" % (len(body), body) if self.chunked else self.h11.send(h11.Data(data=body))
+            out.append(chunk or b"")
         if not more:
             out.append(self.h11.send(h11.EndOfMessage()) or b"")
             self.complete = True

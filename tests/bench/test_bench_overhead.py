@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 
 import pytest
 
@@ -13,12 +14,15 @@ from bench.overhead import (
     SYSTEM_WORDS,
     Block,
     format_engine_view,
+    format_revision_cpu,
     format_system_prompt,
+    known_peer,
     rotated,
     system_prompt_requests,
 )
 from bench.overhead_sweep import fleet_for_sweep, plot, split_cores, sweep_cases, verdicts
 from bench.passthrough import passthrough_relay
+from bench.revision import exported
 from bench.runner import FleetSpec, sim_fleet
 from bench.stats import RequestResult
 
@@ -146,3 +150,32 @@ def test_the_engines_own_ttft_is_its_histograms_sum_over_count():
     before = parse_counters(text.replace(" 4.0", " 2.0").replace(" 0.8", " 0.2"), ENGINE_TTFT)
     assert mean_engine_ttft(delta(before, parse_counters(text, ENGINE_TTFT))) == pytest.approx(0.3)
     assert math.isnan(mean_engine_ttft(delta(before, before)))
+
+
+def test_another_revisions_router_or_floor_is_a_peer_and_nothing_else_is():
+    assert all(known_peer(p) for p in ("smg", "passthrough", "kvmesh@HEAD~1", "passthrough@5fe0ec5", "kvmesh@v1.2"))
+    assert not any(known_peer(p) for p in ("kvmesh", "smg@HEAD", "kvmesh@", "kvmesh@-rf", "kvmesh@a b", "vllm"))
+
+
+def test_a_revision_is_exported_once_per_commit(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    (repo / "gateway.py").write_text("OLD = 1\n")
+    for argv in (["init", "-q"], ["add", "."], ["commit", "-qm", "one"], ["tag", "before"]):
+        subprocess.run([*git, *argv], check=True)
+    (repo / "gateway.py").write_text("NEW = 1\n")
+    subprocess.run([*git, "commit", "-qam", "two"], check=True)
+    tree = exported("before", tmp_path / "logs", repo)
+    assert (tree / "gateway.py").read_text() == "OLD = 1\n"
+    assert exported("HEAD~1", tmp_path / "logs", repo) == tree  # the same commit by another name
+    assert (exported("HEAD", tmp_path / "logs", repo) / "gateway.py").read_text() == "NEW = 1\n"
+
+
+def test_cpu_per_request_is_compared_with_the_other_revision_round_by_round():
+    blocks = [_block("kvmesh", 0, 11), _block("kvmesh@HEAD~1", 0, 11), _block("kvmesh", 1, 11),
+              _block("kvmesh@HEAD~1", 1, 11), _block("passthrough", 0, 10)]
+    for block, cpu in zip(blocks, (0.040, 0.050, 0.090, 0.100, 0.010), strict=True):
+        block.cpu_s = cpu
+    assert format_revision_cpu(blocks) == "c=1      CPU/req kvmesh / kvmesh@HEAD~1 per round: 0.80 0.90"
+    assert format_revision_cpu(blocks[-1:]) == ""

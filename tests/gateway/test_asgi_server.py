@@ -249,3 +249,54 @@ async def test_shutdown_closes_idle_connections_and_lets_a_request_in_flight_fin
         release.set()
         assert (await read_until(busy, b"done")).endswith(b"done")
         assert await read_until(busy, b"never") == b""  # and then closed
+
+
+STREAMED = b"data: 1\n\n" + b"data: \x00\r\n" * 300 + b"data: [DONE]\n\n"
+
+
+async def _stream_pieces(scope, receive, send) -> None:
+    await receive()
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+    for piece in (b"data: 1\n\n", b"", bytearray(b"data: \x00\r\n" * 300), b"data: [DONE]\n\n"):
+        await send({"type": "http.response.body", "body": piece, "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def test_a_streamed_answer_framed_by_the_server_reads_back_whole_and_keeps_the_connection():
+    """The server writes the chunks of a chunked answer itself (h11 the head and the end): an HTTP client
+    gets every byte, empty and bytearray pieces included, and the connection serves the next request."""
+    import h11
+
+    async with trio.open_nursery() as nursery:
+        port, stop = await start(nursery, _stream_pieces)
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        client = h11.Connection(h11.CLIENT)
+        for _ in range(2):
+            await stream.send_all(client.send(h11.Request(method="GET", target="/", headers=[("host", "h")]))
+                                  + client.send(h11.EndOfMessage()))
+            body, head = b"", None
+            with trio.fail_after(5):
+                while not isinstance(event := client.next_event(), h11.EndOfMessage):
+                    if event is h11.NEED_DATA:
+                        client.receive_data(await stream.receive_some(65536))
+                    elif isinstance(event, h11.Response):
+                        head = event
+                    else:
+                        body += event.data
+            assert body == STREAMED
+            assert head is not None and dict(head.headers)[b"transfer-encoding"] == b"chunked"
+            client.start_next_cycle()
+        await stream.aclose()
+        stop.set()
+
+
+async def test_an_http_1_0_client_gets_the_streamed_answer_unframed():
+    async with trio.open_nursery() as nursery:
+        port, stop = await start(nursery, _stream_pieces)
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        await stream.send_all(b"GET / HTTP/1.0\r\nhost: h\r\n\r\n")
+        data = await read_until(stream, b"never sent")
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert body == STREAMED and b"transfer-encoding" not in head.lower()
+        await stream.aclose()
+        stop.set()

@@ -169,6 +169,13 @@ async def test_headers_http_cannot_carry_are_dropped_not_raised(nursery):
     await pool.aclose()
 
 
+async def _raw_pool(nursery, handler) -> EnginePool:
+    """A pool for an engine that is ``handler`` on raw sockets (it writes whatever bytes it likes)."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    nursery.start_soon(trio.serve_listeners, handler, listeners)
+    return EnginePool(f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}")
+
+
 async def test_body_chunks_one_read_brought_together_go_on_as_one(nursery):
     """An engine ahead of the router: SSE chunks already in hand are relayed in one write, not one each."""
     events = [f"data: {{\"n\": {i}}}\n\n".encode() for i in range(5)]
@@ -180,13 +187,69 @@ async def test_body_chunks_one_read_brought_together_go_on_as_one(nursery):
                               b"transfer-encoding: chunked\r\n\r\n" + chunked)
         await trio.sleep_forever()
 
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    nursery.start_soon(trio.serve_listeners, burst, listeners)
-    pool = EnginePool(f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}")
+    pool = await _raw_pool(nursery, burst)
     with trio.fail_after(10):
         response = await pool.request("POST", "/v1/completions", b"{}", [])
         await trio.sleep(0.2)  # the whole answer is in the socket before the first read of the body
         chunks = [chunk async for chunk in response.iter_body(5.0)]
     assert b"".join(chunks) == b"".join(events) and len(chunks) < len(events)
     await response.aclose()
+    await pool.aclose()
+
+
+async def _raw_engine(nursery, answer: bytes) -> tuple[EnginePool, list[int]]:
+    """An engine that answers every request on a connection with ``answer`` (bytes as given); the list counts
+    its connections."""
+    connections = [0]
+
+    async def serve(stream: trio.SocketStream) -> None:
+        connections[0] += 1
+        request = b""
+        while True:
+            data = await stream.receive_some(65536)
+            if not data:
+                return
+            request += data
+            while b"\r\n\r\n{}" in request:
+                request = request.split(b"\r\n\r\n{}", 1)[1]
+                await stream.send_all(answer)
+
+    return await _raw_pool(nursery, serve), connections
+
+
+_CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+@pytest.mark.parametrize(("head", "tail", "reused"), [
+    (_CHUNKED_HEAD, b"", True), (_CHUNKED_HEAD, b"HTTP/1.1 200 OK\r\n", False),
+    (_CHUNKED_HEAD.replace(b"\r\n\r\n", b"\r\nconnection: close\r\n\r\n"), b"", False),
+    (_CHUNKED_HEAD.replace(b"HTTP/1.1", b"HTTP/1.0"), b"", False),
+])
+async def test_a_chunked_answer_read_to_its_end_leaves_its_connection_reusable_unless_bytes_follow_or_it_closes(
+        nursery, head, tail, reused):
+    pool, connections = await _raw_engine(nursery, head + b"5;x=1\r\nhello\r\n1\r\n!\r\n0\r\n\r\n" + tail)
+    with trio.fail_after(10):
+        for _ in range(2):
+            response = await pool.request("POST", "/v1/completions", b"{}", [])
+            first = await anext(response.iter_body(5.0))
+            assert first + await response.read(5.0) == b"hello!"  # a second iteration goes on from the first
+            await response.aclose()
+    assert connections[0] == (1 if reused else 2)
+    await pool.aclose()
+
+
+@pytest.mark.parametrize("body", [b"5\r\nhelloXX", b"zz\r\n", b"5\r\nhel"])
+async def test_a_broken_or_cut_chunked_answer_is_an_upstream_error(nursery, body):
+    async def once(stream: trio.SocketStream) -> None:
+        await stream.receive_some(65536)
+        await stream.send_all(_CHUNKED_HEAD + body)
+        await stream.aclose()
+
+    pool = await _raw_pool(nursery, once)
+    with trio.fail_after(10):
+        response = await pool.request("POST", "/v1/completions", b"{}", [])
+        with pytest.raises(UpstreamError, match="broke the response|closed the connection"):
+            await response.read(5.0)
+        await response.aclose()
+    assert pool.idle_connections == 0
     await pool.aclose()
