@@ -34,9 +34,21 @@ def load_json(body: bytes | str) -> Any:
         raise ValueError("JSON nested too deeply") from None
 
 
-def parse_models(body: bytes | str) -> tuple[set[str], int | None]:
-    """The model ids of an OpenAI ``GET /v1/models`` answer (``{"data": [{"id": ...}, ...]}``) and the
-    longest context they report (vLLM's ``max_model_len``; None unless every entry gives a sane one).
+@dataclass(frozen=True)
+class ModelList:
+    """What an engine's ``GET /v1/models`` says: its model ids, the longest context they report, its adapters."""
+
+    ids: set[str]
+    max_model_len: int | None
+    """vLLM's ``max_model_len``; None unless every entry gives a sane one."""
+    adapters: dict[str, str]
+    """LoRA adapter -> base model: vLLM lists each adapter served with ``--lora-modules`` as its own entry
+    whose ``parent`` is the base model's id (the base's is null). An entry whose parent is not listed, or
+    is itself, is not taken for an adapter."""
+
+
+def parse_models(body: bytes | str) -> ModelList:
+    """An OpenAI ``GET /v1/models`` answer (``{"data": [{"id": ...}, ...]}``), parsed once.
 
     Entries that are not objects with a string id are skipped; anything else is a ValueError. A server
     still loading its model may answer ``"data": null``: that is "no models yet", not an error.
@@ -46,32 +58,20 @@ def parse_models(body: bytes | str) -> tuple[set[str], int | None]:
         raise ValueError("/v1/models must answer a JSON object")
     models = data.get("data")
     if models is None:
-        return set(), None
+        return ModelList(set(), None, {})
     if not isinstance(models, list):
         raise ValueError(f"/v1/models: data must be a list, got {type(models).__name__}")
     cards = [m for m in models if isinstance(m, dict) and _is_model_id(m.get("id"))]
     # vLLM lists a LoRA adapter with "max_model_len": null; the context is its base model's.
     lengths = [m.get("max_model_len") for m in cards if m.get("max_model_len") is not None or not m.get("parent")]
     sane = lengths and all(type(n) is int and 0 < n <= MAX_MODEL_LEN for n in lengths)
-    return {m["id"] for m in cards}, max(lengths) if sane else None
+    ids = {m["id"] for m in cards}
+    adapters = {m["id"]: m["parent"] for m in cards
+                if isinstance(m.get("parent"), str) and m["parent"] in ids and m["parent"] != m["id"]}
+    return ModelList(ids, max(lengths) if sane else None, adapters)
 
 
 MAX_MODEL_LEN = 1 << 30
-
-
-def parse_adapters(body: bytes | str) -> dict[str, str]:
-    """LoRA adapter -> base model, from a ``GET /v1/models`` answer: vLLM lists each adapter served with
-    ``--lora-modules`` as its own entry whose ``parent`` is the base model's id (the base's is null). An
-    entry whose parent is not listed, or is itself, is not taken for an adapter. Same errors as
-    ``parse_models``."""
-    data = load_json(body)
-    cards = data.get("data") if isinstance(data, dict) else None
-    if not isinstance(cards, list):
-        return {}
-    cards = [m for m in cards if isinstance(m, dict) and _is_model_id(m.get("id"))]
-    ids = {m["id"] for m in cards}
-    return {m["id"]: m["parent"] for m in cards
-            if isinstance(m.get("parent"), str) and m["parent"] in ids and m["parent"] != m["id"]}
 
 
 def _is_model_id(value: Any) -> bool:

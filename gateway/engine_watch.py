@@ -20,7 +20,7 @@ import logging
 
 import trio
 
-from events.discovery import EventSource, parse_adapters, parse_kv_event_sources, parse_models
+from events.discovery import EventSource, parse_kv_event_sources, parse_models
 from events.metrics_poller import EngineLoad as PolledLoad
 from events.metrics_poller import poll_metrics
 from gateway.adapters import base_model
@@ -49,11 +49,11 @@ class Discovery:
         status, body = await self.engine.pool.get("/v1/models")
         if status != 200:
             raise UpstreamError(f"/v1/models answered {status}")
-        ids, max_model_len = parse_models(body)
-        if max_model_len is not None:
-            self.engine.max_model_len = max_model_len
-        self.engine.adapters = parse_adapters(body)
-        return ids
+        listed = parse_models(body)
+        if listed.max_model_len is not None:
+            self.engine.max_model_len = listed.max_model_len
+        self.engine.adapters = listed.adapters
+        return listed.ids
 
     async def connector(self) -> None:
         """The engine's P/D role and protocol from ``/server_info``, when it serves one (vLLM does in its

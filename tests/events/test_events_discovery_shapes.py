@@ -28,7 +28,7 @@ SOURCES = st.dictionaries(st.sampled_from(["0", "1", "01", "-1", "4097", "x", "\
 @given(JSON | st.fixed_dictionaries({"data": JSON | st.lists(st.fixed_dictionaries({"id": JSON}))}))
 def test_model_list_parser_returns_ids_or_raises_value_error(data):
     try:
-        models = parse_models(json.dumps(data))[0]
+        models = parse_models(json.dumps(data)).ids
     except ValueError:
         return
     assert all(isinstance(m, str) and m for m in models)
@@ -53,8 +53,8 @@ def test_malformed_model_lists_are_value_errors(body):
 
 
 def test_a_model_list_of_null_means_no_models_yet():
-    assert parse_models(b'{"object": "list", "data": null}')[0] == set()
-    assert parse_models(b'{"data": [{"id": "m"}, {"id": 5}, "x", {"id": ""}]}')[0] == {"m"}
+    assert parse_models(b'{"object": "list", "data": null}').ids == set()
+    assert parse_models(b'{"data": [{"id": "m"}, {"id": 5}, "x", {"id": ""}]}').ids == {"m"}
 
 
 @pytest.mark.parametrize("body", [

@@ -4,7 +4,7 @@ import json
 import random
 
 from events.decode import decode_payload
-from events.discovery import parse_adapters
+from events.discovery import parse_models
 from index.block_hash import chain, root_seed
 from index.ingest import EngineIngest
 from index.prefix_index import PrefixIndex
@@ -51,9 +51,9 @@ def test_models_list_adapters_with_the_base_as_parent():
     cards = json.loads(body)["data"]
     assert [(c["id"], c["parent"], c["root"]) for c in cards] == [("base", None, "/models/base"),
                                                                    ("sql", "base", "/adapters/sql")]
-    assert parse_adapters(body) == {"sql": "base"}
+    assert parse_models(body).adapters == {"sql": "base"}
     orphan = json.dumps({"data": [{"id": "x", "parent": "gone"}, {"id": "y", "parent": "y"}, "junk"]})
-    assert parse_adapters(orphan) == {} and parse_adapters(b'{"data": null}') == {}
+    assert parse_models(orphan).adapters == {} and parse_models(b'{"data": null}').adapters == {}
 
 
 def test_slots_batch_at_most_max_loras_adapters_and_a_load_is_charged_once():
@@ -84,9 +84,8 @@ def test_metrics_report_slots_and_running_adapters_as_vllm_does():
 
 
 def test_an_adapters_null_context_length_leaves_the_bases():
-    from events.discovery import parse_models
-
     body = models_body("base", "/models/base", 4096, 0, [("sql", "/adapters/sql")])
     data = json.loads(body)
     data["data"][1]["max_model_len"] = None  # what vLLM 0.32 lists for an adapter
-    assert parse_models(json.dumps(data)) == ({"base", "sql"}, 4096)
+    listed = parse_models(json.dumps(data))
+    assert (listed.ids, listed.max_model_len) == ({"base", "sql"}, 4096)
