@@ -48,13 +48,13 @@ def agreed_order(ranked: list[str], scores: Scores, home_key: str, tolerance_s: 
 
 def held_order(ranked: list[str], scores: Scores, deviation: Callable[[str], float]) -> list[str]:
     """``ranked`` with the engine holding most of the prompt first when the cheaper choice would beat it by less
-    than one deviation of the holder's learned TTFT (``TTFTLearner.deviation`` times its estimated TTFT).
+    than one deviation of the holder's learned TTFT (``TTFTLearner.deviation`` times its queue and prefill).
 
     Leaving cached tokens behind is certain loss (the prefix is computed and stored twice, and under KV pressure
     the copy evicts what others would have read); the gain is an estimate. On the suite's pressure shapes the
     spills won by 1-18 ms of 230-330 ms estimates (seed 0 #6: queue and decode one stream deeper against a
     prefill the engine clock made cheap), well inside the TTFTs' own scatter, and cost 5-11k of 68k prompt
-    tokens (one router 0.58-0.83 of the bound in three of six runs, smg, which never spilled there, 1.00). A
+    tokens (one router 0.58-0.83 of the bound in four of six runs, smg, which never spilled there, 1.00). A
     holder with a real queue still spills: twelve requests ahead cost far more than one deviation.
 
     Only a holder of most of the prompt is held to: a chat's first turn shares just its system prompt, and its

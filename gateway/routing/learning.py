@@ -143,7 +143,7 @@ class EngineTTFTModel:
         """
         p = self.prior
         median = self._relative_scale
-        limit = max(p.min_scale_s, p.huber_k * 1.4826 * median * max(predicted, 0.0))
+        limit = max(p.min_scale_s, p.huber_k * self.deviation * max(predicted, 0.0))
         relative = abs(residual) / max(predicted, p.min_scale_s)
         step = 1.0 + p.scale_rate
         self._relative_scale = median * step if relative > median else median / step
