@@ -46,6 +46,31 @@ def agreed_order(ranked: list[str], scores: Scores, home_key: str, tolerance_s: 
     return sorted(near, key=lambda e: -rendezvous_weight(h, e)) + [e for e in ranked if e not in near]
 
 
+def held_order(ranked: list[str], scores: Scores, deviation: Callable[[str], float]) -> list[str]:
+    """``ranked`` with the engine holding most of the prompt first when the cheaper choice would beat it by less
+    than one deviation of the holder's learned TTFT (``TTFTLearner.deviation`` times its queue and prefill).
+
+    Leaving cached tokens behind is certain loss (the prefix is computed and stored twice, and under KV pressure
+    the copy evicts what others would have read); the gain is an estimate. On the suite's pressure shapes the
+    spills won by 1-18 ms of 230-330 ms estimates (seed 0 #6: queue and decode one stream deeper against a
+    prefill the engine clock made cheap), well inside the TTFTs' own scatter, and cost 5-11k of 68k prompt
+    tokens (one router 0.58-0.83 of the bound in four of six runs, smg, which never spilled there, 1.00). A
+    holder with a real queue still spills: twelve requests ahead cost far more than one deviation.
+
+    Only a holder of most of the prompt is held to: a chat's first turn shares just its system prompt, and its
+    later turns stay wherever it lands; holding first turns too piled 14 agentic sessions onto 2 of 14
+    engines (seed 2 #1: 0.69 and 0.71 of the bound against 0.86 and 0.86). Holding to an engine computing the
+    prompt's start (sent there, not yet confirmed) brought the pile back at a burst of first turns (0.75)."""
+    best = scores[ranked[0]]
+    holder = max(ranked, key=lambda e: (scores[e].cached_tokens, -scores[e].cost_s))
+    held = scores[holder]
+    if held.cached_tokens <= max(best.cached_tokens, held.uncached_tokens):
+        return ranked
+    if held.cost_s - best.cost_s > deviation(holder) * (held.queue_s + held.prefill_s):
+        return ranked
+    return [holder, *(e for e in ranked if e != holder)]
+
+
 def _why_not_the_cache(chosen: CandidateScore, holder: CandidateScore) -> str:
     """Name the term that made a better-cached engine lose."""
     margins = {
@@ -132,7 +157,7 @@ class KvAwarePolicy(Policy):
                 -rendezvous_weight(h, engine.id),
             )
 
-        ranked = [e.id for e in sorted(pool, key=order)]
+        ranked = held_order([e.id for e in sorted(pool, key=order)], scores, self.costs.learner.deviation)
         if (self.agree_with_peers and request.home_key and not self.homes.homes(request.home_key)
                 and all(score.overlap_tokens <= 0 for score in scores.values())):
             ranked = agreed_order(ranked, scores, request.home_key, self._agreement_s(request, pool, scores[ranked[0]]))

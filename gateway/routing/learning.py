@@ -129,6 +129,11 @@ class EngineTTFTModel:
             self.max_num_seqs = max_num_seqs
             self._params = None
 
+    @property
+    def deviation(self) -> float:
+        """One robust standard deviation of this engine's TTFT predictions, relative to the prediction."""
+        return 1.4826 * self._relative_scale
+
     def _robust_weight(self, residual: float, predicted: float) -> float:
         """Full weight within ``huber_k`` robust deviations, fading quadratically beyond.
 
@@ -138,7 +143,7 @@ class EngineTTFTModel:
         """
         p = self.prior
         median = self._relative_scale
-        limit = max(p.min_scale_s, p.huber_k * 1.4826 * median * max(predicted, 0.0))
+        limit = max(p.min_scale_s, p.huber_k * self.deviation * max(predicted, 0.0))
         relative = abs(residual) / max(predicted, p.min_scale_s)
         step = 1.0 + p.scale_rate
         self._relative_scale = median * step if relative > median else median / step
@@ -245,6 +250,10 @@ class TTFTLearner:
         noise = max(residual / (counts[own] - len(_FEATURE_SCALES)).sum(), p.min_scale_s ** 2)
         variances = noise * np.diagonal(np.linalg.inv(a), axis1=1, axis2=2)
         return np.clip(between_engine_variance(estimates, variances) / noise, narrowest, widest)
+
+    def deviation(self, engine_id: str) -> float:
+        """How far an engine's measured TTFTs stray from the fit, relative to it (``EngineTTFTModel.deviation``)."""
+        return self.model(engine_id).deviation
 
     def observe(self, engine_id: str, uncached_tokens: float, queue_depth: int, ttft_s: float) -> bool:
         valid = (
