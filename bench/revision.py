@@ -29,6 +29,15 @@ def is_revision_peer(name: str) -> bool:
     return base in REVISION_PEERS and revision is not None and _REVISION.fullmatch(revision) is not None
 
 
+def _inside_tree(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
+    """tarfile's ``data`` filter, leaving out what it refuses (a link leading outside the tree: some commits
+    hold a worktree's link to a local virtualenv) instead of failing the whole export."""
+    try:
+        return tarfile.data_filter(member, dest)
+    except tarfile.FilterError:
+        return None
+
+
 def exported(revision: str, into: Path, repo: Path = REPO_ROOT) -> Path:
     """The tree of ``revision`` (any name git resolves) under ``into``, exported once per commit; the
     directory a child process runs from (its cwd and import path)."""
@@ -39,6 +48,6 @@ def exported(revision: str, into: Path, repo: Path = REPO_ROOT) -> Path:
         archive = subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", commit],
                                  capture_output=True, check=True).stdout
         with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-            tar.extractall(tree, filter="data")
+            tar.extractall(tree, filter=_inside_tree)
         (tree / ".exported").write_text(commit)
     return tree

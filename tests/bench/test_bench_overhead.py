@@ -165,11 +165,15 @@ def test_a_revision_is_exported_once_per_commit(tmp_path):
     for argv in (["init", "-q"], ["add", "."], ["commit", "-qm", "one"], ["tag", "before"]):
         subprocess.run([*git, *argv], check=True)
     (repo / "gateway.py").write_text("NEW = 1\n")
+    (repo / ".venv").symlink_to("/usr")  # a committed link out of the tree is left out, not a failed export
+    subprocess.run([*git, "add", "."], check=True)
     subprocess.run([*git, "commit", "-qam", "two"], check=True)
     tree = exported("before", tmp_path / "logs", repo)
     assert (tree / "gateway.py").read_text() == "OLD = 1\n"
     assert exported("HEAD~1", tmp_path / "logs", repo) == tree  # the same commit by another name
-    assert (exported("HEAD", tmp_path / "logs", repo) / "gateway.py").read_text() == "NEW = 1\n"
+    new = exported("HEAD", tmp_path / "logs", repo)
+    assert (new / "gateway.py").read_text() == "NEW = 1\n"
+    assert not (new / ".venv").is_symlink()
 
 
 def test_cpu_per_request_is_compared_with_the_other_revision_round_by_round():
