@@ -123,6 +123,8 @@ def parser() -> argparse.ArgumentParser:
                           help="comma-separated concurrencies for --pin")
     overhead.add_argument("--short", action="store_true",
                           help="with --pin: two requests per stream per block instead of four")
+    overhead.add_argument("--c1-requests", type=int, default=None,
+                          help="with --pin: requests per c=1 block (default 40, 20 with --short)")
     overhead.add_argument("--plot", type=Path,
                           help="with --pin: PNG path (default: overhead-sweep.png in the log folder)")
     _fleet_args(overhead, "fast")
@@ -221,7 +223,7 @@ def _overhead(args: argparse.Namespace, log_dir: Path) -> int:
     spec = overhead_sweep.fleet_for_sweep(spec, args.sweep)
     print(f"router under test on CPU {sorted(pinning.router)}, engine and load on CPU {sorted(pinning.rest)}; "
           f"engine profile {spec.profile}, max_num_seqs {spec.max_num_seqs}; {overhead_sweep.load_average()}")
-    cases = overhead_sweep.sweep_cases(args.sweep, args.short)
+    cases = overhead_sweep.sweep_cases(args.sweep, args.short, args.c1_requests)
     blocks = trio.run(measure_system_prompt, spec, log_dir, args.rounds, args.policy, peer_names, cases,
                       pinning.router)
     print(format_system_prompt(blocks))

@@ -296,7 +296,7 @@ def format_system_prompt(blocks: list[Block]) -> str:
     for case in dict.fromkeys(b.case for b in blocks):
         for path in dict.fromkeys(b.path for b in blocks):
             mine = path_blocks(blocks, case, path)
-            pooled = Block(path, case, -1, [r for b in mine for r in b.results], sum(b.wall for b in mine))
+            pooled = _pooled(mine)
             errors = len(pooled.results) - len(pooled.ok)
             row = (f"{case:<8} {path:<{w}} {len(pooled.results):>5} {errors:>4} {pooled.ttft(50) * 1e3:>7.2f}ms "
                    f"{pooled.ttft(90) * 1e3:>5.2f}ms {statistics.median(b.req_per_s for b in mine):>7.1f}")
@@ -321,18 +321,32 @@ def cpu_per_request(block: Block) -> float | None:
 
 
 def format_revision_cpu(blocks: list[Block]) -> str:
-    """For each ``X@REV`` path: per round, X's CPU per request over X@REV's (the same case and round, so the
-    same machine load within a few seconds); empty without such paths."""
+    """For each ``X@REV`` path: per round, X's CPU per request over X@REV's and X's TTFT p50 minus X@REV's
+    (the same case and round, so the same machine load within a few seconds), and the TTFT p50 of all X's
+    requests minus all X@REV's: the two codes compared directly, without the engine's block between them,
+    whose own noise is larger than a millisecond at c=1; empty without such paths."""
     lines = []
     for case in dict.fromkeys(b.case for b in blocks):
         for other in dict.fromkeys(b.path for b in blocks if is_revision_peer(b.path)):
             base = split_peer(other)[0]
-            then = {b.round: cpu_per_request(b) for b in path_blocks(blocks, case, other)}
-            ratios = [f"{now / old:.2f}" for b in path_blocks(blocks, case, base)
-                      if (now := cpu_per_request(b)) is not None and (old := then.get(b.round))]
+            then = {b.round: b for b in path_blocks(blocks, case, other)}
+            now = [b for b in path_blocks(blocks, case, base) if b.round in then]
+            ratios = [f"{mine / old:.2f}" for b in now
+                      if (mine := cpu_per_request(b)) is not None and (old := cpu_per_request(then[b.round]))]
             if ratios:
                 lines.append(f"{case:<8} CPU/req {base} / {other} per round: {' '.join(ratios)}")
+            gaps = [(b.ttft(50) - then[b.round].ttft(50)) * 1e3 for b in now if b.ok and then[b.round].ok]
+            if gaps:
+                pooled = (_pooled(now).ttft(50) - _pooled(list(then.values())).ttft(50)) * 1e3
+                lines.append(f"{case:<8} TTFT p50 {base} - {other}: median of {len(gaps)} rounds "
+                             f"{statistics.median(gaps):+.2f} ms (range {min(gaps):+.1f}..{max(gaps):+.1f}), "
+                             f"all requests {pooled:+.2f} ms")
     return "\n".join(lines)
+
+
+def _pooled(blocks: list[Block]) -> Block:
+    """One path's blocks of one case as one block (every request, the summed wall time)."""
+    return Block(blocks[0].path, blocks[0].case, -1, [r for b in blocks for r in b.results], sum(b.wall for b in blocks))
 
 
 def _share(blocks: list[Block], seconds: Callable[[Block], float | None]) -> str:

@@ -77,6 +77,7 @@ def test_the_sweep_keeps_c1_and_sends_requests_in_proportion_to_the_streams():
     assert [(c.name, c.concurrency, c.requests) for c in cases] == [("c=1", 1, 20), ("c=16", 16, 32),
                                                                     ("c=256", 256, 512)]
     assert sweep_cases([64], short=False)[1].requests == 256
+    assert sweep_cases([64], short=True, c1_requests=4)[0].requests == 4
 
 
 def test_the_swept_engine_admits_every_stream_of_the_widest_case():
@@ -176,10 +177,13 @@ def test_a_revision_is_exported_once_per_commit(tmp_path):
     assert not (new / ".venv").is_symlink()
 
 
-def test_cpu_per_request_is_compared_with_the_other_revision_round_by_round():
-    blocks = [_block("kvmesh", 0, 11), _block("kvmesh@HEAD~1", 0, 11), _block("kvmesh", 1, 11),
-              _block("kvmesh@HEAD~1", 1, 11), _block("passthrough", 0, 10)]
+def test_cpu_and_ttft_are_compared_with_the_other_revision_round_by_round():
+    blocks = [_block("kvmesh", 0, 11), _block("kvmesh@HEAD~1", 0, 10), _block("kvmesh", 1, 12),
+              _block("kvmesh@HEAD~1", 1, 11.5), _block("passthrough", 0, 10)]
     for block, cpu in zip(blocks, (0.040, 0.050, 0.090, 0.100, 0.010), strict=True):
         block.cpu_s = cpu
-    assert format_revision_cpu(blocks) == "c=1      CPU/req kvmesh / kvmesh@HEAD~1 per round: 0.80 0.90"
+    cpu_line, ttft_line = format_revision_cpu(blocks).splitlines()
+    assert cpu_line == "c=1      CPU/req kvmesh / kvmesh@HEAD~1 per round: 0.80 0.90"
+    assert ttft_line.startswith("c=1      TTFT p50 kvmesh - kvmesh@HEAD~1: median of 2 rounds +0.75 ms "
+                                "(range +0.5..+1.0), all requests +")
     assert format_revision_cpu(blocks[-1:]) == ""
