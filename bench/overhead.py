@@ -346,7 +346,8 @@ def format_revision_cpu(blocks: list[Block]) -> str:
 
 def _pooled(blocks: list[Block]) -> Block:
     """One path's blocks of one case as one block (every request, the summed wall time)."""
-    return Block(blocks[0].path, blocks[0].case, -1, [r for b in blocks for r in b.results], sum(b.wall for b in blocks))
+    results = [r for b in blocks for r in b.results]
+    return Block(blocks[0].path, blocks[0].case, -1, results, sum(b.wall for b in blocks))
 
 
 def _share(blocks: list[Block], seconds: Callable[[Block], float | None]) -> str:
