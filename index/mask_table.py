@@ -37,8 +37,12 @@ _MAX_LOAD = 0.5
 of ``_WINDOW`` slots resolves nearly every key at once."""
 _WINDOW = 8
 _OFFSETS = np.arange(_WINDOW)
+_NP_ONE = np.uint64(1)
+_NP_WIDE = np.uint64(WIDE)
+"""Numpy scalars made once: making one (``np.uint64(x)``) or mixing a Python int into array arithmetic cost
+4-5 us per call here, most of the vectorised walk's fixed cost."""
 _FIRST_PART = 8
-_VECTOR_MIN = 48
+_VECTOR_MIN = 96
 """Parts of a chain at least this long are walked with numpy: below it one numpy pass (about fifteen calls,
 2-10 us each on a loaded two-core machine) costs more than probing each key in Python."""
 
@@ -47,12 +51,11 @@ class MaskTable:
     """Mapping of block codes (``code(own_key)``) to nonzero int masks; a block's mask is 0 when no holder has
     it. Codes and masks are two arrays of u64 words, one slot each (an empty slot is 0 in both)."""
 
-    __slots__ = ("_codes", "_values", "_size", "_shift", "_live", "_multiplier", "_inverse", "_wide", "_wide_ids",
-                 "_refs", "_free_ids")
+    __slots__ = ("_codes", "_values", "_size", "_shift", "_np_shift", "_live", "_multiplier", "_np_multiplier",
+                 "_inverse", "_wide", "_wide_ids", "_refs", "_free_ids")
 
     def __init__(self) -> None:
-        self._multiplier = secrets.randbits(64) | 1
-        self._inverse = pow(self._multiplier, -1, 1 << 64)
+        self._set_multiplier(secrets.randbits(64) | 1)
         self._wide: list[int] = []
         """Interned masks wider than 63 bits, by id (0: a free id)."""
         self._wide_ids: dict[int, int] = {}
@@ -60,11 +63,18 @@ class MaskTable:
         self._free_ids: list[int] = []
         self._allocate(_MIN_SIZE)
 
+    def _set_multiplier(self, multiplier: int) -> None:
+        """The odd number codes are scrambled with (its inverse undoes it)."""
+        self._multiplier = multiplier
+        self._np_multiplier = np.uint64(multiplier)
+        self._inverse = pow(multiplier, -1, 1 << 64)
+
     def _allocate(self, size: int) -> None:
         self._codes = array("Q", (0,)) * size
         self._values = array("Q", (0,)) * size
         self._size = size
         self._shift = 65 - size.bit_length()
+        self._np_shift = np.uint64(self._shift)
         self._live = 0
 
     def __len__(self) -> int:
@@ -281,14 +291,14 @@ class MaskTable:
         empty slot after its home; a window holding neither, rare at this load, is finished in Python), then
         the running AND of the masks, read where it changes. Gathering every key's window at once cost
         0.9 ms for a 2048-block hit against 0.2 for the dict this table replaced."""
-        codes = np.frombuffer(array("Q", own_keys), dtype=np.uint64) + np.uint64(1)
-        codes *= np.uint64(self._multiplier)  # array arithmetic wraps modulo 2**64 silently
-        homes = (codes >> np.uint64(self._shift)).view(np.int64)
+        codes = np.frombuffer(array("Q", own_keys), dtype=np.uint64) + _NP_ONE
+        codes *= self._np_multiplier  # array arithmetic wraps modulo 2**64 silently
+        homes = (codes >> self._np_shift).view(np.int64)
         table, masks = np.frombuffer(self._codes, dtype=np.uint64), np.frombuffer(self._values, dtype=np.uint64)
         seen = table[homes]
         hit = seen == codes
         values = masks[homes] * hit
-        away = np.flatnonzero(seen != codes * hit)  # neither at home nor absent there (home slot empty)
+        away = (seen != codes * hit).nonzero()[0]  # neither at home nor absent there (home slot empty)
         if len(away):
             slots = (homes[away][:, None] + _OFFSETS) & (self._size - 1)
             window = table[slots]
@@ -298,14 +308,18 @@ class MaskTable:
             for i in away[~found.any(axis=1) & window.all(axis=1)].tolist():
                 values[i] = self._values[self._find(int(codes[i]))]
         if self._wide_ids:
-            for i in np.flatnonzero(values >= np.uint64(WIDE)).tolist():
+            for i in (values >= _NP_WIDE).nonzero()[0].tolist():
                 values[i] = self._decode(int(values[i])) & (WIDE - 1)
-        held = np.bitwise_and.accumulate(values & np.uint64(alive))
-        changes = (np.flatnonzero(np.diff(held)) + 1).tolist()
-        for i in [0, *changes] if int(held[0]) != alive else changes:
-            now = int(held[i])
-            drops.append((start + i, alive & ~now))
-            alive = now
+        # The running AND over every holder's bit (masking by ``alive`` first would cost a numpy scalar): its
+        # changes include holders not wanted, skipped below.
+        held = np.bitwise_and.accumulate(values)
+        for i in [-1, *(held[1:] != held[:-1]).nonzero()[0].tolist()]:
+            now = int(held[i + 1]) & alive
+            if now != alive:
+                drops.append((start + i + 1, alive & ~now))
+                alive = now
+                if not alive:
+                    break
         return alive
 
     def _rebuild(self, entries: int) -> None:
