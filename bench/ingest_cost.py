@@ -77,7 +77,8 @@ def _decode_each(messages: list[Message]) -> None:
 def _freeze() -> None:
     """Take what the bench keeps (recorded frames, decoded batches: no replica's objects) out of the cyclic
     collector's walks, as a replica does with its start-up objects (gateway/server.py). Walked, they made
-    the full collections cost up to 1 us per op, in whichever pass one happened to land."""
+    the full collections cost up to 1 us per op, in whichever pass one happened to land. They stay frozen
+    (freed by their reference counts when dropped): unfreezing would also release what a caller froze."""
     gc.collect()
     gc.freeze()
 
@@ -119,7 +120,6 @@ def measure(engines: int = 16, cap: int = 20_000, steps: int = 100, seed: int = 
     total_s = _cpu(lambda: [feeds[i].on_live(frames, 1.0) for i, frames in messages])
     live = sum(view.store.block_count(f"e{i}") for i in range(engines))
     us = 1e6 / ops
-    gc.unfreeze()
     return IngestCost(engines, live, ops, decode_s * us, keys_s * us, (apply_s - keys_s) * us,
                       max(0.0, total_s - decode_s - apply_s) * us)
 
