@@ -10,7 +10,7 @@ own methods (the tables' tests and the index's model test hold them to one answe
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 
 from index.alias_table import AliasTable
 from index.mask_table import MaskTable
@@ -75,11 +75,12 @@ def store_new(aliases: AliasTable, masks: MaskTable, engine_hashes: Sequence[int
     return held, replaced
 
 
-def remove_sole(aliases: AliasTable, masks: MaskTable, engine_hashes: Iterable[int],
-                value: int) -> tuple[int, list[int]]:
+def remove_sole(aliases: AliasTable, masks: MaskTable, engine_hashes: Iterable[int], value: int,
+                holder_slot: int, extra: Container[tuple[int, int]]) -> tuple[int, list[int]]:
     """``aliases.pop_many(engine_hashes)``, and each popped block whose mask word is exactly ``value``
     (< 2**63: its last copy, for a one-bit mask) leaves the mask table with the back-shift of
-    ``MaskTable.remove_equal``. Returns how many aliases were popped and the other popped codes, in order."""
+    ``MaskTable.remove_equal``, unless ``(holder_slot, code)`` is in ``extra`` (the holder has the block under
+    another alias too). Returns how many aliases were popped and the other popped codes, in order."""
     words, size, multiplier = aliases._words, aliases._size, aliases._multiplier
     end = 2 * size
     table, values, last, shift = masks._codes, masks._values, masks._size - 1, masks._shift
@@ -100,6 +101,9 @@ def remove_sole(aliases: AliasTable, masks: MaskTable, engine_hashes: Iterable[i
         words[at] = _TOMBSTONE
         words[at + 1] = 0
         popped += 1
+        if extra and (holder_slot, code) in extra:
+            others.append(code)
+            continue
         hole = code >> shift
         current = table[hole]
         while current != code and current:

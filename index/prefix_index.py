@@ -170,12 +170,12 @@ class PrefixIndex:
         slot = self._slot[engine]
         bit = 1 << slot
         group = self._slot_group[slot]
-        extra = self._extra_aliases
-        if extra or bit >= WIDE:
+        if bit >= WIDE:
             removed, gone = self._remove_general(aliases, engine_hashes, slot)
         else:
-            # The common case, the last copy of a block, leaves both tables in one loop.
-            removed, others = remove_sole(aliases, self._masks, engine_hashes, bit)
+            # The common case, the last copy of a block, leaves both tables in one loop; a block the holder
+            # also has under another alias loses that alias instead, in ``_drop_bit``.
+            removed, others = remove_sole(aliases, self._masks, engine_hashes, bit, slot, self._extra_aliases)
             for code in others:
                 self._drop_bit(code, bit, slot)
             gone = removed - len(others)
@@ -186,8 +186,7 @@ class PrefixIndex:
         return removed
 
     def _remove_general(self, aliases: AliasTable, engine_hashes: Iterable[int], slot: int) -> tuple[int, int]:
-        """``remove`` when some holder has extra aliases or the slot is past 62: (aliases popped, blocks that
-        left the index)."""
+        """``remove`` for a holder slot past 62 (interned masks): (aliases popped, blocks that left the index)."""
         bit = 1 << slot
         extra = self._extra_aliases
         codes = aliases.pop_many(engine_hashes)
