@@ -90,8 +90,9 @@ class PrefixIndex:
     def store_many(self, engine: str, engine_hashes: Sequence[int], own_keys: Sequence[int]) -> int:
         """Record ``engine_hashes[i] -> own_keys[i]`` in order; returns how many aliases changed.
 
-        The common case (every engine hash new to the engine) enters the mask table in one call that gives
-        each block new to the index the engine's bit; only blocks other engines hold take the general path."""
+        The common case (engine hashes new to the engine, blocks new to the index) enters the alias table and
+        the mask table in one loop (``_store_paired``); only blocks other engines hold and replaced aliases
+        take the general path."""
         if not engine_hashes:
             return 0
         codes = self._masks.codes(own_keys)
