@@ -50,9 +50,10 @@ def chain_from(parent: int, token_ids: Sequence[int], block_size: int) -> list[i
     digest = xxhash.xxh3_64_intdigest
     if len(data) == step:  # a decode event's one block: no view, no loop
         return [digest(data, parent) & KEY_MASK]
-    view = memoryview(data)
-    # One comprehension carrying the parent forward: no list.append call per block.
-    return [parent := digest(view[start : start + step], parent) & KEY_MASK
+    # One comprehension carrying the parent forward: no list.append call per block. A block's bytes are sliced
+    # from the bytes (a copy of 64 bytes at block size 16): slicing a memoryview instead cost 247 against 208 ns
+    # per block with its hash (fastest of 15 rounds, 200-block chains).
+    return [parent := digest(data[start : start + step], parent) & KEY_MASK
             for start in range(0, len(data) - step + 1, step)]
 
 

@@ -6,7 +6,7 @@ the index's 126 bytes of RSS per block at 4M blocks. Here a block costs one code
 a load of 0.25-0.5 (32-64 bytes; 33.6 at 1M and at 4M blocks) and no Python object.
 
 Masks that fit in 63 bits (holder slots 0-62) are stored as they are, so the common single-holder block
-needs no indirection; a wider mask is interned with a reference count and its slot holds ``_WIDE | id``.
+needs no indirection; a wider mask is interned with a reference count and its slot holds ``WIDE | id``.
 
 The table is keyed by a block's code: (own key + 1) times a secret odd number chosen per table, modulo
 2**64 (never 0, and undone by the inverse). A slot is the code's top bits, so crafted prompts cannot pile
@@ -29,29 +29,34 @@ from index.alias_table import placements
 KEY_LIMIT = 1 << 63
 """Own keys are 60 bits (index/block_hash.py); any below this have a code."""
 _U64 = (1 << 64) - 1
-_WIDE = 1 << 63
+WIDE = 1 << 63
+"""Masks from this bit up are interned; smaller ones are stored as they are."""
 _MIN_SIZE = 8
 _MAX_LOAD = 0.5
 """Double above this load: probes and back-shifts stay about one slot long, and the chain lookup's window
 of ``_WINDOW`` slots resolves nearly every key at once."""
 _WINDOW = 8
 _OFFSETS = np.arange(_WINDOW)
+_NP_ONE = np.uint64(1)
+_NP_WIDE = np.uint64(WIDE)
+"""Numpy scalars made once: making one (``np.uint64(x)``) or mixing a Python int into array arithmetic cost
+4-5 us per call here, most of the vectorised walk's fixed cost."""
 _FIRST_PART = 8
-_VECTOR_MIN = 48
-"""Parts of a chain at least this long are walked with numpy: below it one numpy pass (about fifteen calls,
-2-10 us each on a loaded two-core machine) costs more than probing each key in Python."""
+_VECTOR_MIN = 96
+"""Parts of a chain at least this long are walked with numpy: one numpy pass cost 55-65 us on a loaded two-core
+machine whatever its length up to a few hundred keys, a probe in Python 0.6-0.9 us per key; they cross near
+90-100 keys."""
 
 
 class MaskTable:
     """Mapping of block codes (``code(own_key)``) to nonzero int masks; a block's mask is 0 when no holder has
     it. Codes and masks are two arrays of u64 words, one slot each (an empty slot is 0 in both)."""
 
-    __slots__ = ("_codes", "_values", "_size", "_shift", "_live", "_multiplier", "_inverse", "_wide", "_wide_ids",
-                 "_refs", "_free_ids")
+    __slots__ = ("_codes", "_values", "_size", "_shift", "_np_shift", "_live", "_multiplier", "_np_multiplier",
+                 "_inverse", "_wide", "_wide_ids", "_refs", "_free_ids")
 
     def __init__(self) -> None:
-        self._multiplier = secrets.randbits(64) | 1
-        self._inverse = pow(self._multiplier, -1, 1 << 64)
+        self._set_multiplier(secrets.randbits(64) | 1)
         self._wide: list[int] = []
         """Interned masks wider than 63 bits, by id (0: a free id)."""
         self._wide_ids: dict[int, int] = {}
@@ -59,15 +64,31 @@ class MaskTable:
         self._free_ids: list[int] = []
         self._allocate(_MIN_SIZE)
 
+    def _set_multiplier(self, multiplier: int) -> None:
+        """The odd number codes are scrambled with (its inverse undoes it)."""
+        self._multiplier = multiplier
+        self._np_multiplier = np.uint64(multiplier)
+        self._inverse = pow(multiplier, -1, 1 << 64)
+
     def _allocate(self, size: int) -> None:
         self._codes = array("Q", (0,)) * size
         self._values = array("Q", (0,)) * size
         self._size = size
         self._shift = 65 - size.bit_length()
+        self._np_shift = np.uint64(self._shift)
         self._live = 0
 
     def __len__(self) -> int:
         return self._live
+
+    def max_live(self) -> int:
+        """Blocks past which an insert doubles the table first."""
+        return int(_MAX_LOAD * self._size)
+
+    def shrink_if_sparse(self) -> None:
+        """After removals: a table less than an eighth full is rebuilt at half its load limit."""
+        if self._size > _MIN_SIZE and self._live < self._size // 8:
+            self._rebuild(2 * self._live)
 
     def nbytes(self) -> int:
         """Bytes of the slot arrays (the interned wide masks are not counted)."""
@@ -94,7 +115,7 @@ class MaskTable:
 
     def _encode(self, mask: int, count: int) -> int:
         """The word that stores ``mask`` for ``count`` more blocks."""
-        if mask < _WIDE:
+        if mask < WIDE:
             return mask
         wid = self._wide_ids.get(mask)
         if wid is None:
@@ -107,12 +128,12 @@ class MaskTable:
                 self._refs.append(0)
             self._wide_ids[mask] = wid
         self._refs[wid] += count
-        return _WIDE | wid
+        return WIDE | wid
 
     def _release(self, value: int, count: int) -> None:
         """``count`` blocks no longer store the word ``value``."""
-        if value >= _WIDE:
-            wid = value ^ _WIDE
+        if value >= WIDE:
+            wid = value ^ WIDE
             self._refs[wid] -= count
             if not self._refs[wid]:
                 del self._wide_ids[self._wide[wid]]
@@ -120,7 +141,7 @@ class MaskTable:
                 self._free_ids.append(wid)
 
     def _decode(self, value: int) -> int:
-        return value if value < _WIDE else self._wide[value ^ _WIDE]
+        return value if value < WIDE else self._wide[value ^ WIDE]
 
     def _find(self, code: int) -> int:
         """The slot holding ``code``, or the empty slot where it would go."""
@@ -154,7 +175,7 @@ class MaskTable:
     def add_absent(self, codes: Sequence[int], mask: int) -> list[int]:
         """Give ``mask`` to each block no holder has, in order; returns the codes of the others (blocks some
         holder had, or given ``mask`` earlier in this call), in order. One call per stored run."""
-        if self._live + len(codes) > _MAX_LOAD * self._size:
+        if self._live + len(codes) > self.max_live():
             self._rebuild(self._live + len(codes))
         value = self._encode(mask, 0)
         table, values, last, shift = self._codes, self._values, self._size - 1, self._shift
@@ -185,9 +206,9 @@ class MaskTable:
         (no tombstones): on the realistic mix about half the removals find the next slot occupied, and
         the back-shift is most of a removal's cost here (one without it cost 0.44-0.63 us against 1.0-1.1
         with it), paid so that the table never needs a sweep. The probe is inlined as in ``add_absent``."""
-        if mask >= _WIDE and mask not in self._wide_ids:
+        if mask >= WIDE and mask not in self._wide_ids:
             return [code for code in codes if code is not None]  # no block has this mask
-        value = mask if mask < _WIDE else _WIDE | self._wide_ids[mask]
+        value = mask if mask < WIDE else WIDE | self._wide_ids[mask]
         if None in codes:
             codes = [code for code in codes if code is not None]
         table, values, last, shift = self._codes, self._values, self._size - 1, self._shift
@@ -216,8 +237,7 @@ class MaskTable:
         if removed:
             self._live -= removed
             self._release(value, removed)
-            if self._size > _MIN_SIZE and self._live < self._size // 8:
-                self._rebuild(2 * self._live)
+            self.shrink_if_sparse()
         return others
 
     def prefix_drops(self, own_keys: Sequence[int], wanted: int) -> list[tuple[int, int]]:
@@ -233,7 +253,7 @@ class MaskTable:
             if len(own_keys) - start < 2 * part:
                 part = len(own_keys) - start  # the rest in one pass rather than a short last one
             keys = own_keys[start : start + part]
-            if len(keys) >= _VECTOR_MIN and alive < _WIDE:
+            if len(keys) >= _VECTOR_MIN and alive < WIDE:
                 alive = self._walk_vectorised(keys, start, alive, drops)
             else:
                 alive = self._walk(keys, start, alive, drops)
@@ -255,8 +275,8 @@ class MaskTable:
                 slot = (slot + 1) & last
                 current = table[slot]
             mask = values[slot]
-            if mask >= _WIDE:
-                mask = self._wide[mask ^ _WIDE]
+            if mask >= WIDE:
+                mask = self._wide[mask ^ WIDE]
             dropped = alive & ~mask
             if dropped:
                 drops.append((depth, dropped))
@@ -272,14 +292,14 @@ class MaskTable:
         empty slot after its home; a window holding neither, rare at this load, is finished in Python), then
         the running AND of the masks, read where it changes. Gathering every key's window at once cost
         0.9 ms for a 2048-block hit against 0.2 for the dict this table replaced."""
-        codes = np.frombuffer(array("Q", own_keys), dtype=np.uint64) + np.uint64(1)
-        codes *= np.uint64(self._multiplier)  # array arithmetic wraps modulo 2**64 silently
-        homes = (codes >> np.uint64(self._shift)).view(np.int64)
+        codes = np.frombuffer(array("Q", own_keys), dtype=np.uint64) + _NP_ONE
+        codes *= self._np_multiplier  # array arithmetic wraps modulo 2**64 silently
+        homes = (codes >> self._np_shift).view(np.int64)
         table, masks = np.frombuffer(self._codes, dtype=np.uint64), np.frombuffer(self._values, dtype=np.uint64)
         seen = table[homes]
         hit = seen == codes
         values = masks[homes] * hit
-        away = np.flatnonzero(seen != codes * hit)  # neither at home nor absent there (home slot empty)
+        away = (seen != codes * hit).nonzero()[0]  # neither at home nor absent there (home slot empty)
         if len(away):
             slots = (homes[away][:, None] + _OFFSETS) & (self._size - 1)
             window = table[slots]
@@ -289,14 +309,18 @@ class MaskTable:
             for i in away[~found.any(axis=1) & window.all(axis=1)].tolist():
                 values[i] = self._values[self._find(int(codes[i]))]
         if self._wide_ids:
-            for i in np.flatnonzero(values >= np.uint64(_WIDE)).tolist():
-                values[i] = self._decode(int(values[i])) & (_WIDE - 1)
-        held = np.bitwise_and.accumulate(values & np.uint64(alive))
-        changes = (np.flatnonzero(np.diff(held)) + 1).tolist()
-        for i in [0, *changes] if int(held[0]) != alive else changes:
-            now = int(held[i])
-            drops.append((start + i, alive & ~now))
-            alive = now
+            for i in (values >= _NP_WIDE).nonzero()[0].tolist():
+                values[i] = self._decode(int(values[i])) & (WIDE - 1)
+        # The running AND over every holder's bit (masking by ``alive`` first would cost a numpy scalar): its
+        # changes include holders not wanted, skipped below.
+        held = np.bitwise_and.accumulate(values)
+        for i in [-1, *(held[1:] != held[:-1]).nonzero()[0].tolist()]:
+            now = int(held[i + 1]) & alive
+            if now != alive:
+                drops.append((start + i + 1, alive & ~now))
+                alive = now
+                if not alive:
+                    break
         return alive
 
     def _rebuild(self, entries: int) -> None:

@@ -14,7 +14,8 @@ import numpy as np
 
 from index.alias_table import AliasTable
 from index.holders import engine_of
-from index.mask_table import MaskTable
+from index.mask_table import WIDE, MaskTable
+from index.paired_update import remove_sole, store_new
 
 
 class PrefixIndex:
@@ -89,33 +90,59 @@ class PrefixIndex:
     def store_many(self, engine: str, engine_hashes: Sequence[int], own_keys: Sequence[int]) -> int:
         """Record ``engine_hashes[i] -> own_keys[i]`` in order; returns how many aliases changed.
 
-        The common case (every engine hash new to the engine) enters the mask table in one call that gives
-        each block new to the index the engine's bit; only blocks other engines hold take the general path."""
+        The common case (engine hashes new to the engine, blocks new to the index) enters the alias table and
+        the mask table in one loop (``_store_paired``); only blocks other engines hold and replaced aliases
+        take the general path."""
         if not engine_hashes:
             return 0
         codes = self._masks.codes(own_keys)
         slot = self._slot_of(engine)
         bit = 1 << slot
+        if bit < WIDE:
+            return self._store_paired(engine, engine_hashes, codes, bit, slot)
         group = self._slot_group[slot]
         previous = self._aliases[engine].put_many(engine_hashes, codes)
         if previous.count(None) == len(previous):
             return self._store_new_aliases(codes, bit, slot, group)
-        masks = self._masks
         fresh = changed = 0
         for code, before in zip(codes, previous, strict=True):
-            if before == code:
-                continue
-            changed += 1
-            if before is not None:
-                self._drop_bit(before, bit, slot)
-            if masks.get(code):
-                self._add_bit(code, bit, slot)
-            else:
-                masks.set(code, bit)
-                fresh += 1
+            if before != code:
+                changed += 1
+                fresh += self._realias(code, before, bit, slot)
         if fresh:
             self._unique[group] = self._unique.get(group, 0) + fresh
         return changed
+
+    def _store_paired(self, engine: str, engine_hashes: Sequence[int], codes: list[int], bit: int,
+                      slot: int) -> int:
+        """``store_many`` for holder slots 0-62: aliases new to the engine and blocks new to the index take
+        one loop over both tables (index/paired_update.py); blocks other holders had and replaced aliases
+        follow. The general path's per-block order is not needed: a block's bit and extra aliases of one
+        holder only count up and down."""
+        held, replaced = store_new(self._aliases[engine], self._masks, engine_hashes, codes, bit)
+        for code in held:
+            self._add_bit(code, bit, slot)
+        fresh = len(codes) - len(replaced) - len(held)
+        changed = len(codes) - len(replaced)
+        for code, before in replaced:
+            if before != code:
+                changed += 1
+                fresh += self._realias(code, before, bit, slot)
+        if fresh:
+            group = self._slot_group[slot]
+            self._unique[group] = self._unique.get(group, 0) + fresh
+        return changed
+
+    def _realias(self, code: int, before: int | None, bit: int, slot: int) -> int:
+        """One alias of the holder now names ``code`` instead of ``before`` (None: a new alias); returns 1 when
+        the block is new to the index."""
+        if before is not None:
+            self._drop_bit(before, bit, slot)
+        if self._masks.get(code):
+            self._add_bit(code, bit, slot)
+            return 0
+        self._masks.set(code, bit)
+        return 1
 
     def _store_new_aliases(self, codes: Sequence[int], bit: int, slot: int, group: str) -> int:
         """``store_many`` when every alias is new: blocks no engine holds get ``bit`` in one table call,
@@ -144,22 +171,34 @@ class PrefixIndex:
         slot = self._slot[engine]
         bit = 1 << slot
         group = self._slot_group[slot]
-        codes = aliases.pop_many(engine_hashes)
-        removed = len(codes) - codes.count(None)
-        extra = self._extra_aliases
-        held_twice = [code for code in codes if code is not None and (slot, code) in extra] if extra else []
-        if held_twice:
-            codes = [code for code in codes if (slot, code) not in extra]
-        # The common case, the last copy of a block, leaves the table in one call.
-        others = self._masks.remove_equal(codes, bit)
-        gone = removed - len(held_twice) - len(others)
-        for code in held_twice + others:
-            self._drop_bit(code, bit, slot)
+        if bit >= WIDE:
+            removed, gone = self._remove_general(aliases, engine_hashes, slot)
+        else:
+            # The common case, the last copy of a block, leaves both tables in one loop; a block the holder
+            # also has under another alias loses that alias instead, in ``_drop_bit``.
+            removed, others = remove_sole(aliases, self._masks, engine_hashes, bit, slot, self._extra_aliases)
+            for code in others:
+                self._drop_bit(code, bit, slot)
+            gone = removed - len(others)
         if gone:
             self._unique[group] = self._unique.get(group, 0) - gone
         if not aliases:
             self._release(engine)
         return removed
+
+    def _remove_general(self, aliases: AliasTable, engine_hashes: Iterable[int], slot: int) -> tuple[int, int]:
+        """``remove`` for a holder slot past 62 (interned masks): (aliases popped, blocks that left the index)."""
+        bit = 1 << slot
+        extra = self._extra_aliases
+        codes = aliases.pop_many(engine_hashes)
+        removed = len(codes) - codes.count(None)
+        held_twice = [code for code in codes if code is not None and (slot, code) in extra] if extra else []
+        if held_twice:
+            codes = [code for code in codes if (slot, code) not in extra]
+        others = self._masks.remove_equal(codes, bit)
+        for code in held_twice + others:
+            self._drop_bit(code, bit, slot)
+        return removed, removed - len(held_twice) - len(others)
 
     def clear(self, engine: str) -> int:
         aliases = self._aliases.get(engine)
