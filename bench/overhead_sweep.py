@@ -69,7 +69,7 @@ def sweep_cases(concurrencies: list[int], short: bool, c1_requests: int | None =
     which a 1 ms comparison at c=1 needs on a machine whose load moves by more than that within a block."""
     per_stream = 2 if short else 4
     return [Case("c=1", 1, USER_WORDS, c1_requests or (20 if short else 40)),
-            *(Case(f"c={c}", c, USER_WORDS, per_stream * c) for c in concurrencies)]
+            *(Case(f"c={c}", c, USER_WORDS, per_stream * c) for c in concurrencies if c > 1)]
 
 
 def _median_req_per_s(blocks: list[Block], case: str, path: str) -> float:

@@ -78,6 +78,7 @@ def test_the_sweep_keeps_c1_and_sends_requests_in_proportion_to_the_streams():
                                                                     ("c=256", 256, 512)]
     assert sweep_cases([64], short=False)[1].requests == 256
     assert sweep_cases([64], short=True, c1_requests=4)[0].requests == 4
+    assert [case.name for case in sweep_cases([1], short=True)] == ["c=1"]  # `--sweep 1`: c=1 alone, once
 
 
 def test_the_swept_engine_admits_every_stream_of_the_widest_case():
