@@ -60,11 +60,14 @@ def held_order(ranked: list[str], scores: Scores, deviation: Callable[[str], flo
     Only a holder of most of the prompt is held to: a chat's first turn shares just its system prompt, and its
     later turns stay wherever it lands; holding first turns too piled 14 agentic sessions onto 2 of 14
     engines (seed 2 #1: 0.69 and 0.71 of the bound against 0.86 and 0.86). Holding to an engine computing the
-    prompt's start (sent there, not yet confirmed) brought the pile back at a burst of first turns (0.75)."""
+    prompt's start (sent there, not yet confirmed) brought the pile back at a burst of first turns (0.75).
+    "Most" counts the blocks the holder is believed to hold whether confirmed or sent there (its overlap, not
+    the trust-scaled credit): a sibling arriving while its prompt is prefilling sees that engine computing all
+    of it, at a trust of one half, which never made a majority."""
     best = scores[ranked[0]]
     holder = max(ranked, key=lambda e: (scores[e].cached_tokens, -scores[e].cost_s))
     held = scores[holder]
-    if held.cached_tokens <= max(best.cached_tokens, held.uncached_tokens):
+    if held.cached_tokens <= best.cached_tokens or 2 * held.overlap_tokens <= held.cached_tokens + held.uncached_tokens:
         return ranked
     if held.cost_s - best.cost_s > deviation(holder) * (held.queue_s + held.prefill_s):
         return ranked
