@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from gateway.routing import EngineView, RouteRequest, make_policy, route_table
 from gateway.routing.homes import HomeBook
-from gateway.routing.kv_aware import held_order
+from gateway.routing.kv_aware import LOAD_SLACK, LOAD_SLACK_REQUESTS, held_order, within_load_limit
 from gateway.routing.types import CandidateScore
 
 BLOCKS = 160
@@ -303,3 +303,32 @@ def test_a_new_session_sharing_only_its_system_prompt_goes_by_cost():
     longer = RouteRequest("m", 3 * PREFIX_BLOCKS * 16, 3 * PREFIX_BLOCKS, "sys0/q", max_tokens=16, home_key="sys0")
     assert policy.choose(longer, fleet.views(0)).chosen != home
 
+
+
+def test_a_burst_sharing_one_holders_prompt_spreads_once_that_engine_is_far_deeper_than_the_pool():
+    """Agentic sessions opening at once, their 2.2k-token system prompt cached on one engine of fourteen: by the
+    priors the holder stays cheapest however deep (each request ahead is a small share of a batch), and 13 of 20
+    sessions piled there (seed 2 suite shape #1); past three times the pool's mean depth plus two it goes last."""
+    policy = make_policy("kv_aware")
+    chosen = []
+    busy = {f"e{i}": 0 for i in range(14)}
+    for _ in range(10):
+        views = [EngineView(e, "u", in_flight=busy[e], num_blocks=BLOCKS, exact_blocks=137 if e == "e0" else 0,
+                            reuse_ratio=0.8) for e in busy]
+        decision = policy.choose(RouteRequest("m", 2500, 156, "sys/q", max_tokens=4, home_key="sys"), views)
+        chosen.append(decision.chosen)
+        busy[decision.chosen] += 1
+    assert chosen[:3] == ["e0"] * 3
+    assert max(busy.values()) <= LOAD_SLACK * 10 / 14 + LOAD_SLACK_REQUESTS + 1 and busy["e0"] < 10
+
+
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=8))
+def test_within_load_limit_only_moves_engines_far_deeper_than_the_pool_last(depths):
+    scores = {f"e{i}": CandidateScore(f"e{i}", 0, 0, 0.0, 100, 1.0, d, 0.0, 0.0, 0.0, 0.0)
+              for i, d in enumerate(depths)}
+    ranked = list(reversed(scores))
+    limited = within_load_limit(ranked, scores)
+    assert sorted(limited) == sorted(ranked)
+    limit = LOAD_SLACK * sum(depths) / len(depths) + LOAD_SLACK_REQUESTS
+    under = [e for e in ranked if scores[e].queue_depth <= limit]
+    assert limited == (under + [e for e in ranked if e not in under] if under else ranked)
