@@ -120,7 +120,8 @@ class Plan:
     prompt_tokens: int = 0
     estimated: bool = False
     """``prompt_tokens`` is a guess: the fresh rest of the prompt was encoded after routing (see
-    ``TokenizerService.token_ids_or_head``); ``chains`` cover the cached head only."""
+    ``TokenizerService.token_ids_or_head``); ``chains`` cover the cached head only (a new prompt's whole once
+    its rest is encoded after dispatch, ``Plan.rest_done``)."""
     unencoded: DeferredIds | None = None
     """The fresh rest still to encode (``RoutePlanner.encode_rest`` starts it once)."""
     batch_tokens: int = 0

@@ -85,8 +85,8 @@ def within_load_limit(ranked: list[str], scores: Scores) -> list[str]:
     The cost model prices a request ahead by its learned share of a batch, which at an opening burst (priors, a
     loaded machine) is a fraction of what the prefills ahead take: 13 new agentic sessions sharing a 2.2k-token
     system prompt went to the one engine holding it (seed 2 suite shape #1, estimated 100-130 ms, measured 1.1 s),
-    and their growing histories then evicted each other there (0.71-0.78 of the bound, 0.85-0.93 when the
-    system prompt's holders were hidden by head-only records)."""
+    and their growing histories then evicted each other there (0.71-0.82 of the bound, 0.84-0.94 when the
+    system prompt's holders were hidden by head-only records; 0.84-0.92 with this limit)."""
     limit = LOAD_SLACK * sum(s.queue_depth for s in scores.values()) / len(scores) + LOAD_SLACK_REQUESTS
     over = [e for e in ranked if scores[e].queue_depth > limit]
     if not over or len(over) == len(ranked):
