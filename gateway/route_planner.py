@@ -57,8 +57,8 @@ STREAM_FRAMING_EVENTS = 2
 DEFER_CHARS = 16_384
 """A fresh part of the prompt at least this long (~4k tokens) is encoded after the request went out: from
 there its encode costs more than the 3 ms a router may add to the first token. It is encoded all the same
-(once the answer has begun), so that the conversation's next turn finds it cached: a turn that long is
-deferred whether or not its head decides."""
+(once the answer has begun; a never-seen system prompt's rest at dispatch, ``RoutePlanner.dispatched``), so
+that the conversation's next turn finds it cached: a turn that long is deferred whether or not its head decides."""
 DEFER_IF_DECIDED_CHARS = 1_024
 """A shorter fresh part, down to this, is not encoded when the cached head already decides the engine
 (``head_decides``): encoding a 300-token turn took 0.8-0.9 ms between requests (cold caches) on the way to
