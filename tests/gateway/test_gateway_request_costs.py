@@ -198,6 +198,75 @@ async def test_a_new_prefix_is_routed_on_its_head_and_encoded_after_even_when_sh
     assert log == ["encoded"]
 
 
+def _new_prefix_router(tokenizers: type[FreshHead]):
+    """A kv_aware router whose prompts are all new (400 tokens, routed on a 64-token head), and its encode log."""
+    router = make_router(policy="kv_aware")
+    log: list[str] = []
+    router.planner.tokenizers = tokenizers(64, 400, 1500, log)
+    return router, router.planner, log
+
+
+def _only_on(router, engine: str, blocks: int) -> dict[str, int]:
+    return {e.id: blocks if e.id == engine else 0 for e in router.engines.all()}
+
+
+async def test_a_new_prefix_is_encoded_at_dispatch_and_recorded_whole_where_it_went(monkeypatch):
+    """Recorded by its head alone until its answer began (a sixth of a 3.9k-token prompt), its engine did not look
+    like it held the prompt to siblings arriving during its prefill, which left to compute it again elsewhere."""
+    router, planner, log = _new_prefix_router(FreshHead)
+    async with trio.open_nursery() as nursery:
+        planner._background = nursery
+        plan = await planner.plan(parse_request(STREAMED_CHAT, "chat", LimitsConfig()), {})
+        planner.dispatched(plan)
+        await trio.testing.wait_all_tasks_blocked()
+        assert log == ["encoded"] and plan.unencoded is None and not planner._computing
+        planner.encode_rest(plan)
+    assert log == ["encoded"]
+    ids = [e.id for e in router.engines.all()]
+    found = planner.cache.overlaps(planner._chains(plan.parsed, list(range(400)), ids), ids, trio.current_time())
+    assert {e: o.approx_blocks for e, o in found.items()} == _only_on(router, plan.engines[0].id, 400 // 16)
+
+
+class SlowFreshHead(FreshHead):
+    """A fresh head whose rest is encoded only once ``go`` is set (the encode of the first request is still running)."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.go = trio.Event()
+
+    async def token_ids_or_head(self, model, body, kind, defer_chars):
+        found = await super().token_ids_or_head(model, body, kind, defer_chars)
+
+        async def complete():
+            await self.go.wait()
+            return await found.complete()
+        return dataclasses.replace(found, complete=complete)
+
+
+async def test_a_sibling_arriving_while_a_new_prefix_is_encoded_waits_for_its_whole_record(monkeypatch):
+    """Siblings of a new prompt arriving at once (seed 0 suite shape #3) are routed on its whole record."""
+    router, planner, log = _new_prefix_router(SlowFreshHead)
+    plans = []
+    async with trio.open_nursery() as nursery:
+        planner._background = nursery
+        first = await planner.plan(parse_request(STREAMED_CHAT, "chat", LimitsConfig()), {})
+        planner.dispatched(first)
+
+        async def sibling():
+            plans.append(await planner.plan(parse_request(STREAMED_CHAT, "chat", LimitsConfig()), {}))
+
+        nursery.start_soon(sibling)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not plans and planner._computing == [first]
+        planner.tokenizers.go.set()
+    assert log == ["encoded", "encoded"] and not planner._computing
+    sibling_plan, = plans
+    assert (sibling_plan.estimated, sibling_plan.prompt_tokens) == (False, 400)
+    chosen = first.engines[0].id
+    assert sibling_plan.decision.chosen == chosen
+    assert {s.engine: s.approx_tokens for s in sibling_plan.decision.table} == _only_on(router, chosen, 400)
+
+
 async def test_a_long_new_prefix_whose_head_two_engines_hold_is_encoded_before_routing(monkeypatch):
     """A prompt new to this router but not to the fleet (another replica sent it): its head alone would credit
     its holders a fraction of what they hold, so it is encoded first, however long."""
