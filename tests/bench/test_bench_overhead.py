@@ -52,6 +52,7 @@ def test_added_ttft_and_speed_are_taken_against_the_engine_of_the_same_round():
               _block("engine", 1, 20), _block("kvmesh", 1, 21.0, wall=2.0, failed=1)]
     row = next(line for line in format_system_prompt(blocks).splitlines() if " kvmesh " in line)
     assert "+1.25ms" in row  # median of +1.5 and +1.0, not pooled p50s (20.75 - 15)
+    assert " 16.25ms " in row  # the mean TTFT of all its answered requests
     assert " 0.50 " in row  # half the engine's req/s in both rounds
     assert row.split()[3] == "1"  # the failed request is counted
 
