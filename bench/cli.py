@@ -15,7 +15,7 @@ from bench.overhead import (
     PEERS,
     format_engine_view,
     format_overhead,
-    format_revision_cpu,
+    format_revision_comparison,
     format_system_prompt,
     known_peer,
     measure_overhead,
@@ -217,7 +217,7 @@ def _overhead(args: argparse.Namespace, log_dir: Path) -> int:
         blocks = trio.run(measure_system_prompt, spec, log_dir, args.rounds, args.policy, peer_names)
         print(format_system_prompt(blocks))
         print(format_engine_view(blocks))
-        print(format_revision_cpu(blocks))
+        print(format_revision_comparison(blocks))
         return 0
     pinning = overhead_sweep.pin_this_process()
     spec = overhead_sweep.fleet_for_sweep(spec, args.sweep)
@@ -228,7 +228,7 @@ def _overhead(args: argparse.Namespace, log_dir: Path) -> int:
                       pinning.router)
     print(format_system_prompt(blocks))
     print(format_engine_view(blocks))
-    print(format_revision_cpu(blocks))
+    print(format_revision_comparison(blocks))
     print(overhead_sweep.load_average())
     for line in overhead_sweep.verdicts(blocks, args.sweep):
         print(line)

@@ -327,7 +327,7 @@ def cpu_per_request(block: Block) -> float | None:
     return block.cpu_s / len(block.ok) if block.cpu_s is not None and block.ok else None
 
 
-def format_revision_cpu(blocks: list[Block]) -> str:
+def format_revision_comparison(blocks: list[Block]) -> str:
     """For each ``X@REV`` path: per round, X's CPU per request over X@REV's and X's TTFT p50 minus X@REV's
     (the same case and round, so the same machine load within a few seconds), and the TTFT p50 of all X's
     requests minus all X@REV's: the two codes compared directly, without the engine's block between them,

@@ -14,7 +14,7 @@ from bench.overhead import (
     SYSTEM_WORDS,
     Block,
     format_engine_view,
-    format_revision_cpu,
+    format_revision_comparison,
     format_system_prompt,
     known_peer,
     rotated,
@@ -184,8 +184,8 @@ def test_cpu_and_ttft_are_compared_with_the_other_revision_round_by_round():
               _block("kvmesh@HEAD~1", 1, 11.5), _block("passthrough", 0, 10)]
     for block, cpu in zip(blocks, (0.040, 0.050, 0.090, 0.100, 0.010), strict=True):
         block.cpu_s = cpu
-    cpu_line, ttft_line = format_revision_cpu(blocks).splitlines()
+    cpu_line, ttft_line = format_revision_comparison(blocks).splitlines()
     assert cpu_line == "c=1      CPU/req kvmesh / kvmesh@HEAD~1 per round: 0.80 0.90"
     assert ttft_line.startswith("c=1      TTFT p50 kvmesh - kvmesh@HEAD~1: median of 2 rounds +0.75 ms "
                                 "(range +0.5..+1.0), all requests +")
-    assert format_revision_cpu(blocks[-1:]) == ""
+    assert format_revision_comparison(blocks[-1:]) == ""
