@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.request
 from typing import Any, Self
 
 from cluster.child import ChildError, ChildProcess, flags_to_argv, wait_for_ok
@@ -39,3 +41,15 @@ class RouterProcess(ChildProcess):
     def await_ready(self, timeout: float) -> None:
         if not wait_for_ok(self.url + "/ready", time.monotonic() + timeout):
             raise ChildError(f"router {self.url} not ready after {timeout}s: {self.stderr()[-2000:]}")
+
+    def await_all_routable(self, timeout: float = 30.0) -> Self:
+        """``/ready`` holds once one engine is routable; tests that need every engine in rotation (round robin
+        over all of them) wait, bounded, until ``/admin/engines`` lists each as healthy with its models."""
+        deadline, listing = time.monotonic() + timeout, {}
+        while time.monotonic() < deadline:
+            with urllib.request.urlopen(self.url + "/admin/engines", timeout=5) as response:
+                listing = json.loads(response.read())
+            if listing.get("engines") and all(e["healthy"] and e["models"] for e in listing["engines"]):
+                return self
+            time.sleep(0.05)
+        raise ChildError(f"router {self.url}: engines not all routable after {timeout}s: {listing}")

@@ -38,7 +38,7 @@ def engines():
 def router(engines):
     with RouterProcess([f.urls[0] for f in engines], policy="round_robin", metrics_interval=0.2,
                        env={"KVMESH_IDLE_TIMEOUT_S": "1.0"}) as proc:
-        yield proc
+        yield proc.await_all_routable()
 
 
 def api(router) -> openai.OpenAI:

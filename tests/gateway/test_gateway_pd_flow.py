@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
 import uuid
 
 import pytest
@@ -48,26 +47,16 @@ def _router(fleet, tmp_path_factory, protocol: str):
     return RouterProcess([], config=str(path), metrics_interval=0.2)
 
 
-def _all_routable(client: Http) -> Http:
-    """The router is ready once one engine is: wait (bounded) until it routes to all four."""
-    for _ in range(200):
-        _, _, listing = client.json("GET", "/admin/engines")
-        if all(e["healthy"] and e["models"] for e in listing["engines"]):
-            return client
-        time.sleep(0.05)
-    raise AssertionError(f"engines not all routable: {listing}")
-
-
 @pytest.fixture(scope="module")
 def handoff(fleet, tmp_path_factory):
     with _router(fleet, tmp_path_factory, "handoff") as proc:
-        yield _all_routable(Http(proc.url))
+        yield Http(proc.await_all_routable().url)
 
 
 @pytest.fixture(scope="module")
 def opaque(shared_fleet, tmp_path_factory):
     with _router(shared_fleet, tmp_path_factory, "opaque") as proc:
-        yield _all_routable(Http(proc.url))
+        yield Http(proc.await_all_routable().url)
 
 
 @contextlib.contextmanager

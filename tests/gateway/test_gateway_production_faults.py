@@ -45,7 +45,7 @@ def config(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def router(fleet, config):
     with RouterProcess(fleet.urls, config=config, metrics_interval=0.2) as proc:
-        yield proc
+        yield proc.await_all_routable()
 
 
 @pytest.fixture(scope="module")

@@ -176,7 +176,7 @@ def test_5xx_fails_over_and_no_engine_gives_503(fleet):
 
     sick, healthy = Http(fleet.urls[0]), Http(fleet.urls[1])
     with RouterProcess(fleet.urls, policy="round_robin") as proc:
-        client = Http(proc.url)
+        client = Http(proc.await_all_routable().url)
         sick.json("POST", "/sim/fault", {"fail_5xx": True})
         try:
             for i in range(6):
@@ -205,7 +205,7 @@ def test_admin_drain_removes_engine_from_rotation(fleet):
     from cluster.router_process import RouterProcess
 
     with RouterProcess(fleet.urls, policy="round_robin") as proc:
-        client = Http(proc.url)
+        client = Http(proc.await_all_routable().url)
         engines = client.json("GET", "/admin/engines")[2]["engines"]
         drained = engines[0]["id"]
         status, _, row = client.json("POST", f"/admin/engines/{drained}/drain", {})
