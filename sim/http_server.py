@@ -82,6 +82,7 @@ class _Conn:
         self.close_race_s = close_race_s
         self.served = 0
         self.idle_since = trio.current_time()
+        self.hung_up = False
 
     async def send(self, event: h11.Event) -> None:
         data = self.h11.send(event)
@@ -140,6 +141,32 @@ class _Conn:
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in event.headers}
         return HttpRequest(event.method.decode(), path, query, headers, b"".join(chunks))
 
+    async def answer(self, handler: Handler, req: HttpRequest) -> bool:
+        """Handle ``req`` and send the response while watching the client; False when it hung up first. A hang-up
+        cancels the handler and its stream, which aborts the engine request, as vLLM's server does (Starlette's
+        disconnect listener for streams, ``with_cancellation`` for whole answers): a waiting request whose
+        client left never takes a batch slot."""
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch_hangup, nursery.cancel_scope)
+                await self.respond(await handler(req))
+                nursery.cancel_scope.cancel()
+        except* (trio.BrokenResourceError, trio.ClosedResourceError, h11.LocalProtocolError) as group:
+            log.debug("connection ended: %r", group.exceptions[0])
+            self.hung_up = True
+        return not self.hung_up
+
+    async def _watch_hangup(self, scope: trio.CancelScope) -> None:
+        """Read (and keep for h11) whatever the client sends during the exchange; at EOF or a reset cancel
+        ``scope`` (raising from here would reach the nursery as a group that no handler above expects)."""
+        try:
+            while data := await self.stream.receive_some(RECV):
+                self.h11.receive_data(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        self.hung_up = True
+        scope.cancel()
+
     async def respond(self, resp: HttpResponse) -> None:
         headers = [
             (b"date", _date.get()),
@@ -189,7 +216,8 @@ async def serve_connection(stream: trio.SocketStream, handler: Handler, keep_ali
                 return
             if req is None:
                 return
-            await conn.respond(await handler(req))
+            if not await conn.answer(handler, req):
+                return
             if conn.h11.our_state is h11.MUST_CLOSE or conn.h11.their_state is h11.MUST_CLOSE:
                 return
             conn.h11.start_next_cycle()

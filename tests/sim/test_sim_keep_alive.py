@@ -7,7 +7,7 @@ import h11
 import pytest
 import trio
 
-from sim.http_server import HttpRequest, HttpResponse, serve_http
+from sim.http_server import HttpRequest, HttpResponse, _reset_on_close, serve_http
 
 KEEP_ALIVE_S = 0.3
 
@@ -106,3 +106,45 @@ async def test_a_request_racing_the_close_is_reset_before_any_response_byte(nurs
     assert server.served == 2
     for s in (stream, fresh):
         await s.aclose()
+
+
+class HangingServer(Server):
+    """Answers ``/hang`` never (until cancelled, which it counts), anything else at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cancelled = 0
+
+    async def handle(self, req: HttpRequest) -> HttpResponse:
+        if req.path != "/hang":
+            return await super().handle(req)
+        try:
+            await trio.sleep_forever()
+        except trio.Cancelled:
+            self.cancelled += 1
+            raise
+
+
+@pytest.mark.parametrize("reset", [False, True], ids=["close", "reset"])
+async def test_a_client_that_hangs_up_cancels_its_unanswered_request(nursery, reset):
+    """As vLLM's server aborts a request whose client left (a waiting request then never takes a batch slot),
+    and the server goes on serving."""
+    server = HangingServer()
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    server.port = listeners[0].socket.getsockname()[1]
+    nursery.start_soon(serve_http, listeners, server.handle, KEEP_ALIVE_S)
+    stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+    conn = h11.Connection(h11.CLIENT)
+    await stream.send_all(conn.send(h11.Request(method="GET", target="/hang", headers=[("host", "sim")]))
+                          + conn.send(h11.EndOfMessage()))
+    await trio.sleep(0.05)
+    assert server.cancelled == 0
+    if reset:
+        _reset_on_close(stream)
+    await stream.aclose()
+    with trio.fail_after(5):
+        while server.cancelled == 0:
+            await trio.sleep(0.01)
+    again = await trio.open_tcp_stream("127.0.0.1", server.port)
+    assert (await _get(again, h11.Connection(h11.CLIENT))).startswith(b"HTTP/1.1 200")
+    await again.aclose()
