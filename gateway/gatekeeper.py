@@ -15,7 +15,7 @@ import trio
 
 from gateway.admission.client_buckets import ClientBuckets
 from gateway.admission.decision import Reject
-from gateway.admission.priority import PRIORITY_HEADER, admit, queued_depth, resolve_priority
+from gateway.admission.priority import PRIORITY_HEADER, admit, resolve_priority
 from gateway.admission.ratelimit import RateLimiter
 from gateway.config import RouterConfig
 from gateway.engines import EngineState
@@ -101,8 +101,7 @@ class Gatekeeper:
             raise verdict.error()
 
     def _shed(self, priority: str, candidates: Sequence[EngineState]) -> None:
-        depths = [queued_depth(e.in_flight, e.load.running, e.load.waiting, e.load.finished_since_poll)
-                  for e in candidates if e.routable]
+        depths = [e.in_flight + e.load.waiting for e in candidates if e.routable]
         verdict = admit(priority, depths, self.admission.queue_threshold, self.admission.queue_retry_after_s)
         if isinstance(verdict, Reject):
             self.metrics.admission_rejections.labels("overloaded", priority).inc()

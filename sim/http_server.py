@@ -142,10 +142,14 @@ class _Conn:
         return HttpRequest(event.method.decode(), path, query, headers, b"".join(chunks))
 
     async def answer(self, handler: Handler, req: HttpRequest) -> bool:
-        """Handle ``req`` and send the response while watching the client; False when it hung up first. A hang-up
-        cancels the handler and its stream, which aborts the engine request, as vLLM's server does (Starlette's
-        disconnect listener for streams, ``with_cancellation`` for whole answers): a waiting request whose
-        client left never takes a batch slot."""
+        """Handle ``req`` and send the response; False when the client hung up first. During a POST (the
+        generate endpoints) the client is watched and a hang-up cancels the handler and its stream, which aborts
+        the engine request, as vLLM's server does (``with_cancellation`` and Starlette's disconnect listener): a
+        waiting request whose client left never takes a batch slot. GETs (health, metrics) are not watched,
+        as in vLLM, and cost no extra task."""
+        if req.method != "POST":
+            await self.respond(await handler(req))
+            return True
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watch_hangup, nursery.cancel_scope)
@@ -157,11 +161,18 @@ class _Conn:
         return not self.hung_up
 
     async def _watch_hangup(self, scope: trio.CancelScope) -> None:
-        """Read (and keep for h11) whatever the client sends during the exchange; at EOF or a reset cancel
-        ``scope`` (raising from here would reach the nursery as a group that no handler above expects)."""
+        """Read (and keep for h11's next cycle) whatever the client sends during the exchange; at EOF or a reset
+        cancel ``scope`` (raising from here would reach the nursery as a group no handler above expects). Past
+        ``RECV`` buffered bytes it stops reading, as uvicorn pauses a pipelining client: the rest waits in the
+        socket, and memory stays bounded."""
         try:
-            while data := await self.stream.receive_some(RECV):
+            while len(self.h11.trailing_data[0]) < RECV:
+                data = await self.stream.receive_some(RECV)
+                if not data:
+                    break
                 self.h11.receive_data(data)
+            else:
+                return
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         self.hung_up = True

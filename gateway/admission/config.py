@@ -9,7 +9,10 @@ from gateway.config_errors import ConfigError
 
 @dataclass
 class AdmissionConfig:
-    queue_threshold: int = 64
+    queue_threshold: int = 256
+    """Per engine, this router's in-flight requests plus the engine's waiting ones from which normal requests are
+    shed (low ones from half). vLLM's default ``max_num_seqs`` is 256 (1024 for its server on large GPUs): at 64
+    the router refused the 65th stream to an engine that runs 256 at once, which a plain relay never does."""
     queue_retry_after_s: float = 1.0
     request_window_s: float = 10.0
     request_slots: int = 10

@@ -1,10 +1,8 @@
 """Priority tiers and load shedding in front of the engines (sans-IO).
 
-Queue depth of an engine = the requests waiting there for a batch slot (``queued_depth``): the engine's
-``vllm:num_requests_waiting`` from the last metrics poll, plus this router's requests the poll cannot have
-seen yet. Requests the engine is running are not a queue: counting them shed the 65th stream of an engine
-that batches 256 (vLLM's default ``max_num_seqs``), an outage that a plain relay in front of the same engine
-never shows. An engine "has room" for a tier when its depth is below the tier's limit:
+Queue depth of an engine = the router's own in-flight requests to it + the engine's
+``vllm:num_requests_waiting`` from the last metrics poll: the first reacts instantly, the second sees
+what other replicas sent. An engine "has room" for a tier when its depth is below the tier's limit:
 ``threshold`` for normal, ``threshold / 2`` for low (so low traffic is shed first), none for high.
 A request is rejected only when no candidate has room, since the router can still pick that one.
 """
@@ -32,14 +30,6 @@ def resolve_priority(tenant: Tenant, header: str | None) -> str:
     if value not in PRIORITIES:
         raise ApiError(400, f"x-priority must be one of {', '.join(PRIORITIES)}", param=PRIORITY_HEADER)
     return value
-
-
-def queued_depth(in_flight: int, running: int, waiting: int, finished_since_poll: int = 0) -> int:
-    """Requests waiting at an engine: its reported ``waiting`` plus this router's in-flight requests beyond
-    what the engine reported running or waiting (sent since the poll, so of unknown state: counted as
-    waiting). Without metrics (both 0) every in-flight request counts, as a queue the router cannot see."""
-    known = max(0, running - max(0, finished_since_poll)) + max(0, waiting)
-    return max(0, waiting) + max(0, in_flight - known)
 
 
 def queue_limit(priority: str, threshold: int) -> float:

@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.admission.decision import Admit, Reject
-from gateway.admission.priority import admit, queued_depth, resolve_priority
+from gateway.admission.priority import admit, resolve_priority
 from gateway.openai_errors import ApiError
 from gateway.security.auth import Tenant
 
@@ -46,20 +46,3 @@ def test_priority_header_only_when_the_tenant_may_choose():
     with pytest.raises(ApiError) as caught:
         resolve_priority(chooser, "urgent")
     assert caught.value.status == 400 and caught.value.param == "x-priority"
-
-
-def test_running_requests_are_no_queue_and_unpolled_ones_are():
-    assert queued_depth(in_flight=64, running=64, waiting=0) == 0  # a full batch of 64 streams: nothing waits
-    assert queued_depth(in_flight=70, running=64, waiting=6) == 6
-    assert queued_depth(in_flight=70, running=64, waiting=0) == 6  # sent since the poll: counted as waiting
-    assert queued_depth(in_flight=10, running=0, waiting=0) == 10  # no metrics: every request counts
-    assert queued_depth(in_flight=64, running=64, waiting=0, finished_since_poll=4) == 4
-    assert queued_depth(in_flight=0, running=200, waiting=30) == 30  # other clients' queue
-
-
-@given(st.integers(0, 500), st.integers(0, 500), st.integers(0, 500), st.integers(0, 500))
-def test_queued_depth_counts_the_reported_queue_and_never_more_than_all_known_requests(in_flight, running, waiting,
-                                                                                      finished):
-    depth = queued_depth(in_flight, running, waiting, finished)
-    assert waiting <= depth <= waiting + in_flight
-    assert queued_depth(in_flight + 1, running, waiting, finished) >= depth

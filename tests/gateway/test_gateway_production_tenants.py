@@ -23,8 +23,6 @@ from cluster.sim_process import SimFleetProcess
 
 pytestmark = pytest.mark.integration
 QUEUE_THRESHOLD = 4
-SLOTS = 3
-"""The engine's batch slots (``max_num_seqs``): requests past them wait, and only waiting ones are shed for."""
 LONG_PROMPT = " ".join(f"clause {i} of the shared master services agreement" for i in range(60))
 
 
@@ -35,7 +33,7 @@ def keys() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def engine():
-    with SimFleetProcess(engines=1, profile="fast", time_scale=0.2, max_num_seqs=SLOTS) as sims:
+    with SimFleetProcess(engines=1, profile="fast", time_scale=0.2) as sims:
         yield sims.urls[0]
 
 
@@ -151,44 +149,27 @@ def slowed(engine):
     set_fault(engine, clear=True)
 
 
-def engine_row(router, keys, engine: str) -> dict:
-    rows = Http(router.url).json("GET", "/admin/engines", headers=bearer(keys["admin"]))[2]["engines"]
-    return next(row for row in rows if row["id"] == engine_id(engine))
-
-
-def test_low_priority_is_shed_first_normal_next_high_never(router, keys, slowed):
-    """With the engine's slots all running, low is shed once half the threshold waits, normal once all of it
-    does, high never; with nothing waiting nobody is shed, however many streams run."""
-    def probe(priority: str, queued: int) -> int:
-        """429, or 200 once the router has dispatched the probe (it then waits at the engine: closed unread)."""
-        body = chat(f"probe {priority}", max_tokens=1, stream=True)
-        sock = open_stream(router.url, body, bearer(keys["open"], **{"x-priority": priority}))
-        try:
-            if wait_until(lambda: in_flight(router, keys, slowed) == SLOTS + queued + 1, 5):
-                return 200
-            head = sock.recv(4096).decode()
-            assert "retry-after:" in head.lower(), head
-            return int(head.split()[1])
-        finally:
-            sock.close()
-            assert wait_until(lambda: in_flight(router, keys, slowed) == SLOTS + queued, 15)
-
-    def seen(row: dict) -> tuple[int, int, int]:
-        return row["running"], row["waiting"], row["in_flight"]
+def test_low_priority_is_shed_first_normal_next_high_never(client, router, keys, slowed):
+    def status_at(priority: str) -> tuple[int, dict]:
+        headers = bearer(keys["open"], **{"x-priority": priority})
+        status, head, _ = client.request("POST", "/v1/chat/completions", chat(f"probe {priority}", max_tokens=1),
+                                         headers)
+        return status, head
 
     held: list = []
     try:
-        for queued in (0, QUEUE_THRESHOLD // 2, QUEUE_THRESHOLD):
-            hold(router, keys, held, SLOTS + queued)
-            assert wait_until(lambda q=queued: seen(engine_row(router, keys, slowed)) == (SLOTS, q, SLOTS + q), 15), \
-                f"never saw {queued} waiting: {engine_row(router, keys, slowed)}"
-            assert probe("low", queued) == (429 if queued >= QUEUE_THRESHOLD // 2 else 200)
-            assert probe("normal", queued) == (429 if queued >= QUEUE_THRESHOLD else 200)
-            assert probe("high", queued) == 200
+        for count in (QUEUE_THRESHOLD // 2, QUEUE_THRESHOLD):
+            hold(router, keys, held, count)
+            assert wait_until(lambda n=count: in_flight(router, keys, slowed) == n, 15), f"never saw {count}"
+            low, low_head = status_at("low")
+            assert low == 429
+            assert int(low_head["retry-after"]) >= 1
+            assert status_at("normal")[0] == (200 if count < QUEUE_THRESHOLD else 429)
+            assert status_at("high")[0] == 200
     finally:
         for sock in held:
             sock.close()
-    _, _, metrics = Http(router.url).request("GET", "/metrics")
+    _, _, metrics = client.request("GET", "/metrics")
     assert b'kvmesh_admission_rejections_total{priority="low",reason="overloaded"} 2.0' in metrics
     assert b'kvmesh_admission_rejections_total{priority="normal",reason="overloaded"} 1.0' in metrics
     assert b'priority="high"' not in metrics

@@ -135,8 +135,8 @@ async def test_a_client_that_hangs_up_cancels_its_unanswered_request(nursery, re
     nursery.start_soon(serve_http, listeners, server.handle, KEEP_ALIVE_S)
     stream = await trio.open_tcp_stream("127.0.0.1", server.port)
     conn = h11.Connection(h11.CLIENT)
-    await stream.send_all(conn.send(h11.Request(method="GET", target="/hang", headers=[("host", "sim")]))
-                          + conn.send(h11.EndOfMessage()))
+    head = h11.Request(method="POST", target="/hang", headers=[("host", "sim"), ("content-length", "0")])
+    await stream.send_all(conn.send(head) + conn.send(h11.EndOfMessage()))
     await trio.sleep(0.05)
     assert server.cancelled == 0
     if reset:
@@ -148,3 +148,27 @@ async def test_a_client_that_hangs_up_cancels_its_unanswered_request(nursery, re
     again = await trio.open_tcp_stream("127.0.0.1", server.port)
     assert (await _get(again, h11.Connection(h11.CLIENT))).startswith(b"HTTP/1.1 200")
     await again.aclose()
+
+
+async def test_a_request_pipelined_during_a_watched_answer_is_served_after_it(nursery):
+    """What the hang-up watcher reads while a POST is answered stays the next request's."""
+    server = HangingServer()
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    server.port = listeners[0].socket.getsockname()[1]
+
+    async def slow(req: HttpRequest) -> HttpResponse:
+        if req.method == "POST":
+            await trio.sleep(0.2)
+        return await server.handle(req)
+
+    nursery.start_soon(serve_http, listeners, slow, KEEP_ALIVE_S)
+    stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+    await stream.send_all(b"POST / HTTP/1.1\r\nhost: sim\r\ncontent-length: 0\r\n\r\n")
+    await trio.sleep(0.05)
+    await stream.send_all(b"GET / HTTP/1.1\r\nhost: sim\r\n\r\n")  # while the POST waits
+    received = b""
+    with trio.fail_after(5):
+        while received.count(b"HTTP/1.1 200") < 2:
+            received += await stream.receive_some(65536)
+    assert server.served == 2
+    await stream.aclose()
