@@ -156,13 +156,17 @@ class Block:
     def ok(self) -> list[RequestResult]:
         return [r for r in self.results if r.ok]
 
+    @property
+    def ttfts(self) -> list[float]:
+        return [r.ttft for r in self.ok if r.ttft is not None]
+
     def ttft(self, q: float) -> float:
-        return percentile([r.ttft for r in self.ok if r.ttft is not None], q)
+        return percentile(self.ttfts, q)
 
     def mean_ttft(self) -> float:
         """In a closed loop the mean is what holding or reordering requests cannot move (each stream's TTFT
         plus the rest of its answer is streams / req/s): it tells a lower median from a reordered one."""
-        ttfts = [r.ttft for r in self.ok if r.ttft is not None]
+        ttfts = self.ttfts
         return statistics.fmean(ttfts) if ttfts else math.nan
 
     @property
