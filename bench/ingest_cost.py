@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import re
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,8 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.event_mix import BLOCK_SIZE, MixEngine
-from bench.processes import REPO_ROOT
-from bench.revision import exported
+from bench.revision import add_against_options, side_by_side
 from events.decode import decode_live
 from events.feed import EngineFeed
 from index.block_hash import chain_from, root_seed
@@ -135,38 +131,6 @@ def measure(engines: int = 16, cap: int = 20_000, steps: int = 100, seed: int = 
 _TOTAL = re.compile(r"ops: ([0-9.]+) us")
 
 
-def _pass_in(tree: Path | None, args: list[str]) -> float:
-    """One pass of this command in a fresh process of the code in ``tree`` (this code's when None): its end to
-    end us per op. A fresh process per pass for both codes, so neither inherits the other's heap."""
-    root = tree or REPO_ROOT
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    out = subprocess.run([sys.executable, "-m", "bench.ingest_cost", *args], cwd=root, env=env,
-                         capture_output=True, text=True, check=True).stdout
-    found = _TOTAL.search(out)
-    if found is None:
-        raise SystemExit(f"kvmesh bench ingest: no per-op figure in a pass's output: {out[-300:]!r}")
-    return float(found.group(1))
-
-
-def side_by_side(against: str, passes: int, args: list[str], log_dir: Path) -> list[str]:
-    """This code and revision ``against`` in alternating fresh processes (which goes first alternates too),
-    the same recorded mix in each: on a machine whose load moves a single pass by up to 1.6x, the per-pair
-    ratio and the medians are what a comparison can read."""
-    tree = exported(against, log_dir)
-    mine: list[float] = []
-    theirs: list[float] = []
-    for i in range(passes):
-        order = ((mine, None), (theirs, tree)) if i % 2 == 0 else ((theirs, tree), (mine, None))
-        for series, root in order:
-            series.append(_pass_in(root, args))
-    ratios = [t / m for m, t in zip(mine, theirs, strict=True)]
-    return [f"this code     us per op: {' '.join(f'{x:.2f}' for x in mine)} (median {statistics.median(mine):.2f})",
-            f"{against:<13} us per op: {' '.join(f'{x:.2f}' for x in theirs)} "
-            f"(median {statistics.median(theirs):.2f})",
-            f"{against} / this code per pair: {' '.join(f'{r:.3f}' for r in ratios)} "
-            f"(median {statistics.median(ratios):.3f})"]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvmesh bench ingest", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -174,19 +138,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cap", type=int, default=20_000, help="live blocks per engine (default 20000)")
     p.add_argument("--steps", type=int, default=100, help="recorded steps per engine (default 100)")
     p.add_argument("--quick", action="store_true", help="16 engines, cap 5000, 40 steps")
-    p.add_argument("--against", metavar="REV",
-                   help="also run git revision REV's code, alternating fresh processes with this code's, and "
-                        "print both series and the per-pair ratios (one engine count)")
-    p.add_argument("--passes", type=int, default=5, help="with --against: passes of each code (default 5)")
-    p.add_argument("--log-dir", type=Path,
-                   help="with --against: where the revision is exported (default: a new temporary folder)")
+    add_against_options(p, "code (one engine count)")
     args = p.parse_args(argv)
     counts = [16] if args.quick else [int(x) for x in args.engines.split(",") if x]
     cap, steps = (5_000, 40) if args.quick else (args.cap, args.steps)
     if args.against:
         one = ["--engines", str(counts[0]), "--cap", str(cap), "--steps", str(steps)]
         log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvmesh-bench-ingest-"))
-        for line in side_by_side(args.against, args.passes, one, log_dir):
+        for line in side_by_side(args.against, args.passes, ["-m", "bench.ingest_cost", *one], _TOTAL, "us per op",
+                                 log_dir):
             print(line, flush=True)
         return 0
     for count in counts:

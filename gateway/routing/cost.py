@@ -80,8 +80,14 @@ def queue_depth(engine: EngineView) -> int:
     return _count(max(routed, engine.running - max(0, engine.finished_since_poll)) + max(0, engine.waiting))
 
 
-def overlap_tokens(engine: EngineView, request: RouteRequest, blocks: int) -> int:
-    return max(0, min(_count(request.prompt_tokens), blocks * _block_size(engine)))
+def overlaps(engine: EngineView, request: RouteRequest, knowledge: Knowledge) -> tuple[int, int, int]:
+    """Leading prompt tokens the engine holds: in its GPU cache by its events, with its offloaded tiers
+    after them, and by the router's record of what it sent there (computed once per candidate)."""
+    prompt, block = _count(request.prompt_tokens), _block_size(engine)
+    exact = max(0, min(prompt, engine.exact_blocks * block))
+    tiers = tier_blocks(engine, knowledge)
+    tiered = max(0, min(prompt, (engine.exact_blocks + tiers) * block)) if tiers else exact
+    return exact, tiered, max(0, min(prompt, engine.approx_blocks * block))
 
 
 def tier_blocks(engine: EngineView, knowledge: Knowledge) -> int:
@@ -113,14 +119,12 @@ class CostModel:
         self.learner = TTFTLearner(prior)
         self.decode = DecodeModel(decode_prior or DecodePrior())
 
-    def cached_tokens(self, engine: EngineView, request: RouteRequest, knowledge: Knowledge) -> tuple[float, float]:
-        """(tokens the model credits as cached, the trust applied) for one candidate."""
-        exact = overlap_tokens(engine, request, engine.exact_blocks + tier_blocks(engine, knowledge))
-        approx = overlap_tokens(engine, request, engine.approx_blocks)
+    def credited(self, engine: EngineView, tiered: int, approx: int, knowledge: Knowledge) -> tuple[float, float]:
+        """(tokens the model credits as cached, the trust applied) for one candidate, from its ``overlaps``."""
         if knowledge is Knowledge.ROUTER_ONLY:
             return float(approx), 1.0
         confidence = _clamp(engine.confidence, 0.0, 1.0)
-        credited = exact + self.settings.approx_trust * max(0, approx - exact)
+        credited = tiered + self.settings.approx_trust * max(0, approx - tiered)
         return confidence * credited, confidence
 
     def pressure_penalty_s(self, engine: EngineView, request: RouteRequest, uncached: int, p: TTFTParams) -> float:
@@ -184,16 +188,16 @@ class CostModel:
     def estimate(self, request: RouteRequest, engine: EngineView, knowledge: Knowledge) -> CandidateScore:
         slots = None if engine.max_num_seqs is None else _count(engine.max_num_seqs)
         params = self.learner.params(engine.id, slots)
-        cached, trust = self.cached_tokens(engine, request, knowledge)
+        exact, tiered, approx = overlaps(engine, request, knowledge)
+        cached, trust = self.credited(engine, tiered, approx, knowledge)
         uncached = max(0, math.ceil(_count(request.prompt_tokens) - cached - 1e-9))
         depth = queue_depth(engine)
         load_s = tier_load_s(engine, request, knowledge)
         adapter_s = self.adapter_s(engine, depth)
-        exact = overlap_tokens(engine, request, engine.exact_blocks)
         return CandidateScore(
             engine=engine.id,
             exact_tokens=exact,
-            approx_tokens=overlap_tokens(engine, request, engine.approx_blocks),
+            approx_tokens=approx,
             cached_tokens=cached,
             uncached_tokens=uncached,
             confidence=trust,
@@ -206,7 +210,7 @@ class CostModel:
             decode_s=self.decode.decode_s(engine.id, depth, _max_tokens(request)),
             eviction_s=self.eviction_s(engine, request, uncached, params, knowledge),
             tier_runs=engine.tier_runs if load_s else (),
-            tier_tokens=overlap_tokens(engine, request, engine.exact_blocks + tier_blocks(engine, knowledge)) - exact,
+            tier_tokens=tiered - exact,
             load_s=load_s,
             adapter_s=adapter_s,
         )

@@ -66,6 +66,7 @@ class HomeBook:
         self._residents: dict[str, dict[str, None]] = {}
         self._capacity: dict[str, int] = {}
         self._memo: dict[str, list[Resident]] = {}
+        self._key_memo: dict[str, tuple[list[str], float]] = {}
         self._clock = 0
 
     def _heat(self, prefix: _Prefix, engine: str) -> float:
@@ -81,18 +82,27 @@ class HomeBook:
         heat = prefix.heat.get(engine, 0.0) * decay ** silence / window
         return min(heat, self.settings.silence_slack / max(1, silence) / (1.0 - decay)) if silence else heat
 
+    def _key_reads(self, key: str) -> tuple[list[str], float]:
+        """``key``'s homes and heat, computed once between two records (a decision reads them per engine)."""
+        found = self._key_memo.get(key)
+        if found is None:
+            prefix = self._prefixes.get(key)
+            if prefix is None:
+                found = [], 0.0
+            else:
+                warm = [(self._heat(prefix, e), e) for e in prefix.heat]
+                homes = [e for h, e in sorted(warm, key=lambda he: (-he[0], he[1])) if h >= self.settings.min_heat]
+                found = homes, sum(h for h, _ in warm)
+            self._key_memo[key] = found
+        return found
+
     def homes(self, key: str) -> list[str]:
         """The engines ``key`` is homed on, hottest first (ties by engine id)."""
-        prefix = self._prefixes.get(key)
-        if prefix is None:
-            return []
-        warm = [(self._heat(prefix, e), e) for e in prefix.heat]
-        return [e for h, e in sorted(warm, key=lambda he: (-he[0], he[1])) if h >= self.settings.min_heat]
+        return list(self._key_reads(key)[0])
 
     def heat(self, key: str) -> float:
         """Requests of ``key`` recently placed anywhere (decayed)."""
-        prefix = self._prefixes.get(key)
-        return sum(self._heat(prefix, e) for e in prefix.heat) if prefix else 0.0
+        return self._key_reads(key)[1]
 
     def residents(self, engine: str, exclude: str = "") -> list[Resident]:
         """Prefixes homed on ``engine``, hottest first (computed once between two records: a decision reads
@@ -145,7 +155,7 @@ class HomeBook:
         if not key:
             return
         self._clock += 1
-        self._memo.clear()
+        self._forget_reads()
         prefix = self._prefixes.get(key)
         if prefix is None:
             prefix = self._prefixes[key] = _Prefix(blocks, born=self._clock - 1)
@@ -164,6 +174,7 @@ class HomeBook:
             self._capacity[engine] = capacity_blocks
         for home in list(prefix.heat):
             self._fit(home, keep=key if home == engine else "")
+        self._forget_reads()  # reads made while the book changed (``_prune``'s, ``_fit``'s) are stale
 
     def _fit(self, engine: str, keep: str = "") -> None:
         """Unhome the coldest prefixes of ``engine`` until its homes fit ``fill`` of its blocks; ``keep``, the
@@ -194,11 +205,15 @@ class HomeBook:
         return out
 
     def _unhome(self, key: str, prefix: _Prefix, engine: str) -> None:
-        self._memo.clear()
+        self._forget_reads()
         prefix.heat.pop(engine, None)
         self._residents.get(engine, {}).pop(key, None)
         if not prefix.heat:
             self._prefixes.pop(key, None)
+
+    def _forget_reads(self) -> None:
+        self._memo.clear()
+        self._key_memo.clear()
 
     def _prune(self) -> None:
         """Keep the book bounded: past ``max_prefixes``, the coldest quarter goes."""
@@ -213,7 +228,7 @@ class HomeBook:
     def forget_engine(self, engine: str) -> None:
         """An engine left or restarted empty: nothing is homed on it any more."""
         self._capacity.pop(engine, None)
-        self._memo.clear()
+        self._forget_reads()
         for key in list(self._residents.pop(engine, {})):
             prefix = self._prefixes.get(key)
             if prefix is not None:

@@ -10,7 +10,8 @@ then to the prefix key's rendezvous order.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+
+import msgspec
 
 from gateway.routing.base import Policy, Scores
 from gateway.routing.cost import CostModel, Knowledge
@@ -163,7 +164,7 @@ class KvAwarePolicy(Policy):
             score = scores[engine.id]
             stall = 0.0 if home or not homes else self.costs.stall_s(
                 score.queue_depth, engine.max_num_seqs, score.uncached_tokens, params)
-            scores[engine.id] = replace(score, home=home, eviction_s=0.0, displacement_s=displacement,
+            scores[engine.id] = msgspec.structs.replace(score, home=home, eviction_s=0.0, displacement_s=displacement,
                                         crowding_s=crowding, stall_s=stall)
 
     def rank(self, request: RouteRequest, pool: list[EngineView], scores: Scores) -> tuple[list[str], str]:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import bench.ingest_cost
+import bench.revision
 from bench.event_mix import BLOCK_SIZE, MAX_PREFILL_BLOCKS, EventTemplates, MixEngine
-from bench.ingest_cost import _pass_in, measure, side_by_side
+from bench.ingest_cost import _TOTAL, measure
+from bench.revision import pass_in, side_by_side
 from events.feed import EngineFeed
 from index.digest import block_set_digest
 from index.prefix_index import PrefixIndex
@@ -38,19 +39,20 @@ def test_ingest_cost_splits_the_cpu_per_block_op():
 
 
 def test_a_pass_in_a_fresh_process_reports_its_cpu_per_block_op():
-    assert 0 < _pass_in(None, ["--engines", "2", "--cap", str(2 * MAX_PREFILL_BLOCKS), "--steps", "3"]) < 1e4
+    command = ["-m", "bench.ingest_cost", "--engines", "2", "--cap", str(2 * MAX_PREFILL_BLOCKS), "--steps", "3"]
+    assert 0 < pass_in(None, command, _TOTAL) < 1e4
 
 
 def test_two_codes_alternate_which_goes_first_and_are_compared_pair_by_pair(monkeypatch, tmp_path):
     runs = []
     figures = iter([4.0, 5.0, 6.0, 4.5, 5.0, 5.0])
 
-    def one_pass(tree, args):
+    def one_pass(tree, command, figure):
         runs.append("other" if tree else "this")
         return next(figures)
-    monkeypatch.setattr(bench.ingest_cost, "exported", lambda rev, into: tmp_path / rev)
-    monkeypatch.setattr(bench.ingest_cost, "_pass_in", one_pass)
-    lines = side_by_side("HEAD~1", 3, [], tmp_path)
+    monkeypatch.setattr(bench.revision, "exported", lambda rev, into: tmp_path / rev)
+    monkeypatch.setattr(bench.revision, "pass_in", one_pass)
+    lines = side_by_side("HEAD~1", 3, [], _TOTAL, "us per op", tmp_path)
     assert runs == ["this", "other", "other", "this", "this", "other"]
     assert lines[0] == "this code     us per op: 4.00 4.50 5.00 (median 4.50)"
     assert lines[2] == "HEAD~1 / this code per pair: 1.250 1.333 1.000 (median 1.250)"

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from msgspec.structs import replace
 
 from gateway.routing import EngineView, RouteRequest, make_policy
 from gateway.routing.hashing import rendezvous_order

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -9,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.routing import EngineView, RouteRequest, make_policy, route_table
-from gateway.routing.homes import HomeBook
+from gateway.routing.homes import HomeBook, HomeSettings
 from gateway.routing.kv_aware import LOAD_SLACK, LOAD_SLACK_REQUESTS, held_order, within_load_limit
 from gateway.routing.types import CandidateScore
 
@@ -166,6 +167,25 @@ def test_forgetting_an_engine_unhomes_its_prefixes():
     book.record("a", "e1", 10, BLOCKS)
     book.forget_engine("e0")
     assert book.homes("a") == ["e1"] and book.residents("e0") == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 12), st.integers(0, 4), st.integers(1, 300), st.booleans()), max_size=120))
+def test_reads_between_changes_are_what_a_fresh_book_computes(changes):
+    """Reads are memoized between records (a decision reads each prefix's homes once per engine); a read made
+    while a record changes the book (pruning ranks every prefix by heat) must not outlive that record."""
+    book = HomeBook(HomeSettings(max_prefixes=4))
+    for key, engine, blocks, forget in changes:
+        if forget:
+            book.forget_engine(f"e{engine}")
+        else:
+            book.record(f"k{key}", f"e{engine}", blocks, BLOCKS)
+        fresh = copy.deepcopy(book)
+        fresh._forget_reads()
+        for k in range(13):
+            assert (book.homes(f"k{k}"), book.heat(f"k{k}")) == (fresh.homes(f"k{k}"), fresh.heat(f"k{k}"))
+        for e in range(5):
+            assert book.residents(f"e{e}") == fresh.residents(f"e{e}")
 
 
 def test_the_book_stays_bounded():
