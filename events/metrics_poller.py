@@ -70,7 +70,6 @@ LORA_INFO = "vllm:lora_requests_info"
 _KV_USAGE = "vllm:kv_cache_usage_perc"
 _CACHE_CONFIG = "vllm:cache_config_info"
 _WANTED = frozenset({*_SUMMED, _KV_USAGE, _CACHE_CONFIG, LORA_INFO})
-_PREFIXES = ("vllm:num_requests_", "vllm:prefix_cache_", _KV_USAGE, _CACHE_CONFIG, LORA_INFO)
 
 
 def parse_vllm_metrics(text: str) -> EngineLoad:
@@ -86,7 +85,7 @@ def parse_vllm_metrics(text: str) -> EngineLoad:
     block_size = num_blocks = None
     lora: tuple[float, dict[str, str]] | None = None
     try:
-        for sample in wanted_samples(text, _WANTED, _PREFIXES):
+        for sample in wanted_samples(text, _WANTED):
             value = sample.value
             if not math.isfinite(value):
                 continue

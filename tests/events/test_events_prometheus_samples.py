@@ -14,7 +14,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from events.prometheus_samples import SampleError, wanted_samples
 
 NAMES = frozenset({"vllm:num_requests_running", "vllm:prefix_cache_hits_total", "vllm:cache_config_info"})
-PREFIXES = ("vllm:num_requests_", "vllm:prefix_cache_", "vllm:cache_config_info")
 label_values = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
 values = st.one_of(st.floats(allow_nan=False), st.integers(-2**60, 2**60).map(float))
 
@@ -35,7 +34,7 @@ def test_what_prometheus_client_writes_is_read_as_its_parser_reads_it(series, hi
     Gauge("vllm:num_requests_waiting", "waiting", registry=registry).set(1)
     Counter("vllm:prefix_cache_hits", "hits", registry=registry).inc(abs(hits) if math.isfinite(hits) else 1)
     text = generate_latest(registry).decode()
-    assert [(s.name, s.labels, s.value) for s in wanted_samples(text, NAMES, PREFIXES)] == _reference(text)
+    assert [(s.name, s.labels, s.value) for s in wanted_samples(text, NAMES)] == _reference(text)
 
 
 @settings(max_examples=300, deadline=None)
@@ -45,7 +44,7 @@ def test_what_prometheus_client_writes_is_read_as_its_parser_reads_it(series, hi
 def test_any_wanted_line_parses_or_raises_a_sample_error(lines):
     text = "\n".join(name + rest for name, rest in lines)
     try:
-        found = list(wanted_samples(text, NAMES, PREFIXES))
+        found = list(wanted_samples(text, NAMES))
     except SampleError:
         return
     assert all(sample.name in NAMES for sample in found)
@@ -56,7 +55,7 @@ def test_any_wanted_line_parses_or_raises_a_sample_error(lines):
                                   'vllm:cache_config_info{block_size="16"} 1 2 3'])
 def test_a_broken_wanted_line_is_refused(line):
     with pytest.raises(SampleError):
-        list(wanted_samples(line + "\n", NAMES, PREFIXES))
+        list(wanted_samples(line + "\n", NAMES))
 
 
 def test_escapes_timestamps_and_other_families():
@@ -65,6 +64,6 @@ def test_escapes_timestamps_and_other_families():
             "vllm:num_requests_running_other{ 3\n"
             "vllm:prefix_cache_hits_created 1.7e9\n"
             "vllm:num_requests_running +Inf\n")
-    found = [(s.name, s.labels, s.value) for s in wanted_samples(text, NAMES, PREFIXES)]
+    found = [(s.name, s.labels, s.value) for s in wanted_samples(text, NAMES)]
     assert found == [("vllm:cache_config_info", {"block_size": '1"6', "num_gpu_blocks": "a\\b\nc"}, 1.0),
                      ("vllm:num_requests_running", {}, math.inf)]

@@ -174,7 +174,7 @@ def test_forgetting_an_engine_unhomes_its_prefixes():
 def test_reads_between_changes_are_what_a_fresh_book_computes(changes):
     """Reads are memoized between records (a decision reads each prefix's homes once per engine); a read made
     while a record changes the book (pruning ranks every prefix by heat) must not outlive that record."""
-    book = HomeBook(HomeSettings(max_prefixes=4))
+    book = HomeBook(HomeSettings(max_prefixes=2))  # a prune that ranks every prefix and drops none of them
     for key, engine, blocks, forget in changes:
         if forget:
             book.forget_engine(f"e{engine}")
