@@ -570,8 +570,8 @@ class RoutePlanner:
             self._refit_now(engine_id)
 
     def _refit_now(self, engine_id: str) -> None:
-        """Refit the TTFT model after the answer instead of in the next request's decision, where the lazy
-        refit after each observation sat on the path to the first byte (~0.4 ms a request). Same data, same
-        fit: the slots it is asked for are the model's own, so only staleness triggers the work."""
+        """Refit the TTFT model after the answer (the engine's own fit, or the fleet's when its share of new
+        answers is in) instead of in the next request's decision, on the path to the first byte. The slots it
+        is asked for are the model's own, so only new data trigger the work."""
         learner = self.policy.costs.learner
         learner.params(engine_id, learner.model(engine_id).max_num_seqs)

@@ -57,6 +57,7 @@ class Policy(ABC):
         pool, live = candidates(engines)
         if not pool:
             return Decision([], [], "no-engine", self.name, request.prompt_tokens)
+        self.costs.prepare(pool)
         scores = {e.id: self.costs.estimate(request, e, self.knowledge) for e in pool}
         ranked, reason = self.rank(request, pool, scores)
         if not live:

@@ -14,6 +14,7 @@ the ranking too.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -56,6 +57,11 @@ MAX_BLOCK_SIZE = 2**16
 def _count(value: int, high: int = MAX_COUNT) -> int:
     """``value`` clamped to 0..high."""
     return min(high, max(0, value))
+
+
+def engine_slots(engine: EngineView) -> int | None:
+    """The engine's batch slots as its TTFT model takes them (clamped; None: unknown)."""
+    return None if engine.max_num_seqs is None else _count(engine.max_num_seqs)
 
 
 def _block_size(engine: EngineView) -> int:
@@ -118,6 +124,11 @@ class CostModel:
         self.settings = settings or CostSettings()
         self.learner = TTFTLearner(prior)
         self.decode = DecodeModel(decode_prior or DecodePrior())
+
+    def prepare(self, engines: Sequence[EngineView]) -> None:
+        """Before a decision scores its engines: each has its TTFT model and slots, so a fleet fit the new ones
+        make due happens before the first is scored, and every engine is scored on the same fit."""
+        self.learner.prepare((e.id, engine_slots(e)) for e in engines)
 
     def credited(self, engine: EngineView, tiered: int, approx: int, knowledge: Knowledge) -> tuple[float, float]:
         """(tokens the model credits as cached, the trust applied) for one candidate, from its ``overlaps``."""
@@ -186,7 +197,7 @@ class CostModel:
         return self.settings.cross_island_s if crosses else 0.0
 
     def estimate(self, request: RouteRequest, engine: EngineView, knowledge: Knowledge) -> CandidateScore:
-        slots = None if engine.max_num_seqs is None else _count(engine.max_num_seqs)
+        slots = engine_slots(engine)
         params = self.learner.params(engine.id, slots)
         exact, tiered, approx = overlaps(engine, request, knowledge)
         cached, trust = self.credited(engine, tiered, approx, knowledge)

@@ -46,6 +46,10 @@ class DecodePrior:
     """The smallest noise of a time per token assumed when judging engines apart (streams that all agree)."""
     decay: float = 0.98
     output_decay: float = 0.95
+    fleet_refit_share: float = 1 / 16
+    """The fleet's line and how much it weighs are redone once the observations since reach this share of the
+    (decayed) observations they came from; an engine's own line takes each of its observations at once
+    (as ``TTFTPrior.fleet_refit_share``)."""
 
 
 PSEUDO_DEPTH = 8.0
@@ -101,6 +105,8 @@ class DecodeModel:
     _fleet: tuple[float, float] | None = None
     _engine_weight: float | None = None
     _output_tokens: float | None = None
+    _since_fleet_fit: int = 0
+    _fleet_fit_weight: float = 0.0
     rejected: int = 0
 
     def _line(self, engine_id: str) -> tuple[float, float]:
@@ -112,6 +118,7 @@ class DecodeModel:
                 for stats in self._stats.values():
                     fleet = fleet.plus(stats)
                 self._fleet = fleet.line()
+                self._fleet_fit_weight = fleet.n - p.weight
             own = self._stats.get(engine_id, _Stats())
             line = self._lines[engine_id] = own.plus(_Stats.line_as_data(*self._fleet, self.engine_weight())).line()
         return line
@@ -170,7 +177,10 @@ class DecodeModel:
         if output_tokens >= 2:
             self._stats.setdefault(engine_id, _Stats()).add(float(batch_depth), decode_s / (output_tokens - 1),
                                                             p.decay)
-            self._invalidate()
+            self._lines.pop(engine_id, None)
+            self._since_fleet_fit += 1
+            if self._since_fleet_fit >= p.fleet_refit_share * self._fleet_fit_weight:
+                self._invalidate()
         return True
 
     def forget(self, engine_id: str) -> None:
@@ -178,7 +188,8 @@ class DecodeModel:
         self._invalidate()
 
     def _invalidate(self) -> None:
-        """Every line leans on the fleet's, which any observation moves: both are recomputed on next use."""
+        """Every line leans on the fleet's: all are recomputed on next use."""
         self._lines.clear()
         self._fleet = None
         self._engine_weight = None
+        self._since_fleet_fit = 0

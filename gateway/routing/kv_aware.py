@@ -14,7 +14,7 @@ from collections.abc import Callable
 import msgspec
 
 from gateway.routing.base import Policy, Scores
-from gateway.routing.cost import CostModel, Knowledge
+from gateway.routing.cost import CostModel, Knowledge, engine_slots
 from gateway.routing.hashing import key_hash, rendezvous_weight
 from gateway.routing.homes import HomeBook
 from gateway.routing.types import CandidateScore, Decision, EngineView, HomeNote, RouteRequest
@@ -153,7 +153,7 @@ class KvAwarePolicy(Policy):
         heat = {e.id: self.homes.resident_heat(e.id, exclude=key) for e in pool}
         mean_heat = sum(heat.values()) / len(pool)
         for engine in pool:
-            params = self.costs.learner.params(engine.id, engine.max_num_seqs)
+            params = self.costs.learner.params(engine.id, engine_slots(engine))
             block = max(1, engine.block_size)
             home = engine.id in homes
             displacement = self.homes.displacement_s(
@@ -203,7 +203,7 @@ class KvAwarePolicy(Policy):
         terms: two views that differ by one request agree) and a tenth of the prefill at stake (a duplicate
         costs all of it)."""
         engine = next(e for e in pool if e.id == best.engine)
-        slots = engine.max_num_seqs
+        slots = engine_slots(engine)
         params = self.costs.learner.params(engine.id, slots)
         depth, answer = best.queue_depth, request.max_tokens
         one_more = (params.queue_s(depth + 1, slots) - params.queue_s(depth, slots)

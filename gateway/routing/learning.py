@@ -20,6 +20,7 @@ happened to look fast.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,6 +53,11 @@ class TTFTPrior:
     huber_k: float = 3.0
     scale_rate: float = 0.1
     min_scale_s: float = 0.001
+    fleet_refit_share: float = 1 / 16
+    """The fleet's terms (every engine's pooled prior, the spread between engines) are redone once the observations
+    since their fit reach this share of the (decayed) observations they were fitted on; an engine's own data always
+    count at once. One answer barely moves a fit made from hundreds, and redoing the fleet's fit after every
+    answer cost 0.8 ms a request at 15 engines and grew with the fleet (``kvmesh bench decide``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +175,8 @@ class TTFTLearner:
 
     An engine's center is the fixed priors updated with every other engine's statistics (leave-one-out,
     so its own data is not counted twice); its own statistics then move it away from that center as far
-    as they are worth against ``engine_weight``. All fits are redone lazily after any observation.
+    as they are worth against ``engine_weight``. Fits are redone lazily: an engine's own after each of its
+    observations, the fleet's terms once enough new observations arrived (``TTFTPrior.fleet_refit_share``).
 
     Feedback outside physical bounds (negative, NaN, more than 10M tokens, 1M queued, an hour to first
     token) is counted in ``rejected`` and dropped: one corrupt measurement must not poison the fit.
@@ -179,6 +186,13 @@ class TTFTLearner:
         self.prior = prior or TTFTPrior()
         self._models: dict[str, EngineTTFTModel] = {}
         self._stale = True
+        """The fleet's terms must be redone before the next fit."""
+        self._pulls: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        """Per engine, from the last fleet fit: the precision of its pooled prior and that times the prior's mean."""
+        self._dirty: set[str] = set()
+        """Engines with observations since their own fit."""
+        self._since_fleet_fit = 0
+        self._fleet_fit_weight = 0.0
         self.rejected = 0
 
     def model(self, engine_id: str) -> EngineTTFTModel:
@@ -188,14 +202,32 @@ class TTFTLearner:
             self._stale = True
         return found
 
-    def params(self, engine_id: str, max_num_seqs: int | None) -> TTFTParams:
+    def prepare(self, slots_by_engine: Iterable[tuple[str, int | None]]) -> None:
+        """Models for a decision's engines with their slots, none fitted yet (see ``CostModel.prepare``)."""
+        for engine_id, max_num_seqs in slots_by_engine:
+            self._slotted(engine_id, max_num_seqs)
+
+    def _slotted(self, engine_id: str, max_num_seqs: int | None) -> EngineTTFTModel:
         model = self.model(engine_id)
         if max_num_seqs != model.max_num_seqs:
             model.set_slots(max_num_seqs)
             self._stale = True
+        return model
+
+    def params(self, engine_id: str, max_num_seqs: int | None) -> TTFTParams:
+        model = self._slotted(engine_id, max_num_seqs)
+        self._refresh(engine_id, model)
+        return model.params
+
+    def _refresh(self, engine_id: str, model: EngineTTFTModel) -> None:
+        """Make ``model.params`` current: the whole fleet when its terms are due, else this engine's own fit."""
         if self._stale:
             self._refit()
-        return model.params
+        elif engine_id in self._dirty:
+            self._dirty.discard(engine_id)
+            precision, pull = self._pulls[engine_id]
+            fitted = np.linalg.solve(np.array(model._xtx) + precision, np.array(model._xty) + pull)
+            model._params = _fitted_params(*fitted.tolist())
 
     def _refit(self) -> None:
         """Per engine: the fleet's mean (priors plus the other engines' data) and how sure it is, widened by
@@ -218,15 +250,17 @@ class TTFTLearner:
         rhs = xty.sum(axis=0) - xty + fleet_precision * prior_mean
         center = np.linalg.solve(others, rhs[..., None])
         precision = np.linalg.inv(np.linalg.inv(others) + spread)
-        fitted = np.linalg.solve(xtx + precision, (xty[..., None] + precision @ center))[..., 0]
-        for model, (a, b, c, d) in zip(models, fitted.tolist(), strict=True):
-            model._params = TTFTParams(
-                overhead_s=max(0.0, a),
-                prefill_s_per_token=max(1e-9, b / _TOKEN_UNIT),
-                batch_s_per_request=max(0.0, c),
-                slot_wait_s_per_request=max(0.0, d),
-            )
+        pull = (precision @ center)[..., 0]
+        fitted = np.linalg.solve(xtx + precision, (xty + pull)[..., None])[..., 0]
+        self._pulls = {}
+        for engine_id, model, row, own_precision, own_pull in zip(self._models, models, fitted.tolist(), precision,
+                                                                   pull, strict=True):
+            model._params = _fitted_params(*row)
+            self._pulls[engine_id] = (own_precision, own_pull)
         self._stale = False
+        self._dirty.clear()
+        self._since_fleet_fit = 0
+        self._fleet_fit_weight = float(xtx[:, 0, 0].sum())
 
     def _spread(self, xtx: np.ndarray, xty: np.ndarray, yty: np.ndarray, prior_mean: np.ndarray,
                 fixed_precision: np.ndarray) -> np.ndarray:
@@ -266,16 +300,28 @@ class TTFTLearner:
             self.rejected += 1
             return False
         model = self.model(engine_id)
-        if self._stale:
-            self._refit()
+        self._refresh(engine_id, model)
         model.observe(float(uncached_tokens), int(queue_depth), float(ttft_s))
-        self._stale = True
+        self._dirty.add(engine_id)
+        self._since_fleet_fit += 1
+        if self._since_fleet_fit >= self.prior.fleet_refit_share * self._fleet_fit_weight:
+            self._stale = True
         return True
 
     def forget(self, engine_id: str) -> None:
         """Drop what was learned about an engine that left (a replacement may be different hardware)."""
         if self._models.pop(engine_id, None) is not None:
             self._stale = True
+
+
+def _fitted_params(a: float, b: float, c: float, d: float) -> TTFTParams:
+    """Solved coefficients (prefill per ``_TOKEN_UNIT`` tokens) as parameters, each kept physical."""
+    return TTFTParams(
+        overhead_s=max(0.0, a),
+        prefill_s_per_token=max(1e-9, b / _TOKEN_UNIT),
+        batch_s_per_request=max(0.0, c),
+        slot_wait_s_per_request=max(0.0, d),
+    )
 
 
 def _within(value: object, high: float) -> bool:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.routing import EngineView, RouteRequest, make_policy
-from gateway.routing.decode import DecodeModel
+from gateway.routing.decode import DecodeModel, DecodePrior
 
 
 @settings(max_examples=50, deadline=None)
@@ -105,3 +106,27 @@ def test_a_slower_engine_among_noisy_twins_still_decodes_slower():
     twin, slow = model.time_per_token_s("e0", 2), model.time_per_token_s("e5", 2)
     assert abs(twin - 0.009) <= 0.1 * 0.009
     assert abs(slow - 1.5 * 0.009) <= 0.1 * 1.5 * 0.009
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**32))
+def test_an_engines_own_streams_count_at_once_and_the_fleets_line_follows_within_its_share(seed):
+    rng = random.Random(seed)
+    model = DecodeModel()
+    for _ in range(60):
+        for i in range(4):
+            depth = rng.randint(0, 24)
+            model.observe(f"e{i}", depth, 100, 99 * (0.01 + 0.0005 * depth) * rng.uniform(0.9, 1.1))
+    model._invalidate()
+    bystander = model.time_per_token_s("e3", 8)  # the fleet's line made now, from every stream so far
+    due = math.ceil(DecodePrior().fleet_refit_share * model._fleet_fit_weight)
+    assert due > 3
+    before = model.time_per_token_s("e0", 8)
+    for n in range(1, due + 1):
+        model.observe("e0", 8, 100, 99 * 0.2)  # far slower streams than any so far
+        mine, theirs = model.time_per_token_s("e0", 8), model.time_per_token_s("e3", 8)
+        if n < due:
+            assert mine > before
+            assert theirs == bystander
+        before = mine
+    assert theirs != bystander

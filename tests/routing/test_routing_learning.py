@@ -179,3 +179,34 @@ def test_a_moderately_slower_engine_among_noisy_twins_is_learned_once_the_data_s
     truth = 0.01 + 5e-5 * 2000 + 0.004 * 2
     assert math.isclose(twin, truth, rel_tol=0.1)
     assert math.isclose(slow, 1.5 * truth, rel_tol=0.1)
+
+
+def _fleet_learner(engines: int, answers: int, seed: int) -> TTFTLearner:
+    rng = random.Random(seed)
+    learner = TTFTLearner()
+    for _ in range(answers):
+        for i in range(engines):
+            uncached, depth = rng.randint(0, 4000), rng.randint(0, 24)
+            learner.observe(f"e{i}", uncached, depth, (0.02 + 5e-5 * uncached + 0.004 * depth) * rng.uniform(0.9, 1.1))
+    return learner
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**32))
+def test_an_engines_own_answers_count_at_once_and_the_fleets_fit_follows_within_its_share(seed):
+    learner = _fleet_learner(4, 60, seed)
+    learner._stale = True
+    learner.params("e0", None)  # a fleet fit made now, from every answer so far
+    weight = learner._fleet_fit_weight
+    due = math.ceil(TTFTPrior().fleet_refit_share * weight)
+    assert due > 3
+    bystander = learner.params("e3", None)
+    before = learner.params("e0", None)
+    for n in range(1, due + 1):
+        learner.observe("e0", 3000, 0, 0.3)  # slower than any so far (~0.17 s), within the robust band
+        mine, theirs = learner.params("e0", None), learner.params("e3", None)
+        if n < due:
+            assert mine.predict(3000, 0, None) > before.predict(3000, 0, None)
+            assert theirs == bystander  # the fleet's terms wait for their share of new answers
+        before = mine
+    assert theirs != bystander  # and then move every engine's pooled prior
