@@ -1,7 +1,9 @@
 """``kvmesh bench ingest``: where a replica's CPU goes per KV-event block op, on the realistic mix, in process.
 
 The same recorded batches of E synthetic engines (bench/event_mix.py), each engine already at its cap, go
-through the replica's real ingest code four times, each pass on a fresh index filled the same way:
+through the replica's real ingest code in four kinds of pass, each on a fresh index filled the same way (every
+kind ``--repeat`` times, interleaved; each figure is the median of its passes, and the line also gives the range of
+the end-to-end passes: one pass moved by up to a fifth between minutes of a quiet machine here):
 
 - decode: ``events.decode.decode_live`` of every message, each batch dropped once decoded;
 - keys: the own-key chains of every stored event (``index.block_hash.chain_from``, as ingest computes them);
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import re
+import statistics
 import sys
 import tempfile
 import time
@@ -48,15 +51,19 @@ class IngestCost:
     keys_us: float
     store_us: float
     rest_us: float
+    passes: int = 1
+    total_range_us: tuple[float, float] = (0.0, 0.0)
 
     @property
     def total_us(self) -> float:
         return self.decode_us + self.keys_us + self.store_us + self.rest_us
 
     def line(self) -> str:
+        low, high = self.total_range_us
         return (f"ingest CPU per block op, {self.engines} engines, {self.live_blocks:,} live blocks, "
                 f"{self.ops:,} ops: {self.total_us:.2f} us (decode {self.decode_us:.2f}, keys {self.keys_us:.2f}, "
-                f"store {self.store_us:.2f}, rest {self.rest_us:.2f}) = {1e6 / self.total_us:,.0f} ops/s per core")
+                f"store {self.store_us:.2f}, rest {self.rest_us:.2f}) = {1e6 / self.total_us:,.0f} ops/s per core"
+                f" (medians of {self.passes} passes; end to end {low:.2f}-{high:.2f})")
 
 
 def _recorded(engines: list[MixEngine], steps: int, seqs: list[int]) -> tuple[list[Message], int]:
@@ -93,7 +100,7 @@ def _cpu(work: Callable[[], object]) -> float:
     return time.thread_time() - started
 
 
-def measure(engines: int = 16, cap: int = 20_000, steps: int = 100, seed: int = 0) -> IngestCost:
+def measure(engines: int = 16, cap: int = 20_000, steps: int = 100, seed: int = 0, passes: int = 3) -> IngestCost:
     fleet = [MixEngine(i, cap, MODEL, seed=seed) for i in range(engines)]
     seqs = [0] * engines
     warm: list[Message] = []
@@ -111,21 +118,34 @@ def measure(engines: int = 16, cap: int = 20_000, steps: int = 100, seed: int = 
         return view, feeds
 
     _freeze()
-    decode_s = _cpu(lambda: _decode_each(messages))
     batches: list[tuple[int, EventBatch]] = [(i, decode_live(frames)) for i, frames in messages]
     root = root_seed(MODEL)
     stored = [e for _, b in batches for e in b.events if isinstance(e, BlockStored)]
+
+    def apply_pass() -> float:
+        view, _ = fresh()
+        ingests = [EngineIngest(f"e{i}", MODEL, view.store) for i in range(engines)]
+        return _cpu(lambda: [ingests[i].apply(batch) for i, batch in batches])
+
+    def total_pass() -> float:
+        view, feeds = fresh()
+        seconds = _cpu(lambda: [feeds[i].on_live(frames, 1.0) for i, frames in messages])
+        live.append(sum(view.store.block_count(f"e{i}") for i in range(engines)))
+        return seconds
+
+    live: list[int] = []
+    timings: dict[str, list[float]] = {"decode": [], "keys": [], "apply": [], "total": []}
     _freeze()
-    keys_s = _cpu(lambda: [chain_from(root, e.token_ids, e.block_size) for e in stored])
-    view, _ = fresh()
-    ingests = [EngineIngest(f"e{i}", MODEL, view.store) for i in range(engines)]
-    apply_s = _cpu(lambda: [ingests[i].apply(batch) for i, batch in batches])
-    view, feeds = fresh()
-    total_s = _cpu(lambda: [feeds[i].on_live(frames, 1.0) for i, frames in messages])
-    live = sum(view.store.block_count(f"e{i}") for i in range(engines))
+    for _ in range(max(1, passes)):
+        timings["decode"].append(_cpu(lambda: _decode_each(messages)))
+        timings["keys"].append(_cpu(lambda: [chain_from(root, e.token_ids, e.block_size) for e in stored]))
+        timings["apply"].append(apply_pass())
+        timings["total"].append(total_pass())
     us = 1e6 / ops
-    return IngestCost(engines, live, ops, decode_s * us, keys_s * us, (apply_s - keys_s) * us,
-                      max(0.0, total_s - decode_s - apply_s) * us)
+    decode_s, keys_s, apply_s, total_s = (statistics.median(timings[k]) for k in ("decode", "keys", "apply", "total"))
+    return IngestCost(engines, live[-1], ops, decode_s * us, keys_s * us, (apply_s - keys_s) * us,
+                      max(0.0, total_s - decode_s - apply_s) * us, len(timings["total"]),
+                      (min(timings["total"]) * us, max(timings["total"]) * us))
 
 
 _TOTAL = re.compile(r"ops: ([0-9.]+) us")
@@ -138,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cap", type=int, default=20_000, help="live blocks per engine (default 20000)")
     p.add_argument("--steps", type=int, default=100, help="recorded steps per engine (default 100)")
     p.add_argument("--quick", action="store_true", help="16 engines, cap 5000, 40 steps")
+    p.add_argument("--repeat", type=int, default=3, help="timed passes of each kind, medians reported (default 3)")
     add_against_options(p, "code (one engine count)")
     args = p.parse_args(argv)
     counts = [16] if args.quick else [int(x) for x in args.engines.split(",") if x]
@@ -150,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             print(line, flush=True)
         return 0
     for count in counts:
-        print(measure(count, cap, steps).line(), flush=True)
+        print(measure(count, cap, steps, passes=args.repeat).line(), flush=True)
     return 0
 
 
