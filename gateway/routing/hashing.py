@@ -7,6 +7,7 @@ move (about 1/N of them), each to its own runner-up.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterable
 
@@ -35,8 +36,15 @@ def prefix_key(model: str, system: str, first_user: str) -> str:
     return f"{model}\x1f{system[:PREFIX_CHARS]}\x1f{first_user[:PREFIX_CHARS]}"
 
 
+@functools.lru_cache(maxsize=65_536)
+def _engine_hash(engine_id: str) -> int:
+    """An engine id's ``key_hash``, kept: a decision ranks every engine by rendezvous weight, and the ids of a fleet
+    are few and long-lived (bounded anyway: ids come from the registry, not from clients)."""
+    return key_hash(engine_id)
+
+
 def rendezvous_weight(key_h: int, engine_id: str) -> int:
-    return fmix64(key_h ^ key_hash(engine_id))
+    return fmix64(key_h ^ _engine_hash(engine_id))
 
 
 def rendezvous_order(key: str, engine_ids: Iterable[str]) -> list[str]:
