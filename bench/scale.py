@@ -222,6 +222,7 @@ async def _publish(client: HttpClient, pub: Publishers, reps: list[Replica], rat
     async def probes() -> None:
         latency.extend(await probe_all(client, reps, seconds))
 
+    await pub.command(f"prepare {rate} {seconds}")  # generated before the window: the publisher only sends in it
     before = await _readings(client, reps)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(follow_all, client, reps, scrapes)

@@ -175,7 +175,7 @@ class Publishers:
 
         async def one(i: int) -> None:
             command = text
-            if words[0] in ("run", "fill"):
+            if words[0] in ("run", "fill", "prepare"):
                 command = f"{words[0]} {float(words[1]) * self.shares[i] / total} {words[2]}"
             answers[i] = await self.parts[i].command(command)
 
@@ -189,6 +189,9 @@ def merged_answers(answers: list[dict[str, Any]]) -> dict[str, Any]:
     """One answer for the whole fleet from its publishers' answers (each in its engines' order)."""
     if "engines" in answers[0]:
         return {"engines": [engine for a in answers for engine in a["engines"]]}
+    if "prepared_ops" in answers[0]:
+        return {"prepared_ops": sum(a["prepared_ops"] for a in answers), "batches": sum(a["batches"] for a in answers),
+                "seconds": max(a["seconds"] for a in answers)}
     seconds = max(a["seconds"] for a in answers)
     ops = sum(a["ops"] for a in answers)
     return {"ops": ops, "stored": sum(a["stored"] for a in answers), "removed": sum(a["removed"] for a in answers),

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 
 import pytest
+import trio
 
 from bench.cli import main
+from bench.event_mix import MixEngine
 from bench.replica_stats import (
     CLOCK_TICKS,
     PAGE_SIZE,
@@ -23,6 +26,7 @@ from bench.scale import add_arguments, options
 from bench.scale_fleet import EngineEndpoints, merged_answers, replica_config
 from bench.scale_report import Latency, ReplicaResult, Strain, format_ratios, format_tables, verdicts
 from bench.synthetic_engines import CHAIN_BLOCKS, Pacer, SyntheticEngine
+from bench.synthetic_publisher import Fleet, stamped
 from events.decode import BlockRemoved, BlockStored, decode_live
 from gateway.config import load_config
 from index.digest import block_set_digest
@@ -229,3 +233,39 @@ def test_publishers_answers_merge_in_engine_order():
     assert merged["first_seq"] == [0, 3, 7] and merged["times"] == [[1.0], [1.5], [2.0, 2.1]]
     state = merged_answers([{"engines": [{"blocks": 1}]}, {"engines": [{"blocks": 2}, {"blocks": 3}]}])
     assert [e["blocks"] for e in state["engines"]] == [1, 2, 3]
+
+
+class _Recorder:
+    """Stands where a fleet's EventPublisher goes: keeps what is published, in order."""
+
+    def __init__(self) -> None:
+        self.payloads: list[bytes] = []
+        self.seq = 0
+
+    def publish(self, payload: bytes) -> None:
+        self.payloads.append(payload)
+        self.seq += 1
+
+
+def test_a_prepared_run_sends_every_prepared_batch_restamped_and_leaves_the_live_sets_as_sent():
+    def fleet() -> Fleet:
+        return Fleet([MixEngine(i, 300, "m", seed=5) for i in range(2)], [_Recorder(), _Recorder()])
+
+    prepared, twin = fleet(), fleet()
+    answer = prepared.prepare(3000, 1.0)
+    assert answer["prepared_ops"] >= 3000 and all(not r.payloads for r in prepared.publishers)
+    before = time.time()
+    sent = trio.run(prepared.publish, 1e9, 0.0)  # no time at all: it still sends everything prepared
+    assert sent["ops"] == answer["prepared_ops"] and sum(map(len, sent["times"])) == answer["batches"]
+    expected: list[list[bytes]] = [[], []]
+    for _ in range(answer["batches"]):
+        i, batch = twin._generate()
+        expected[i].append(batch.payload)
+    for recorder, payloads in zip(prepared.publishers, expected, strict=True):
+        assert len(recorder.payloads) == len(payloads)
+        for seq, (got, generated) in enumerate(zip(recorder.payloads, payloads, strict=True)):
+            frames = [b"kv", seq.to_bytes(8, "big")]
+            assert decode_live([*frames, got]).events == decode_live([*frames, generated]).events
+            assert decode_live([*frames, got]).ts >= before  # stamped when sent, not when generated
+    assert [e.digest() for e in prepared.engines] == [e.digest() for e in twin.engines]
+    assert decode_live([b"kv", bytes(8), stamped(expected[0][0], 123.5)]).ts == 123.5
