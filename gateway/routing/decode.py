@@ -79,22 +79,34 @@ class _Stats:
         fitted = base * base * self.n + 2 * base * slope * self.sx + slope * slope * self.sxx
         return max(0.0, self.syy - 2 * (base * self.sy + slope * self.sxy) + fitted)
 
-    def line_variances(self) -> tuple[float, float]:
-        """Sampling variances of a line's base and slope fitted to these data, per unit of noise variance."""
-        det = self.n * self.sxx - self.sx * self.sx
-        return (self.sxx / det, self.n / det) if det > 1e-12 else (math.inf, math.inf)
+    def _normal(self, weight: float) -> tuple[float, float, float]:
+        """The least-squares normal matrix [[a, b], [b, c]] of these data with a prior worth ``weight`` observations
+        on the base (as ``weight`` / 2 at depth 0) and on the slope (as ``weight`` spread half at depth 0, half at
+        ``PSEUDO_DEPTH``), each alone: the prior's variances are 2 / weight and 4 / (weight D^2) noise variances."""
+        return self.n + weight / 2, self.sx, self.sxx + weight * PSEUDO_DEPTH ** 2 / 4
 
-    @staticmethod
-    def line_as_data(base: float, slope: float, weight: float) -> _Stats:
-        """``weight`` pseudo-observations split between depth 0 and PSEUDO_DEPTH on a given line."""
-        half, y8 = weight / 2, base + slope * PSEUDO_DEPTH
-        return _Stats(weight, half * PSEUDO_DEPTH, half * (base + y8), half * PSEUDO_DEPTH ** 2,
-                      half * PSEUDO_DEPTH * y8, half * (base * base + y8 * y8))
+    def line_around(self, base: float, slope: float, weight: float) -> tuple[float, float]:
+        """(base, slope) of these data pulled toward a prior line, its base and its slope each on its own.
 
-    def line(self) -> tuple[float, float]:
-        var = self.n * self.sxx - self.sx * self.sx
-        slope = max(0.0, (self.n * self.sxy - self.sx * self.sy) / var) if var > 1e-12 else 0.0
-        return max(0.0, (self.sy - slope * self.sx) / self.n), slope
+        The prior used to be pseudo-data on the prior line itself (half at depth 0, half at ``PSEUDO_DEPTH``),
+        which ties its slope to its base: streams that all decode alone (depth 0, the usual case at low load,
+        and what a router that avoids busy engines sees) move the base to the engine's real speed while the
+        pseudo-point at depth 8 stays at the prior's absolute time, so the slope became (prior time at depth 8 -
+        real base) / 8. On a simulated A40 at a quarter of its clock that was ~1.4 ms per token per stream where
+        the engine's is ~0.05, and a multi-turn chat with 411-token answers left its history for the idle engine
+        at most turns (seed 2 suite shape #13, 2 engines: 0.60-0.67 of the bound, smg 0.79-0.81)."""
+        a, b, c = self._normal(weight)
+        pull_base, pull_slope = weight / 2, weight * PSEUDO_DEPTH ** 2 / 4
+        rhs_base, rhs_slope = self.sy + pull_base * base, self.sxy + pull_slope * slope
+        det = a * c - b * b
+        fitted_slope = max(0.0, (a * rhs_slope - b * rhs_base) / det) if det > 1e-12 else max(0.0, slope)
+        return max(0.0, (rhs_base - b * fitted_slope) / a), fitted_slope
+
+    def variances_around(self, weight: float) -> tuple[float, float]:
+        """Sampling variances of ``line_around``'s base and slope, per unit of noise variance."""
+        a, b, c = self._normal(weight)
+        det = a * c - b * b
+        return (c / det, a / det) if det > 1e-12 else (math.inf, math.inf)
 
 
 @dataclass
@@ -114,21 +126,21 @@ class DecodeModel:
         if line is None:
             p = self.prior
             if self._fleet is None:
-                fleet = _Stats.line_as_data(p.base_s, p.per_request_s, p.weight)
+                fleet = _Stats()
                 for stats in self._stats.values():
                     fleet = fleet.plus(stats)
-                self._fleet = fleet.line()
-                self._fleet_fit_weight = fleet.n - p.weight
+                self._fleet = fleet.line_around(p.base_s, p.per_request_s, p.weight)
+                self._fleet_fit_weight = fleet.n
             own = self._stats.get(engine_id, _Stats())
-            line = self._lines[engine_id] = own.plus(_Stats.line_as_data(*self._fleet, self.engine_weight())).line()
+            line = self._lines[engine_id] = own.line_around(*self._fleet, self.engine_weight())
         return line
 
     def engine_weight(self) -> float:
         """What the fleet's line is worth as one engine's prior, in observations: ``max_engine_weight`` while the
         engines' own lines (each against the fixed prior) scatter only as their noise explains, down to
         ``engine_weight`` as a real difference shows (gateway/routing/pooling.py), and while fewer than two
-        engines have streams (the fleet's line is then mostly the one engine's own). The prior's pseudo-data, half
-        at depth 0 and half at ``PSEUDO_DEPTH``, give a line's base a variance of 2/w and its slope 4/(w D^2)
+        engines have streams (the fleet's line is then mostly the one engine's own). The prior's pulls
+        (``_Stats.line_around``) give a line's base a variance of 2/w and its slope 4/(w D^2)
         noise variances: the weight is the one that matches the larger real spread."""
         if self._engine_weight is None:
             self._engine_weight = self._pooled_weight()
@@ -139,12 +151,11 @@ class DecodeModel:
         own = [s for s in self._stats.values() if s.n > 3]
         if len(own) < 2:
             return p.engine_weight
-        fixed = _Stats.line_as_data(p.base_s, p.per_request_s, p.weight)
-        fits = [s.plus(fixed) for s in own]
-        lines = [f.line() for f in fits]
+        lines = [s.line_around(p.base_s, p.per_request_s, p.weight) for s in own]
         residual = sum(s.squared_residuals(*line) for s, line in zip(own, lines, strict=True))
         noise = max(residual / sum(s.n - 2 for s in own), p.min_noise_s ** 2)
-        spread = between_engine_variance(np.array(lines), noise * np.array([f.line_variances() for f in fits]))
+        variances = [s.variances_around(p.weight) for s in own]
+        spread = between_engine_variance(np.array(lines), noise * np.array(variances))
         per_unit = (2.0, 4.0 / PSEUDO_DEPTH ** 2)
         weights = [u * noise / t for u, t in zip(per_unit, spread.tolist(), strict=True) if t > 0]
         return min(p.max_engine_weight, max(p.engine_weight, min(weights, default=p.max_engine_weight)))

@@ -130,3 +130,17 @@ def test_an_engines_own_streams_count_at_once_and_the_fleets_line_follows_within
             assert theirs == bystander
         before = mine
     assert theirs != bystander
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.floats(0.001, 0.05))
+def test_streams_that_decode_alone_teach_the_base_and_leave_the_slope_at_its_prior(base):
+    """An engine far faster or slower than the prior, seen only at depth 0 (low load, or a router that avoids busy
+    engines), must not get a slope of (the prior's time at some depth - its own base) / that depth."""
+    model = DecodeModel()
+    for i in range(200):
+        model.observe(f"e{i % 2}", 0, 101, 100 * base)
+    prior = DecodePrior().per_request_s
+    assert math.isclose(model.time_per_token_s("e0", 0), base, rel_tol=0.05)
+    slope = (model.time_per_token_s("e0", 8) - model.time_per_token_s("e0", 0)) / 8
+    assert math.isclose(slope, prior, rel_tol=0.05)
