@@ -88,6 +88,9 @@ def test_a_cold_decode_engine_still_answers(pair, router):
     answer = post_json(decode, "/v1/chat/completions", ask(messages))  # nothing in the folder for it
     assert answer["choices"][0]["message"]["content"]
     assert metric(decode, "vllm:external_prefix_cache_hits_total") == loaded
+    # A CPU engine busy with the direct request can miss the router's 0.2 s polls on a loaded machine (the full
+    # suite once routed this request with the decode engine out of rotation): the skip under test needs it in.
+    wait_until(lambda: all(e["healthy"] and e["models"] for e in router.engines()))
     status, head, _ = router.post("/v1/chat/completions", ask([{"role": "user", "content": "hi"}]))
     assert status == 200 and "outcome=skipped_short_prompt" in head["x-kvmesh-pd"]
     # /server_info is the only place vLLM names its connector's role; these engines run in development mode
