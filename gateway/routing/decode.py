@@ -55,6 +55,13 @@ class DecodePrior:
 PSEUDO_DEPTH = 8.0
 
 
+def _pulls(weight: float) -> tuple[float, float]:
+    """A prior worth ``weight`` observations, on the base (as ``weight`` / 2 at depth 0) and on the slope (as
+    ``weight`` spread half at depth 0, half at ``PSEUDO_DEPTH``), each alone: its variances are 2 / weight and
+    4 / (weight D^2) noise variances."""
+    return weight / 2, weight * PSEUDO_DEPTH ** 2 / 4
+
+
 @dataclass(slots=True)
 class _Stats:
     """Exponentially weighted sums for a least-squares line of time per token against batch depth."""
@@ -80,10 +87,9 @@ class _Stats:
         return max(0.0, self.syy - 2 * (base * self.sy + slope * self.sxy) + fitted)
 
     def _normal(self, weight: float) -> tuple[float, float, float]:
-        """The least-squares normal matrix [[a, b], [b, c]] of these data with a prior worth ``weight`` observations
-        on the base (as ``weight`` / 2 at depth 0) and on the slope (as ``weight`` spread half at depth 0, half at
-        ``PSEUDO_DEPTH``), each alone: the prior's variances are 2 / weight and 4 / (weight D^2) noise variances."""
-        return self.n + weight / 2, self.sx, self.sxx + weight * PSEUDO_DEPTH ** 2 / 4
+        """The least-squares normal matrix [[a, b], [b, c]] of these data with the prior's pulls (``_pulls``)."""
+        pull_base, pull_slope = _pulls(weight)
+        return self.n + pull_base, self.sx, self.sxx + pull_slope
 
     def line_around(self, base: float, slope: float, weight: float) -> tuple[float, float]:
         """(base, slope) of these data pulled toward a prior line, its base and its slope each on its own.
@@ -96,7 +102,7 @@ class _Stats:
         the engine's is ~0.05, and a multi-turn chat with 411-token answers left its history for the idle engine
         at most turns (seed 2 suite shape #13, 2 engines: 0.60-0.67 of the bound, smg 0.79-0.81)."""
         a, b, c = self._normal(weight)
-        pull_base, pull_slope = weight / 2, weight * PSEUDO_DEPTH ** 2 / 4
+        pull_base, pull_slope = _pulls(weight)
         rhs_base, rhs_slope = self.sy + pull_base * base, self.sxy + pull_slope * slope
         det = a * c - b * b
         fitted_slope = max(0.0, (a * rhs_slope - b * rhs_base) / det) if det > 1e-12 else max(0.0, slope)
