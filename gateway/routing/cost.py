@@ -56,7 +56,7 @@ MAX_BLOCK_SIZE = 2**16
 
 def _count(value: int, high: int = MAX_COUNT) -> int:
     """``value`` clamped to 0..high. Comparisons, not ``min``/``max`` calls: a decision clamps every engine's counts
-    a dozen times, and the two calls were a seventh of a decision's time at 256 engines."""
+    a dozen times, and the two calls took 14% of the scoring's py-spy samples at 256 engines."""
     return 0 if not value > 0 else high if value > high else value
 
 

@@ -57,7 +57,7 @@ class TTFTPrior:
     """The fleet's terms (every engine's pooled prior, the spread between engines) are redone once the observations
     since their fit reach this share of the (decayed) observations they were fitted on; an engine's own data always
     count at once. One answer barely moves a fit made from hundreds, and redoing the fleet's fit after every
-    answer cost 0.8 ms a request at 15 engines and grew with the fleet (``kvmesh bench decide``)."""
+    answer took a third of a decision at 15 engines and grew with the fleet (py-spy of ``kvmesh bench decide``)."""
 
 
 @dataclass(frozen=True, slots=True)
