@@ -5,8 +5,9 @@ send the same conversations in nearly the same order, so one bound per shape ser
 
 Per shape, every (policy, replicas) entry gets its own fresh simulated fleet and routers. They are all
 started at once (starting is mostly importing and costs seconds of CPU per process, more than a run) and
-then measured one after the other, each entry's processes stopped before the next one runs, so the runs
-of one shape share the machine's state as closely as the runner's back-to-back rows do.
+then measured one after the other, once every entry is up and the machine is quiet again (bench/settle.py),
+each entry's processes stopped before the next one runs, so the runs of one shape share the machine's state
+as closely as the runner's back-to-back rows do.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from bench import peers
 from bench.client import Balancer, HttpClient
 from bench.processes import StartFailed
 from bench.runner import FleetSpec, Load, MeasureOptions, measure_sent, routers, sim_fleet
+from bench.settle import until_quiet
 from bench.suite_report import ShapeRun
 from bench.suite_shapes import Shape, draw_suite, plan
 from bench.workloads import total_requests
@@ -102,22 +104,28 @@ async def run_shape(shape: Shape, todo: list[Entry], fleet: FleetSpec, options: 
     pids: list[dict[str, int]] = [{} for _ in todo]
     ready = [trio.Event() for _ in todo]
     release = [trio.Event() for _ in todo]
+    stopped = [trio.Event() for _ in todo]
 
     async def hold(i: int, entry: Entry) -> None:
-        async with (sim_fleet(client, spec, log_dir) as engines,
-                    routers(client, engines, entry.policy, entry.replicas, log_dir, options.tokenizer,
-                            pids[i]) as urls):
-            started[i] = (engines, urls)
-            ready[i].set()
-            await release[i].wait()
+        try:
+            async with (sim_fleet(client, spec, log_dir) as engines,
+                        routers(client, engines, entry.policy, entry.replicas, log_dir, options.tokenizer,
+                                pids[i]) as urls):
+                started[i] = (engines, urls)
+                ready[i].set()
+                await release[i].wait()
+        finally:
+            stopped[i].set()
 
     rows = []
     try:
         async with trio.open_nursery() as nursery:
             for i, entry in enumerate(todo):
                 nursery.start_soon(hold, i, entry)
+            for event in ready:
+                await event.wait()
             for i, entry in enumerate(todo):
-                await ready[i].wait()
+                waited, busy = await until_quiet()
                 t0 = trio.current_time()
                 engines, urls = started[i]  # type: ignore[misc]
                 convs = plan(shape, profile, budget_s).conversations  # fresh: a run records answers in them
@@ -132,10 +140,12 @@ async def run_shape(shape: Shape, todo: list[Entry], fleet: FleetSpec, options: 
                 row.workload = f"#{shape.index}"
                 rows.append(row)
                 release[i].set()
+                await stopped[i].wait()
                 took = trio.current_time() - t0
                 print(f"  {shape.label} {entry.label}: {row.summary.requests} requests, {row.summary.errors} errors, "
                       f"hit {row.hit_rate:.3f} of bound {row.bound_hit_rate:.3f} (run {row.summary.wall:.1f} s of "
-                      f"{took:.0f} s)", file=sys.stderr, flush=True)
+                      f"{took:.0f} s; started after {waited:.1f} s at {busy:.2f} cores busy)", file=sys.stderr,
+                      flush=True)
     finally:
         await client.aclose()
     return ShapeRun(shape, sized.time_scale, spec.num_blocks, rows)
