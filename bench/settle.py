@@ -4,8 +4,8 @@ A routing suite starts every entry's simulated fleet and routers at once and the
 the other. Starting a router costs seconds of CPU (imports, loading the tokenizer, its tokenizer worker
 processes), and on a 2-core machine a run measured while others still start pays for their start-up in its
 time to first token: seed 1's shape #7 (one stream, 15 engines), measured first, gave kv_aware a TTFT 19-27 ms
-over smg's per request (median of pairs) at the same hit rate, against 5.5 ms with three entries and 3.8 ms once
-the runs waited. So a run starts once the machine's busy CPU, over short windows, is under a bound or has
+over smg's per request (median of pairs) at the same hit rate, against 5.5 ms with three entries and 3.8-7.4 ms
+once the runs waited. So a run starts once the machine's busy CPU, over short windows, is under a bound or has
 stopped falling (the idle fleets' and routers' steady background, which every entry shares), or a timeout passed."""
 
 from __future__ import annotations
