@@ -11,6 +11,7 @@ stopped falling (the idle fleets' and routers' steady background, which every en
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import trio
 
@@ -57,20 +58,22 @@ def _sample() -> tuple[int, int] | None:
 
 
 async def until_quiet(max_busy_cores: float = QUIET_BUSY_CORES, window_s: float = QUIET_WINDOW_S,
-                      timeout_s: float = QUIET_TIMEOUT_S) -> tuple[float, float]:
+                      timeout_s: float = QUIET_TIMEOUT_S,
+                      sample: Callable[[], tuple[int, int] | None] = _sample) -> tuple[float, float]:
     """Wait until the windows' busy CPU is ``quiet`` (at most ``timeout_s``); returns the seconds waited and the
-    last window's busy cores (0 where ``/proc/stat`` cannot be read: nothing is waited for)."""
+    last window's busy cores (0 where ``/proc/stat`` cannot be read: nothing is waited for). ``sample`` gives
+    ``cpu_times`` (the machine's, by default)."""
     cores = os.cpu_count() or 1
     waited = 0.0
     busy = 0.0
     history: list[float] = []
     while waited < timeout_s:
-        before = _sample()
+        before = sample()
         if before is None:
             break
         await trio.sleep(window_s)
         waited += window_s
-        after = _sample()
+        after = sample()
         if after is None:
             break
         busy = busy_cores(before, after, cores)
