@@ -18,9 +18,12 @@ from pathlib import Path
 
 import trio
 
+from bench import zygote
 from bench.client import TRANSPORT_ERRORS, HttpClient
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+Child = trio.Process | zygote.ForkedProcess
+"""A started child: a fresh interpreter, or forked from the fork server."""
 
 
 class StartFailed(RuntimeError):
@@ -84,11 +87,24 @@ def _log_tail(path: Path, lines: int = 20) -> str:
 
 @asynccontextmanager
 async def spawned(argv: list[str], log_path: Path, env: Mapping[str, str] | None = None,
-                  cores: frozenset[int] | None = None, root: Path | None = None) -> AsyncIterator[trio.Process]:
+                  cores: frozenset[int] | None = None, root: Path | None = None,
+                  grace: float = 5.0) -> AsyncIterator[Child]:
     """Run ``argv`` from the repository root (or ``root``, another revision's tree, which its modules are then
     imported from) for the duration of the block, then stop it. With ``cores`` the child (and every thread it
-    starts) runs only on those CPUs; without, it inherits this process's."""
+    starts) runs only on those CPUs; without, it inherits this process's. On leaving, the child has ``grace``
+    seconds to exit after SIGTERM before it is killed. A preloaded module of this tree with
+    this process's environment is forked from the fork server when one runs (bench/zygote.py)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    server = zygote.ACTIVE.get()
+    if server is not None and env is None and root is None and argv[:2] == [sys.executable, "-m"] \
+            and argv[2] in zygote.PRELOADED:
+        forked = await server.spawn(argv[2], argv[3:], log_path, REPO_ROOT, cores)
+        try:
+            yield forked
+        finally:
+            with trio.CancelScope(shield=True):
+                await stop(forked, grace)
+        return
     pin = None if cores is None else (lambda: os.sched_setaffinity(0, cores))
     if root is not None:
         env = {**(env if env is not None else os.environ), "PYTHONPATH": str(root)}
@@ -101,10 +117,10 @@ async def spawned(argv: list[str], log_path: Path, env: Mapping[str, str] | None
         yield proc
     finally:
         with trio.CancelScope(shield=True):
-            await stop(proc)
+            await stop(proc, grace)
 
 
-async def stop(proc: trio.Process, grace: float = 5.0) -> None:
+async def stop(proc: Child, grace: float = 5.0) -> None:
     """SIGTERM, then SIGKILL after ``grace`` seconds."""
     if proc.returncode is None:
         proc.send_signal(signal.SIGTERM)
@@ -116,7 +132,7 @@ async def stop(proc: trio.Process, grace: float = 5.0) -> None:
 
 
 async def wait_ready(
-    client: HttpClient, url: str, proc: trio.Process, log_path: Path, timeout: float = 60.0
+    client: HttpClient, url: str, proc: Child, log_path: Path, timeout: float = 60.0
 ) -> None:
     """Poll ``url`` until it answers 200; fail early, with the log, if the process died."""
     with trio.move_on_after(timeout):

@@ -3,8 +3,9 @@ against the offline planner's bound (bench/offline_bound.py) for the shape's tra
 Bounding a trace costs about 3 s of CPU (tokenizing every request as the engines did, five replays); the entries
 send the same conversations in nearly the same order, so one bound per shape serves them all.
 
-Per shape, every (policy, replicas) entry gets its own fresh simulated fleet and routers. They are all
-started at once (starting is mostly importing and costs seconds of CPU per process, more than a run) and
+Per shape, every (policy, replicas) entry gets its own fresh simulated fleet and routers, forked from a server
+that imported their modules once (bench/zygote.py: importing cost each process about 2 s of CPU). They are all
+started at once and
 then measured one after the other, once every entry is up and the machine is quiet again (bench/settle.py),
 each entry's processes stopped before the next one runs, so the runs of one shape share the machine's state
 as closely as the runner's back-to-back rows do.
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import trio
 
-from bench import peers
+from bench import peers, zygote
 from bench.client import Balancer, HttpClient
 from bench.processes import StartFailed
 from bench.runner import FleetSpec, Load, MeasureOptions, measure_sent, routers, sim_fleet
@@ -160,10 +161,12 @@ def chosen_shapes(seed: int, count: int, only: frozenset[int] = frozenset()) -> 
 
 async def run_suite(seed: int, count: int, todo: list[Entry], fleet: FleetSpec, options: MeasureOptions,
                     budget_s: float, log_dir: Path, only: frozenset[int] = frozenset()) -> list[ShapeRun]:
+    """Run the shapes one after the other, every kvmesh router and simulated fleet forked from one fork server."""
     out = []
     t0 = trio.current_time()
-    for shape in chosen_shapes(seed, count, only):
-        print(f"suite shape {shape.label} at {trio.current_time() - t0:.0f} s", file=sys.stderr, flush=True)
-        out.append(await run_shape(shape, todo, fleet, options, budget_s, log_dir))
+    async with zygote.running(log_dir):
+        for shape in chosen_shapes(seed, count, only):
+            print(f"suite shape {shape.label} at {trio.current_time() - t0:.0f} s", file=sys.stderr, flush=True)
+            out.append(await run_shape(shape, todo, fleet, options, budget_s, log_dir))
     print(f"suite took {trio.current_time() - t0:.0f} s", file=sys.stderr, flush=True)
     return out
