@@ -88,7 +88,14 @@ def test_kv_aware_picks_the_engine_the_reference_says_is_fastest(fleet, request,
     done = {e.id: reference[e.id] + reference_decode(e, request, costs) for e in fleet}
     one_token = max(costs.learner.params(e.id, e.max_num_seqs).prefill_s_per_token for e in fleet)
     tolerance = 3 * one_token + 1e-9
-    assert done[decision.chosen] <= min(done[e.id] for e in pool) + tolerance + 1e-6
+    chosen = next(row for row in decision.table if row.engine == decision.chosen)
+    allowed = tolerance
+    if 2 * chosen.overlap_tokens > chosen.cached_tokens + chosen.uncached_tokens and \
+            chosen.cached_tokens >= max(row.cached_tokens for row in decision.table if row.engine in done):
+        # ``held_order``: the holder of most of the prompt keeps it unless another engine is faster by more than
+        # one deviation of the holder's learned TTFT (its queue and prefill).
+        allowed += costs.learner.deviation(chosen.engine) * (chosen.queue_s + chosen.prefill_s)
+    assert done[decision.chosen] <= min(done[e.id] for e in pool) + allowed + 1e-6
     for row in decision.table:
         assert math.isclose(row.ttft_s, reference[row.engine], rel_tol=1e-6, abs_tol=tolerance)
         assert math.isclose(row.done_s, done[row.engine], rel_tol=1e-6, abs_tol=tolerance + 1e-6)
