@@ -95,29 +95,36 @@ async def spawned(argv: list[str], log_path: Path, env: Mapping[str, str] | None
     seconds to exit after SIGTERM before it is killed. A preloaded module of this tree with
     this process's environment is forked from the fork server when one runs (bench/zygote.py)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    server = zygote.ACTIVE.get()
-    if server is not None and env is None and root is None and argv[:2] == [sys.executable, "-m"] \
-            and argv[2] in zygote.PRELOADED:
-        forked = await server.spawn(argv[2], argv[3:], log_path, REPO_ROOT, cores)
-        try:
-            yield forked
-        finally:
-            with trio.CancelScope(shield=True):
-                await stop(forked, grace)
-        return
-    pin = None if cores is None else (lambda: os.sched_setaffinity(0, cores))
-    if root is not None:
-        env = {**(env if env is not None else os.environ), "PYTHONPATH": str(root)}
-    with log_path.open("wb") as log:
-        proc = await trio.lowlevel.open_process(
-            argv, stdout=log, stderr=subprocess.STDOUT, cwd=str(root or REPO_ROOT), start_new_session=True,
-            env=env, preexec_fn=pin,
-        )
+    proc = await _forked(argv, log_path, env, cores, root) or await _started(argv, log_path, env, cores, root)
     try:
         yield proc
     finally:
         with trio.CancelScope(shield=True):
             await stop(proc, grace)
+
+
+async def _forked(argv: list[str], log_path: Path, env: Mapping[str, str] | None, cores: frozenset[int] | None,
+                  root: Path | None) -> zygote.ForkedProcess | None:
+    """The child forked from the running fork server, when there is one and ``argv`` is a preloaded module of this
+    tree run with this process's environment; None otherwise."""
+    server = zygote.ACTIVE.get()
+    if server is None or env is not None or root is not None or argv[:2] != [sys.executable, "-m"] \
+            or argv[2] not in zygote.PRELOADED:
+        return None
+    return await server.spawn(argv[2], argv[3:], log_path, REPO_ROOT, cores)
+
+
+async def _started(argv: list[str], log_path: Path, env: Mapping[str, str] | None, cores: frozenset[int] | None,
+                   root: Path | None) -> trio.Process:
+    """A fresh interpreter (or any program) for ``argv``, in its own session."""
+    pin = None if cores is None else (lambda: os.sched_setaffinity(0, cores))
+    if root is not None:
+        env = {**(env if env is not None else os.environ), "PYTHONPATH": str(root)}
+    with log_path.open("wb") as log:
+        return await trio.lowlevel.open_process(
+            argv, stdout=log, stderr=subprocess.STDOUT, cwd=str(root or REPO_ROOT), start_new_session=True,
+            env=env, preexec_fn=pin,
+        )
 
 
 async def stop(proc: Child, grace: float = 5.0) -> None:
