@@ -58,6 +58,11 @@ class AliasTable:
     def __len__(self) -> int:
         return self._live
 
+    def word_view(self) -> np.ndarray:
+        """The words as a u64 numpy array sharing their memory (for the compiled loops of
+        index/paired_update.py)."""
+        return np.frombuffer(self._words, dtype=np.uint64)
+
     def max_used(self) -> int:
         """Slots in use (live or tombstone) past which an insert rebuilds the table first."""
         return int(_MAX_LOAD * self._size)

@@ -22,6 +22,7 @@ import secrets
 from array import array
 from collections.abc import Sequence
 
+import numba
 import numpy as np
 
 from index.alias_table import placements
@@ -33,27 +34,50 @@ WIDE = 1 << 63
 """Masks from this bit up are interned; smaller ones are stored as they are."""
 _MIN_SIZE = 8
 _MAX_LOAD = 0.5
-"""Double above this load: probes and back-shifts stay about one slot long, and the chain lookup's window
-of ``_WINDOW`` slots resolves nearly every key at once."""
-_WINDOW = 8
-_OFFSETS = np.arange(_WINDOW)
-_NP_ONE = np.uint64(1)
-_NP_WIDE = np.uint64(WIDE)
-"""Numpy scalars made once: making one (``np.uint64(x)``) or mixing a Python int into array arithmetic cost
-4-5 us per call here, most of the vectorised walk's fixed cost."""
+"""Double above this load: probes and back-shifts stay about one slot long."""
 _FIRST_PART = 8
-_VECTOR_MIN = 96
-"""Parts of a chain at least this long are walked with numpy: one numpy pass cost 55-65 us on a loaded two-core
-machine whatever its length up to a few hundred keys, a probe in Python 0.6-0.9 us per key; they cross near
-90-100 keys."""
+"""The chain walk converts the chain to an array in parts, this long first and sixteen times longer each
+time, so a prompt whose prefix no candidate holds converts a few keys, not thousands."""
+_MOST_DROPS = 64
+"""A walk of holders in slots 0-62 drops each at most once."""
+
+
+@numba.njit(cache=True)
+def _walk_compiled(table, values, shift, multiplier, own_keys, start, alive, depths, dropped):
+    """``MaskTable._walk`` compiled, for holders in slots 0-62: fills (depth, dropped holders) rows and returns
+    (rows, keys walked, holders alive). It stops early when no holder is left, or at a key whose word is an
+    interned wide mask (the caller finishes from there in Python)."""
+    last = np.int64(table.shape[0] - 1)
+    one = np.uint64(1)
+    wide = np.uint64(WIDE)
+    rows = 0
+    for i in range(own_keys.shape[0]):
+        code = (own_keys[i] + one) * multiplier
+        slot = np.int64(code >> shift)
+        current = table[slot]
+        while current != code and current != 0:
+            slot = (slot + 1) & last
+            current = table[slot]
+        mask = values[slot]
+        if mask >= wide:
+            return rows, i, alive
+        gone = alive & ~mask
+        if gone != 0:
+            depths[rows] = start + i
+            dropped[rows] = gone
+            rows += 1
+            alive &= mask
+            if alive == 0:
+                return rows, i + 1, alive
+    return rows, own_keys.shape[0], alive
 
 
 class MaskTable:
     """Mapping of block codes (``code(own_key)``) to nonzero int masks; a block's mask is 0 when no holder has
     it. Codes and masks are two arrays of u64 words, one slot each (an empty slot is 0 in both)."""
 
-    __slots__ = ("_codes", "_values", "_size", "_shift", "_np_shift", "_live", "_multiplier", "_np_multiplier",
-                 "_inverse", "_wide", "_wide_ids", "_refs", "_free_ids")
+    __slots__ = ("_codes", "_values", "_size", "_shift", "_live", "_multiplier", "_inverse", "_wide", "_wide_ids",
+                 "_refs", "_free_ids")
 
     def __init__(self) -> None:
         self._set_multiplier(secrets.randbits(64) | 1)
@@ -67,7 +91,6 @@ class MaskTable:
     def _set_multiplier(self, multiplier: int) -> None:
         """The odd number codes are scrambled with (its inverse undoes it)."""
         self._multiplier = multiplier
-        self._np_multiplier = np.uint64(multiplier)
         self._inverse = pow(multiplier, -1, 1 << 64)
 
     def _allocate(self, size: int) -> None:
@@ -75,11 +98,14 @@ class MaskTable:
         self._values = array("Q", (0,)) * size
         self._size = size
         self._shift = 65 - size.bit_length()
-        self._np_shift = np.uint64(self._shift)
         self._live = 0
 
     def __len__(self) -> int:
         return self._live
+
+    def slot_views(self) -> tuple[np.ndarray, np.ndarray]:
+        """(codes, masks) as u64 numpy arrays sharing the table's memory (for compiled loops)."""
+        return np.frombuffer(self._codes, dtype=np.uint64), np.frombuffer(self._values, dtype=np.uint64)
 
     def max_live(self) -> int:
         """Blocks past which an insert doubles the table first."""
@@ -245,16 +271,24 @@ class MaskTable:
         chain's first ``depth`` blocks and not the next), in order; holders of the whole chain come last
         at ``len(own_keys)``.
 
-        The chain is read in parts of growing length (``_FIRST_PART``, then sixteen times more each time), so a
-        prompt whose prefix no candidate holds costs a few probes, and a long hit costs a few numpy passes."""
+        Holders in slots 0-62 are walked by compiled code (a 2,048-block hit cost 0.27-0.47 ms with the numpy
+        passes this replaced), the chain read in parts of growing length (``_FIRST_PART``); wider masks are
+        walked in Python."""
         drops: list[tuple[int, int]] = []
         alive, start, part = wanted, 0, _FIRST_PART
+        depths, dropped = np.empty(_MOST_DROPS, dtype=np.int64), np.empty(_MOST_DROPS, dtype=np.uint64)
         while alive and start < len(own_keys):
             if len(own_keys) - start < 2 * part:
                 part = len(own_keys) - start  # the rest in one pass rather than a short last one
             keys = own_keys[start : start + part]
-            if len(keys) >= _VECTOR_MIN and alive < WIDE:
-                alive = self._walk_vectorised(keys, start, alive, drops)
+            if alive < WIDE:
+                rows, walked, left = _walk_compiled(
+                    *self.slot_views(), np.uint64(self._shift), np.uint64(self._multiplier),
+                    np.array(keys, dtype=np.uint64), start, np.uint64(alive), depths, dropped)
+                drops.extend(zip(depths[:rows].tolist(), dropped[:rows].tolist(), strict=True))
+                alive = int(left)
+                if alive and walked < len(keys):  # an interned wide mask: the rest of the part in Python
+                    alive = self._walk(keys[walked:], start + walked, alive, drops)
             else:
                 alive = self._walk(keys, start, alive, drops)
             start += part
@@ -264,7 +298,8 @@ class MaskTable:
         return drops
 
     def _walk(self, own_keys: Sequence[int], start: int, alive: int, drops: list[tuple[int, int]]) -> int:
-        """``prefix_drops`` over one part, probing each key in Python; returns the holders still alive."""
+        """``prefix_drops`` over one part, probing each key in Python (any mask width); returns the holders
+        still alive."""
         table, values, last, shift = self._codes, self._values, self._size - 1, self._shift
         multiplier = self._multiplier
         for depth, own_key in enumerate(own_keys, start):
@@ -281,44 +316,6 @@ class MaskTable:
             if dropped:
                 drops.append((depth, dropped))
                 alive &= mask
-                if not alive:
-                    break
-        return alive
-
-    def _walk_vectorised(self, own_keys: Sequence[int], start: int, alive: int,
-                         drops: list[tuple[int, int]]) -> int:
-        """``_walk`` with numpy, for holders in slots 0-62: one gather of each key's home slot, then of the first
-        ``_WINDOW`` slots of the keys found neither there nor absent (a stored code sits before the first
-        empty slot after its home; a window holding neither, rare at this load, is finished in Python), then
-        the running AND of the masks, read where it changes. Gathering every key's window at once cost
-        0.9 ms for a 2048-block hit against 0.2 for the dict this table replaced."""
-        codes = np.frombuffer(array("Q", own_keys), dtype=np.uint64) + _NP_ONE
-        codes *= self._np_multiplier  # array arithmetic wraps modulo 2**64 silently
-        homes = (codes >> self._np_shift).view(np.int64)
-        table, masks = np.frombuffer(self._codes, dtype=np.uint64), np.frombuffer(self._values, dtype=np.uint64)
-        seen = table[homes]
-        hit = seen == codes
-        values = masks[homes] * hit
-        away = (seen != codes * hit).nonzero()[0]  # neither at home nor absent there (home slot empty)
-        if len(away):
-            slots = (homes[away][:, None] + _OFFSETS) & (self._size - 1)
-            window = table[slots]
-            found = window == codes[away][:, None]
-            rows, column = np.arange(len(away)), found.argmax(axis=1)
-            values[away] = masks[slots[rows, column]] * found[rows, column]
-            for i in away[~found.any(axis=1) & window.all(axis=1)].tolist():
-                values[i] = self._values[self._find(int(codes[i]))]
-        if self._wide_ids:
-            for i in (values >= _NP_WIDE).nonzero()[0].tolist():
-                values[i] = self._decode(int(values[i])) & (WIDE - 1)
-        # The running AND over every holder's bit (masking by ``alive`` first would cost a numpy scalar): its
-        # changes include holders not wanted, skipped below.
-        held = np.bitwise_and.accumulate(values)
-        for i in [-1, *(held[1:] != held[:-1]).nonzero()[0].tolist()]:
-            now = int(held[i + 1]) & alive
-            if now != alive:
-                drops.append((start + i + 1, alive & ~now))
-                alive = now
                 if not alive:
                     break
         return alive

@@ -1,23 +1,141 @@
-"""The index's two commonest updates as one loop over an engine's alias table and the mask table.
+"""The index's two commonest updates as one compiled loop over an engine's alias table and the mask table.
 
 A stored block new to its engine enters the alias table (engine hash -> code) and, new to the index, the
-mask table (code -> holder mask); an evicted block leaves both. Each table has its own bulk loop
-(``AliasTable.put_many``/``pop_many``, ``MaskTable.add_absent``/``remove_equal``); run one after the other
-they pass every block twice through Python and build a list of codes between them. Here one iteration per
-block does both probes, on the same words and with the same placement and back-shift rules as the tables'
-own methods (the tables' tests and the index's model test hold them to one answer).
+mask table (code -> holder mask); an evicted block leaves both. Each table has its own bulk loop in Python
+(``AliasTable.put_many``/``pop_many``, ``MaskTable.add_absent``/``remove_equal``); here one iteration per block
+does both probes, on the same words and with the same placement and back-shift rules as the tables' own
+methods (the tables' tests and the index's model test hold them to one answer).
+
+The loops are compiled with numba: in Python each block cost about 3 us of probing (a multiply and words
+read out of arrays as Python ints), most of a block op's ingest CPU; compiled, the call's fixed cost and
+the conversion of its lists to arrays remain. The tables' words are ``array('Q')`` buffers that numpy views
+without copying, so the Python methods and these loops share them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Container, Iterable, Sequence
 
+import numba
+import numpy as np
+
 from index.alias_table import AliasTable
 from index.mask_table import MaskTable
 
-_U64 = (1 << 64) - 1
 _KEY_LIMIT = 1 << 63
-_TOMBSTONE = _U64
+_NO_SKIP = np.zeros(0, dtype=np.uint8)
+
+
+@numba.njit(cache=True)
+def _alias_home(stored: np.uint64, multiplier: np.uint64, size: np.uint64) -> int:
+    """The word of the home slot: the top 32 bits of the scrambled key scaled to the table's size."""
+    return 2 * np.int64((((stored * multiplier) >> np.uint64(32)) * size) >> np.uint64(32))
+
+
+@numba.njit(cache=True)
+def _store_loop(words, size, multiplier, table, values, shift, engine_hashes, codes, value, held, replaced):
+    """The loop of ``store_new``; returns (held blocks, replaced aliases, newly used alias slots) and fills
+    ``held`` and ``replaced`` (rows of code, previous code) in order."""
+    end = 2 * size
+    last = np.int64(table.shape[0] - 1)
+    one = np.uint64(1)
+    tombstone = np.uint64(0xFFFFFFFFFFFFFFFF)
+    usize = np.uint64(size)
+    n_held = n_replaced = used = 0
+    for i in range(engine_hashes.shape[0]):
+        stored = engine_hashes[i] + one
+        code = codes[i]
+        at = _alias_home(stored, multiplier, usize)
+        reusable = -1
+        current = words[at]
+        while current != stored and current != 0:
+            if current == tombstone and reusable < 0:
+                reusable = at
+            at = at + 2 if at + 2 < end else 0
+            current = words[at]
+        if current != 0:
+            replaced[n_replaced, 0] = code
+            replaced[n_replaced, 1] = words[at + 1]
+            n_replaced += 1
+            words[at + 1] = code
+            continue
+        if reusable < 0:
+            reusable = at
+            used += 1
+        words[reusable] = stored
+        words[reusable + 1] = code
+        slot = np.int64(code >> shift)
+        current = table[slot]
+        while current != code and current != 0:
+            slot = (slot + 1) & last
+            current = table[slot]
+        if current != 0:
+            held[n_held] = code
+            n_held += 1
+        else:
+            table[slot] = code
+            values[slot] = value
+    return n_held, n_replaced, used
+
+
+@numba.njit(cache=True)
+def _pop_loop(words, size, multiplier, engine_hashes, codes):
+    """``AliasTable.pop_many`` over hashes already range-checked, keeping only the popped codes: fills
+    ``codes`` in order and returns how many."""
+    end = 2 * size
+    one = np.uint64(1)
+    tombstone = np.uint64(0xFFFFFFFFFFFFFFFF)
+    usize = np.uint64(size)
+    popped = 0
+    for i in range(engine_hashes.shape[0]):
+        stored = engine_hashes[i] + one
+        at = _alias_home(stored, multiplier, usize)
+        current = words[at]
+        while current != stored and current != 0:
+            at = at + 2 if at + 2 < end else 0
+            current = words[at]
+        if current != 0:
+            codes[popped] = words[at + 1]
+            popped += 1
+            words[at] = tombstone
+            words[at + 1] = 0
+    return popped
+
+
+@numba.njit(cache=True)
+def _remove_loop(table, values, shift, codes, skip, value, others):
+    """``MaskTable.remove_equal`` of ``codes`` whose ``skip`` flag is 0 (``skip`` may be empty: none set);
+    the rest go to ``others`` unchanged. Fills ``others`` in order; returns (blocks removed, others)."""
+    last = np.int64(table.shape[0] - 1)
+    gone = n_others = 0
+    for i in range(codes.shape[0]):
+        code = codes[i]
+        if skip.shape[0] and skip[i]:
+            others[n_others] = code
+            n_others += 1
+            continue
+        hole = np.int64(code >> shift)
+        current = table[hole]
+        while current != code and current != 0:
+            hole = (hole + 1) & last
+            current = table[hole]
+        if current == 0 or values[hole] != value:
+            others[n_others] = code
+            n_others += 1
+            continue
+        gone += 1
+        slot = (hole + 1) & last
+        current = table[slot]
+        while current != 0:
+            if ((slot - np.int64(current >> shift)) & last) >= ((slot - hole) & last):
+                table[hole] = current
+                values[hole] = values[slot]
+                hole = slot
+            slot = (slot + 1) & last
+            current = table[slot]
+        table[hole] = 0
+        values[hole] = 0
+    return gone, n_others
 
 
 def store_new(aliases: AliasTable, masks: MaskTable, engine_hashes: Sequence[int], codes: Sequence[int],
@@ -29,50 +147,23 @@ def store_new(aliases: AliasTable, masks: MaskTable, engine_hashes: Sequence[int
     if engine_hashes and not (min(engine_hashes) >= 0 and max(engine_hashes) < _KEY_LIMIT):
         raise ValueError("alias out of range: keys in [0, 2**63), values in [0, 2**64)")
     count = len(engine_hashes)
+    if len(codes) != count:
+        raise ValueError("one code per engine hash")
     if aliases._used + count > aliases.max_used():
         aliases._rebuild(count)
     if masks._live + count > masks.max_live():
         masks._rebuild(masks._live + count)
-    words, size, multiplier = aliases._words, aliases._size, aliases._multiplier
-    end = 2 * size
-    table, values, last, shift = masks._codes, masks._values, masks._size - 1, masks._shift
-    held: list[int] = []
-    replaced: list[tuple[int, int]] = []
-    used = 0
-    for key, code in zip(engine_hashes, codes, strict=True):
-        stored = key + 1
-        at = 2 * ((((stored * multiplier) & _U64) >> 32) * size >> 32)
-        reusable = -1
-        current = words[at]
-        while current != stored and current:
-            if current == _TOMBSTONE and reusable < 0:
-                reusable = at
-            at = at + 2 if at + 2 < end else 0
-            current = words[at]
-        if current:
-            replaced.append((code, words[at + 1]))
-            words[at + 1] = code
-            continue
-        if reusable < 0:
-            reusable = at
-            used += 1
-        words[reusable] = stored
-        words[reusable + 1] = code
-        slot = code >> shift
-        current = table[slot]
-        while current != code and current:
-            slot = (slot + 1) & last
-            current = table[slot]
-        if current:
-            held.append(code)
-        else:
-            table[slot] = code
-            values[slot] = value
-    added = count - len(replaced)
+    held = np.empty(count, dtype=np.uint64)
+    replaced = np.empty((count, 2), dtype=np.uint64)
+    n_held, n_replaced, used = _store_loop(
+        aliases.word_view(), aliases._size, np.uint64(aliases._multiplier), *masks.slot_views(),
+        np.uint64(masks._shift), np.array(engine_hashes, dtype=np.uint64), np.array(codes, dtype=np.uint64),
+        np.uint64(value), held, replaced)
+    added = count - n_replaced
     aliases._live += added
     aliases._used += used
-    masks._live += added - len(held)
-    return held, replaced
+    masks._live += added - n_held
+    return held[:n_held].tolist(), [(code, before) for code, before in replaced[:n_replaced].tolist()]
 
 
 def remove_sole(aliases: AliasTable, masks: MaskTable, engine_hashes: Iterable[int], value: int,
@@ -81,52 +172,16 @@ def remove_sole(aliases: AliasTable, masks: MaskTable, engine_hashes: Iterable[i
     (< 2**63: its last copy, for a one-bit mask) leaves the mask table with the back-shift of
     ``MaskTable.remove_equal``, unless ``(holder_slot, code)`` is in ``extra`` (the holder has the block under
     another alias too). Returns how many aliases were popped and the other popped codes, in order."""
-    words, size, multiplier = aliases._words, aliases._size, aliases._multiplier
-    end = 2 * size
-    table, values, last, shift = masks._codes, masks._values, masks._size - 1, masks._shift
-    others: list[int] = []
-    popped = gone = 0
-    for key in engine_hashes:
-        if not 0 <= key < _KEY_LIMIT:
-            continue
-        stored = key + 1
-        at = 2 * ((((stored * multiplier) & _U64) >> 32) * size >> 32)
-        current = words[at]
-        while current != stored and current:
-            at = at + 2 if at + 2 < end else 0
-            current = words[at]
-        if not current:
-            continue
-        code = words[at + 1]
-        words[at] = _TOMBSTONE
-        words[at + 1] = 0
-        popped += 1
-        if extra and (holder_slot, code) in extra:
-            others.append(code)
-            continue
-        hole = code >> shift
-        current = table[hole]
-        while current != code and current:
-            hole = (hole + 1) & last
-            current = table[hole]
-        if not current or values[hole] != value:
-            others.append(code)
-            continue
-        gone += 1
-        slot = (hole + 1) & last
-        current = table[slot]
-        while current:
-            if (slot - (current >> shift)) & last >= (slot - hole) & last:
-                table[hole] = current
-                values[hole] = values[slot]
-                hole = slot
-            slot = (slot + 1) & last
-            current = table[slot]
-        table[hole] = 0
-        values[hole] = 0
+    keys = np.array([key for key in engine_hashes if 0 <= key < _KEY_LIMIT], dtype=np.uint64)
+    codes = np.empty(len(keys), dtype=np.uint64)
+    popped = _pop_loop(aliases.word_view(), aliases._size, np.uint64(aliases._multiplier), keys, codes)
+    codes = codes[:popped]
+    skip = np.array([(holder_slot, code) in extra for code in codes.tolist()], dtype=np.uint8) if extra else _NO_SKIP
+    others = np.empty(popped, dtype=np.uint64)
+    gone, n_others = _remove_loop(*masks.slot_views(), np.uint64(masks._shift), codes, skip, np.uint64(value), others)
     aliases._live -= popped
     aliases.shrink_if_sparse()
     if gone:
         masks._live -= gone
         masks.shrink_if_sparse()
-    return popped, others
+    return popped, others[:n_others].tolist()

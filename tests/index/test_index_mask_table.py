@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from index.mask_table import _VECTOR_MIN, _WINDOW, MaskTable
+from index.mask_table import _FIRST_PART, MaskTable
 from index.prefix_index import PrefixIndex
 
 keys = st.one_of(st.integers(0, 300), st.integers(0, (1 << 60) - 1))
@@ -124,16 +124,16 @@ def test_keys_sharing_low_bits_still_spread() -> None:
     assert min(runs) < 100, runs
 
 
-def test_a_chain_walk_finishes_keys_past_its_window() -> None:
-    """Codes crowded onto one home sit more than a window past it; the vectorised walk still finds them
-    exactly, and stops where a holder drops out."""
+def test_a_chain_walk_finds_keys_far_from_their_home() -> None:
+    """Codes crowded onto one home sit far past it; the compiled walk still finds them exactly, over parts of
+    the chain, and stops where a holder drops out."""
     table = MaskTable()
     table._set_multiplier(1)  # not secret: small own keys all share home 0
-    crowd = list(range(4 * _WINDOW))
+    crowd = list(range(32))
     table.add_absent(table.codes(crowd), 3)
     table.set(table.code(crowd[-1]), 1)
     reference = dict.fromkeys(crowd, 3) | {crowd[-1]: 1}
-    chain = crowd[:-1] * (2 * _VECTOR_MIN // _WINDOW) + crowd
+    chain = crowd[:-1] * (20 * _FIRST_PART) + crowd
     assert table.prefix_drops(chain, 3) == _reference_drops(reference, chain, 3) == [(len(chain) - 1, 2),
                                                                                      (len(chain), 1)]
     assert _probe_paths_unbroken(table)
@@ -193,7 +193,9 @@ def test_an_index_of_more_holders_than_a_word_answers_as_a_model(sequence: list[
             expected[name] = depth
         assert all(index.holds(name, key) == (key in held) for key in chain)
     assert index.overlap(chain) == expected  # probed key by key
-    assert index.overlap(chain + list(range(5000, 5000 + _VECTOR_MIN))) == expected  # vectorised
+    assert index.overlap(chain + list(range(5000, 5000 + 20 * _FIRST_PART))) == expected  # over parts
+    narrow = HOLDERS[:8]  # holders in slots 0-62 only: the compiled walk, finishing in Python at a wide word
+    assert index.overlap(chain, narrow) == {name: depth for name, depth in expected.items() if name in narrow}
     unique: dict[str, int] = {}
     for names in owners.values():
         if len(names) == 1:
