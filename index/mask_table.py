@@ -36,10 +36,13 @@ _MIN_SIZE = 8
 _MAX_LOAD = 0.5
 """Double above this load: probes and back-shifts stay about one slot long."""
 _FIRST_PART = 8
-"""The chain walk converts the chain to an array in parts, this long first and sixteen times longer each
-time, so a prompt whose prefix no candidate holds converts a few keys, not thousands."""
-_MOST_DROPS = 64
-"""A walk of holders in slots 0-62 drops each at most once."""
+_COMPILED_MIN = 16
+"""Parts of a chain at least this long are walked by compiled code: a call costs about 4 us with its
+arguments, a probe in Python 0.6-0.9 us per key, so a prompt missed at its first blocks stays in Python."""
+_DEPTHS = np.empty(64, dtype=np.int64)
+_DROPPED = np.empty(64, dtype=np.uint64)
+"""The compiled walk's rows (a walk of holders in slots 0-62 drops each at most once), reused by every call:
+the walk holds the GIL and keeps nothing in them."""
 
 
 @numba.njit(cache=True)
@@ -77,7 +80,7 @@ class MaskTable:
     it. Codes and masks are two arrays of u64 words, one slot each (an empty slot is 0 in both)."""
 
     __slots__ = ("_codes", "_values", "_size", "_shift", "_live", "_multiplier", "_inverse", "_wide", "_wide_ids",
-                 "_refs", "_free_ids")
+                 "_refs", "_free_ids", "_views", "_np_shift", "_np_multiplier")
 
     def __init__(self) -> None:
         self._set_multiplier(secrets.randbits(64) | 1)
@@ -91,6 +94,7 @@ class MaskTable:
     def _set_multiplier(self, multiplier: int) -> None:
         """The odd number codes are scrambled with (its inverse undoes it)."""
         self._multiplier = multiplier
+        self._np_multiplier = np.uint64(multiplier)
         self._inverse = pow(multiplier, -1, 1 << 64)
 
     def _allocate(self, size: int) -> None:
@@ -98,14 +102,22 @@ class MaskTable:
         self._values = array("Q", (0,)) * size
         self._size = size
         self._shift = 65 - size.bit_length()
+        self._np_shift = np.uint64(self._shift)
+        self._views: tuple[np.ndarray, np.ndarray] | None = None
         self._live = 0
 
     def __len__(self) -> int:
         return self._live
 
     def slot_views(self) -> tuple[np.ndarray, np.ndarray]:
-        """(codes, masks) as u64 numpy arrays sharing the table's memory (for compiled loops)."""
-        return np.frombuffer(self._codes, dtype=np.uint64), np.frombuffer(self._values, dtype=np.uint64)
+        """(codes, masks) as u64 numpy arrays sharing the table's memory (for compiled loops). Kept between
+        calls (making them cost 1.3 us, a third of a short lookup); a deep copy's views own their data, and
+        are made again."""
+        views = self._views
+        if views is None or views[0].base is None or views[0].base.obj is not self._codes:
+            views = self._views = (np.frombuffer(self._codes, dtype=np.uint64),
+                                   np.frombuffer(self._values, dtype=np.uint64))
+        return views
 
     def max_live(self) -> int:
         """Blocks past which an insert doubles the table first."""
@@ -271,21 +283,21 @@ class MaskTable:
         chain's first ``depth`` blocks and not the next), in order; holders of the whole chain come last
         at ``len(own_keys)``.
 
-        Holders in slots 0-62 are walked by compiled code (a 2,048-block hit cost 0.27-0.47 ms with the numpy
-        passes this replaced), the chain read in parts of growing length (``_FIRST_PART``); wider masks are
-        walked in Python."""
+        The chain is read in parts of growing length (``_FIRST_PART``, then sixteen times more each time), so a
+        prompt whose prefix no candidate holds costs a few probes. Long parts are walked by compiled code for
+        holders in slots 0-62 (a 2,048-block hit: 0.19-0.21 ms, 0.37-0.41 with the numpy passes it replaced);
+        short parts and wider masks in Python."""
         drops: list[tuple[int, int]] = []
         alive, start, part = wanted, 0, _FIRST_PART
-        depths, dropped = np.empty(_MOST_DROPS, dtype=np.int64), np.empty(_MOST_DROPS, dtype=np.uint64)
         while alive and start < len(own_keys):
             if len(own_keys) - start < 2 * part:
                 part = len(own_keys) - start  # the rest in one pass rather than a short last one
             keys = own_keys[start : start + part]
-            if alive < WIDE:
-                rows, walked, left = _walk_compiled(
-                    *self.slot_views(), np.uint64(self._shift), np.uint64(self._multiplier),
-                    np.array(keys, dtype=np.uint64), start, np.uint64(alive), depths, dropped)
-                drops.extend(zip(depths[:rows].tolist(), dropped[:rows].tolist(), strict=True))
+            if alive < WIDE and len(keys) >= _COMPILED_MIN:
+                rows, walked, left = _walk_compiled(*self.slot_views(), self._np_shift, self._np_multiplier,
+                                                    np.array(keys, dtype=np.uint64), start, np.uint64(alive),
+                                                    _DEPTHS, _DROPPED)
+                drops.extend(zip(_DEPTHS[:rows].tolist(), _DROPPED[:rows].tolist(), strict=True))
                 alive = int(left)
                 if alive and walked < len(keys):  # an interned wide mask: the rest of the part in Python
                     alive = self._walk(keys[walked:], start + walked, alive, drops)
