@@ -22,10 +22,10 @@ import secrets
 from array import array
 from collections.abc import Sequence
 
-import numba
 import numpy as np
 
 from index.alias_table import placements
+from index.compiled import compiled
 
 KEY_LIMIT = 1 << 63
 """Own keys are 60 bits (index/block_hash.py); any below this have a code."""
@@ -45,7 +45,7 @@ _DROPPED = np.empty(64, dtype=np.uint64)
 the walk holds the GIL and keeps nothing in them."""
 
 
-@numba.njit(cache=True)
+@compiled
 def _walk_compiled(table, values, shift, multiplier, own_keys, start, alive, depths, dropped):
     """``MaskTable._walk`` compiled, for holders in slots 0-62: fills (depth, dropped holders) rows and returns
     (rows, keys walked, holders alive). It stops early when no holder is left, or at a key whose word is an

@@ -16,23 +16,23 @@ from __future__ import annotations
 
 from collections.abc import Container, Iterable, Sequence
 
-import numba
 import numpy as np
 
 from index.alias_table import AliasTable
+from index.compiled import compiled
 from index.mask_table import MaskTable
 
 _KEY_LIMIT = 1 << 63
 _NO_SKIP = np.zeros(0, dtype=np.uint8)
 
 
-@numba.njit(cache=True)
+@compiled
 def _alias_home(stored: np.uint64, multiplier: np.uint64, size: np.uint64) -> int:
     """The word of the home slot: the top 32 bits of the scrambled key scaled to the table's size."""
     return 2 * np.int64((((stored * multiplier) >> np.uint64(32)) * size) >> np.uint64(32))
 
 
-@numba.njit(cache=True)
+@compiled
 def _store_loop(words, size, multiplier, table, values, shift, engine_hashes, codes, value, held, replaced):
     """The loop of ``store_new``; returns (held blocks, replaced aliases, newly used alias slots) and fills
     ``held`` and ``replaced`` (rows of code, previous code) in order."""
@@ -78,7 +78,7 @@ def _store_loop(words, size, multiplier, table, values, shift, engine_hashes, co
     return n_held, n_replaced, used
 
 
-@numba.njit(cache=True)
+@compiled
 def _pop_loop(words, size, multiplier, engine_hashes, codes):
     """``AliasTable.pop_many`` over hashes already range-checked, keeping only the popped codes: fills
     ``codes`` in order and returns how many."""
@@ -102,7 +102,7 @@ def _pop_loop(words, size, multiplier, engine_hashes, codes):
     return popped
 
 
-@numba.njit(cache=True)
+@compiled
 def _remove_loop(table, values, shift, codes, skip, value, others):
     """``MaskTable.remove_equal`` of ``codes`` whose ``skip`` flag is 0 (``skip`` may be empty: none set);
     the rest go to ``others`` unchanged. Fills ``others`` in order; returns (blocks removed, others)."""
