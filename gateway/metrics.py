@@ -70,10 +70,6 @@ class RouterMetrics:
         self.loop_lag = Histogram("kvmesh_event_loop_lag_seconds", "How late the router's event loop woke a "
                                   "task that asked to run (what every request and health poll waited then)",
                                   buckets=LOOP_LAG_BUCKETS, registry=r)
-        self.serving_share = Gauge("kvmesh_event_loop_serving_share", "Share of the router's event loop that "
-                                   "serving took lately (neither idle nor ingesting KV events)", registry=r)
-        self.ingest_share = Gauge("kvmesh_ingest_share", "Share of the event loop KV-event ingest may take now",
-                                  registry=r)
         self.background_encode_failures = Counter("kvmesh_background_encode_failures",
                                                   "Deferred encodes of a prompt's fresh rest that failed after "
                                                   "the request went out (the next turn misses that rest)",

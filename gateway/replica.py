@@ -37,7 +37,6 @@ from gateway.engines import EngineRegistry
 from gateway.event_ingest import EventIngest
 from gateway.fleet import Fleet, Watch
 from gateway.gatekeeper import Gatekeeper
-from gateway.loop_idle import LoopIdle
 from gateway.loop_lag import watch_loop_lag
 from gateway.mesh_link import (
     build_mesh_node,
@@ -73,16 +72,11 @@ class Replica:
     gate: Gatekeeper
     router: Router
     autoscaler: AutoscaleLoop | None
-    loop_idle: LoopIdle
 
     def observe_loop_lag(self, lag_s: float) -> None:
-        """Each lag reading is a metric, and the moment ingest's budget reads the loop's idle time
-        (events/ingest_budget.py)."""
+        """The loop's lag is both a metric and ingest's headroom signal (events/ingest_budget.py)."""
         self.metrics.loop_lag.observe(lag_s)
-        now, budget = trio.current_time(), self.ingest.budget
-        budget.observe_loop(now, self.loop_idle.idle_s)
-        self.metrics.serving_share.set(budget.serving_share)
-        self.metrics.ingest_share.set(budget.rate(now))
+        self.ingest.budget.observe_lag(trio.current_time(), lag_s)
 
     async def leave(self) -> None:
         await leave_mesh(self.mesh)
@@ -118,28 +112,23 @@ def build_replica(config: RouterConfig, *, forward: Forward = forward, watch: Wa
     gate = Gatekeeper(config, metrics, member_id)
     router = Router(config, engines=engines, metrics=metrics, planner=planner, fleet=fleet, gate=gate, mesh=mesh,
                     admin=admin, forward=forward)
-    return Replica(config, metrics, engines, mesh, mesh_state, planner, ingest, fleet, gate, router, autoscaler,
-                   LoopIdle())
+    return Replica(config, metrics, engines, mesh, mesh_state, planner, ingest, fleet, gate, router, autoscaler)
 
 
 async def run_replica(replica: Replica, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
     """Start every long-lived task of the replica, in order, in one nursery; cancelling it stops them all."""
-    trio.lowlevel.add_instrument(replica.loop_idle)
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(watch_loop_lag, replica.observe_loop_lag)
-            await nursery.start(replica.ingest.run)
-            if replica.mesh is not None and replica.mesh_state is not None:
-                await nursery.start(replica.mesh.run)
-                follow_mesh(replica.fleet, replica.mesh_state)
-                nursery.start_soon(sweep_dispatches, replica.mesh_state)
-                nursery.start_soon(sweep_tombstones, replica.mesh_state)
-                if replica.gate.has_limits:
-                    nursery.start_soon(replica.gate.share_limits, replica.mesh_state)
-            await nursery.start(replica.planner.run)
-            await nursery.start(replica.fleet.run)
-            if replica.autoscaler is not None:
-                await nursery.start(replica.autoscaler.run)
-            task_status.started()
-    finally:
-        trio.lowlevel.remove_instrument(replica.loop_idle)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch_loop_lag, replica.observe_loop_lag)
+        await nursery.start(replica.ingest.run)
+        if replica.mesh is not None and replica.mesh_state is not None:
+            await nursery.start(replica.mesh.run)
+            follow_mesh(replica.fleet, replica.mesh_state)
+            nursery.start_soon(sweep_dispatches, replica.mesh_state)
+            nursery.start_soon(sweep_tombstones, replica.mesh_state)
+            if replica.gate.has_limits:
+                nursery.start_soon(replica.gate.share_limits, replica.mesh_state)
+        await nursery.start(replica.planner.run)
+        await nursery.start(replica.fleet.run)
+        if replica.autoscaler is not None:
+            await nursery.start(replica.autoscaler.run)
+        task_status.started()

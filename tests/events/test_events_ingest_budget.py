@@ -41,50 +41,24 @@ def test_settings_are_checked():
             IngestBudget(**bad)
 
 
-def test_ingest_takes_what_serving_leaves_of_the_loop_less_a_reserve():
-    budget = IngestBudget(share=0.3, idle_share=0.9, reserve=0.1, smooth_s=0.5)
-    assert budget.rate(0.0) == 0.3  # nobody watches the loop: the low share
-    budget.observe_loop(0.0, idle_total_s=0.0)
-    budget.charge(0.5, 0.2)
-    budget.observe_loop(1.0, idle_total_s=0.5)  # of the second: 0.5 idle, 0.2 ingest, so 0.3 serving
-    assert budget.rate(1.0) == pytest.approx(0.6)
-    budget.observe_loop(2.0, idle_total_s=0.55)  # then 0.95 serving: ingest keeps its least share
-    assert budget.rate(2.0) == pytest.approx(0.3)
-    budget.observe_loop(3.0, idle_total_s=1.55)  # then an idle loop: ingest takes at most idle_share
-    assert budget.rate(3.0) == pytest.approx(0.9)
-    assert budget.rate(3.3) == 0.3  # readings go stale
-
-
-def test_serving_share_is_smoothed_over_readings():
-    """A reading covering a tenth of ``smooth_s`` moves serving's share a tenth of the way."""
-    budget = IngestBudget(share=0.1, idle_share=0.9, reserve=0.0, smooth_s=0.5)
-    budget.observe_loop(0.0, 0.0)
-    budget.observe_loop(1.0, 1.0)  # idle for a whole second: serving 0
-    budget.observe_loop(1.05, 1.0)  # 50 ms with no idle and no ingest: serving 1
-    assert budget.serving_share == pytest.approx(0.1)
-    assert budget.rate(1.05) == pytest.approx(0.9)
-
-
-@given(st.lists(st.tuples(st.floats(0.001, 1), st.floats(0, 1), st.floats(0, 1)), max_size=50))
-def test_the_rate_stays_between_the_least_and_the_most_share(readings):
-    """Whatever the loop reports (even idle and ingest adding up to more than the time passed), the rate
-    stays in [share, idle_share]."""
-    budget = IngestBudget(share=0.3, idle_share=0.9)
-    now = idle = 0.0
-    for gap, idle_part, ingest_part in readings:
-        budget.charge(now, ingest_part * gap)
-        now += gap
-        idle += idle_part * gap
-        budget.observe_loop(now, idle)
-        assert 0.0 <= budget.serving_share <= 1.0
-        assert 0.3 <= budget.rate(now) <= 0.9
+def test_ingest_takes_more_of_the_loop_only_while_the_loop_runs_on_time():
+    budget = IngestBudget(share=0.5, idle_share=0.9, burst_s=0.005, lag_target_s=0.005, hold_s=1.0)
+    budget.charge(0.0, 0.014)  # 0.009 s of debt
+    assert budget.wait_s(0.0) == pytest.approx(0.018, abs=1e-3)  # nobody watches the loop: the low share
+    budget.observe_lag(0.0, 0.001)
+    assert budget.wait_s(0.0) == pytest.approx(0.010, abs=1e-3)  # on time: the loop's idle time
+    budget.observe_lag(0.01, 0.02)
+    assert budget.wait_s(0.01) == pytest.approx(0.008, abs=1e-3)  # late: the low share (idle: no wait)...
+    budget.observe_lag(0.9, 0.001)
+    assert not budget.headroom(0.9)  # ...held for a second after the last late wake-up
+    budget.observe_lag(1.02, 0.001)
+    assert budget.headroom(1.02) and not budget.headroom(1.5)  # and only while readings are fresh
 
 
 def test_ingest_takes_the_idle_share_whenever_no_request_is_in_flight():
     serving = [True]
     budget = IngestBudget(share=0.5, idle_share=0.9, burst_s=0.005, serving=lambda: serving[0])
-    budget.observe_loop(0.0, 0.0)
-    budget.observe_loop(1.0, 0.0)  # a machine with no core free: every second counts as serving
-    assert budget.rate(1.0) == 0.5
+    budget.observe_lag(0.0, 0.2)  # a machine with no core free: the loop is late whatever it does
+    assert not budget.headroom(0.0)
     serving[0] = False
-    assert budget.rate(1.0) == 0.9
+    assert budget.headroom(0.0)
