@@ -1,7 +1,7 @@
 """numba's compiler for the index's per-block loops (index/paired_update.py, index/mask_table.py).
 
 Compiled code is cached on disk beside the modules (or in numba's user cache folder), so only a fresh
-checkout's first process compiles (1.6 s of CPU); later ones load it (0.27 s). Where no cache folder can be
+checkout's first process compiles (1.6-2.6 s of CPU); later ones load it (0.27-0.41 s). Where no cache folder can be
 written (a read-only install without a writable home), numba refuses to cache: the loops are then compiled in
 every process instead of failing its start.
 """

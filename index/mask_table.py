@@ -37,7 +37,7 @@ _MAX_LOAD = 0.5
 """Double above this load: probes and back-shifts stay about one slot long."""
 _FIRST_PART = 8
 _COMPILED_MIN = 16
-"""Parts of a chain at least this long are walked by compiled code: a call costs about 4 us with its
+"""Parts of a chain at least this long are walked by compiled code: a call costs about 5 us with its
 arguments, a probe in Python 0.6-0.9 us per key, so a prompt missed at its first blocks stays in Python."""
 _DEPTHS = np.empty(64, dtype=np.int64)
 _DROPPED = np.empty(64, dtype=np.uint64)
@@ -80,7 +80,7 @@ class MaskTable:
     it. Codes and masks are two arrays of u64 words, one slot each (an empty slot is 0 in both)."""
 
     __slots__ = ("_codes", "_values", "_size", "_shift", "_live", "_multiplier", "_inverse", "_wide", "_wide_ids",
-                 "_refs", "_free_ids", "_views", "_np_shift", "_np_multiplier")
+                 "_refs", "_free_ids", "_np_shift", "_np_multiplier")
 
     def __init__(self) -> None:
         self._set_multiplier(secrets.randbits(64) | 1)
@@ -103,21 +103,14 @@ class MaskTable:
         self._size = size
         self._shift = 65 - size.bit_length()
         self._np_shift = np.uint64(self._shift)
-        self._views: tuple[np.ndarray, np.ndarray] | None = None
         self._live = 0
 
     def __len__(self) -> int:
         return self._live
 
     def slot_views(self) -> tuple[np.ndarray, np.ndarray]:
-        """(codes, masks) as u64 numpy arrays sharing the table's memory (for compiled loops). Kept between
-        calls (making them cost 1.3 us, a third of a short lookup); a deep copy's views own their data, and
-        are made again."""
-        views = self._views
-        if views is None or views[0].base is None or views[0].base.obj is not self._codes:
-            views = self._views = (np.frombuffer(self._codes, dtype=np.uint64),
-                                   np.frombuffer(self._values, dtype=np.uint64))
-        return views
+        """(codes, masks) as u64 numpy arrays sharing the table's memory (for compiled loops)."""
+        return np.frombuffer(self._codes, dtype=np.uint64), np.frombuffer(self._values, dtype=np.uint64)
 
     def max_live(self) -> int:
         """Blocks past which an insert doubles the table first."""

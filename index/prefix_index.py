@@ -22,8 +22,8 @@ from index.paired_update import remove_sole, store_new
 @functools.cache
 def load_compiled_loops() -> None:
     """Run each compiled loop (index/paired_update.py, ``MaskTable.prefix_drops``) once on throwaway tables, so
-    that a process's first event and first lookup do not pay for loading them: 0.27 s of CPU from numba's
-    cache on disk, 1.6 s when they are compiled (a fresh checkout's first run)."""
+    that a process's first event and first lookup do not pay for loading them: 0.27-0.41 s of CPU from
+    numba's cache on disk, 1.6-2.6 s when they are compiled (a fresh checkout's first run)."""
     aliases, masks = AliasTable(), MaskTable()
     codes = masks.codes([1, 2])
     store_new(aliases, masks, [1, 2], codes, 1)
