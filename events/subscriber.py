@@ -1,9 +1,12 @@
 """trio task tree of one engine event publisher: ZMQ SUB for live batches, DEALER for replays.
 
-The SUB socket is driven by waiting on its (edge-triggered) FD and draining it with NOBLOCK in slices
-of work charged to the process's IngestBudget (events/ingest_budget.py), which measured far faster here
-than zmq-anyio and keeps request handling from starving behind a busy fleet's events. All decisions are
-taken by the sans-IO EngineFeed; this module only moves frames and reconnects with backoff.
+The SUB socket is drained with NOBLOCK in slices of work charged to the process's IngestBudget
+(events/ingest_budget.py, events/socket_drain.py), which measured far faster here than zmq-anyio and keeps
+request handling from starving behind a busy fleet's events. A quiet socket is waited on through its
+(edge-triggered) FD; once a message woke it, the socket is handed to the process's LivePoller
+(events/live_poller.py), which drains every busy socket once per tick in one task, until it is quiet
+again. All decisions are taken by the sans-IO EngineFeed; this module only moves frames and reconnects
+with backoff.
 """
 
 from __future__ import annotations
@@ -14,11 +17,13 @@ from dataclasses import dataclass
 import trio
 import zmq
 
-from events.counters import INGEST_DEFERRED, SUBSCRIBER_RESTARTS
+from events.counters import SUBSCRIBER_RESTARTS
 from events.curve import CurveClient
 from events.discovery import EventSource
 from events.feed import DEFAULT_MAX_PAYLOAD, EngineFeed
 from events.ingest_budget import IngestBudget
+from events.live_poller import LivePoller
+from events.socket_drain import drain, readable
 
 
 class PublisherDisconnected(Exception):
@@ -40,6 +45,15 @@ class SubscriberConfig:
     backoff_max_s: float = 10.0
     curve_client: CurveClient | None = None
     """The router's CURVE key pair, for sources that name a server key (events/curve.py)."""
+    tick_s: float = 0.005
+    """How often the process's LivePoller drains the sockets of engines that publish: the index is up to
+    this much later, and the loop wakes for ingest at most this often while every engine publishes."""
+    quiet_ticks: int = 20
+    """Ticks in a row without a message after which a socket goes back to waiting on its FD."""
+
+    def poller(self, budget: IngestBudget) -> LivePoller:
+        """The poller every subscriber of a process shares, drawing on ``budget``."""
+        return LivePoller(budget, self.tick_s, self.quiet_ticks)
 
 
 def _configure(sock: zmq.Socket, config: SubscriberConfig, source: EventSource) -> None:
@@ -53,12 +67,6 @@ def _configure(sock: zmq.Socket, config: SubscriberConfig, source: EventSource) 
         config.curve_client.secure(sock, source.curve_server_key)
 
 
-async def _readable(sock: zmq.Socket) -> None:
-    """Wait until the socket has a message; ZMQ's FD only signals edges, so re-check EVENTS."""
-    while not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-        await trio.lowlevel.wait_readable(sock.getsockopt(zmq.FD))
-
-
 async def go_ahead() -> None:
     """Nothing to let pass before ingesting."""
 
@@ -66,20 +74,32 @@ async def go_ahead() -> None:
 async def run_subscriber(feed: EngineFeed, source: EventSource, *, context: zmq.Context | None = None,
                          config: SubscriberConfig | None = None,
                          clock: Callable[[], float] = trio.current_time,
-                         budget: IngestBudget | None = None,
+                         poller: LivePoller | None = None,
                          before_ingest: Callable[[], Awaitable[None]] = go_ahead) -> None:
     """Run until cancelled, rebuilding the session with exponential backoff after errors/disconnects.
-    ``budget``: shared by every subscriber of a process (the loop they share is one); its own if None.
+    ``poller``: shared by every subscriber of a process, with the process's ingest budget (the loop they
+    share is one), and run by its owner; when None, this subscriber runs its own.
     ``before_ingest``: awaited before each pass over the live messages queued (a router lets the engine's
     pending first tokens go first, see gateway/first_tokens.py)."""
     config = config or SubscriberConfig()
-    budget = budget or IngestBudget()
     context = context or zmq.Context.instance()
+    if poller is None:
+        async with trio.open_nursery() as nursery:
+            own = config.poller(IngestBudget())
+            nursery.start_soon(own.run)
+            await _subscribe(feed, source, context, config, clock, own, before_ingest)
+        return
+    await _subscribe(feed, source, context, config, clock, poller, before_ingest)
+
+
+async def _subscribe(feed: EngineFeed, source: EventSource, context: zmq.Context, config: SubscriberConfig,
+                     clock: Callable[[], float], poller: LivePoller,
+                     before_ingest: Callable[[], Awaitable[None]]) -> None:
     backoff = config.backoff_initial_s
     while True:
         started = trio.current_time()
         try:
-            await _session(feed, source, context, config, clock, budget, before_ingest)
+            await _session(feed, source, context, config, clock, poller, before_ingest)
         except* zmq.ZMQError:
             SUBSCRIBER_RESTARTS.labels(engine=feed.engine, reason="socket_error").inc()
         except* PublisherDisconnected:
@@ -92,8 +112,9 @@ async def run_subscriber(feed: EngineFeed, source: EventSource, *, context: zmq.
 
 
 async def _session(feed: EngineFeed, source: EventSource, context: zmq.Context, config: SubscriberConfig,
-                   clock: Callable[[], float], budget: IngestBudget,
+                   clock: Callable[[], float], poller: LivePoller,
                    before_ingest: Callable[[], Awaitable[None]]) -> None:
+    budget = poller.budget
     sub = context.socket(zmq.SUB)
     monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     try:
@@ -114,44 +135,23 @@ async def _session(feed: EngineFeed, source: EventSource, context: zmq.Context, 
                 nursery.start_soon(_replay, feed, source, start, feed.replay_generation, running[0], context,
                                    config, clock, budget)
 
+            def handle(frames: list[bytes]) -> None:
+                replay(feed.on_live(frames, clock()))
+
             replay(feed.catch_up(clock()))
             while True:
-                await _readable(sub)
+                await readable(sub)
                 await before_ingest()
-                await _drain(sub, budget, lambda frames: replay(feed.on_live(frames, clock())), feed, clock)
+                await drain(sub, budget, handle, feed, clock)
+                await poller.hand_over(sub, handle, feed, clock, before_ingest)
     finally:
         sub.disable_monitor()
         monitor.close(linger=0)
         sub.close(linger=0)
 
 
-async def _drain(sock: zmq.Socket, budget: IngestBudget, handle: Callable[[list[bytes]], object],
-                 feed: EngineFeed, clock: Callable[[], float]) -> bool:
-    """Handle every queued message in budgeted slices; returns True when an end marker was handled
-    (``handle`` answered True), False once the socket is empty."""
-    while True:
-        wait = budget.wait_s(trio.current_time())
-        if wait > 0:
-            INGEST_DEFERRED.labels(engine=feed.engine).inc(wait)
-            feed.freshness.on_deferred(clock())
-            await trio.sleep(wait)
-        began = trio.current_time()
-        try:
-            while trio.current_time() - began < budget.slice_s:
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    feed.freshness.on_caught_up()
-                    return False
-                if handle(frames) is True:
-                    return True
-        finally:
-            budget.charge(trio.current_time(), trio.current_time() - began)
-        await trio.lowlevel.checkpoint()
-
-
 async def _watch_disconnect(monitor: zmq.Socket) -> None:
-    await _readable(monitor)
+    await readable(monitor)
     raise PublisherDisconnected
 
 
@@ -178,8 +178,8 @@ async def _replay_session(feed: EngineFeed, source: EventSource, start: int, gen
         dealer.send_multipart([b"", start.to_bytes(8, "big")])
         with trio.move_on_after(config.replay_timeout_s):
             while not done:
-                await _readable(dealer)
-                done = await _drain(dealer, budget, lambda frames: feed.on_replay(frames, clock(), generation),
+                await readable(dealer)
+                done = await drain(dealer, budget, lambda frames: feed.on_replay(frames, clock(), generation),
                                     feed, clock)
     finally:
         dealer.close(linger=0)

@@ -25,6 +25,7 @@ from events.counters import SUBSCRIBER_RESTARTS
 from events.discovery import EventSource
 from events.feed import EngineFeed
 from events.ingest_budget import IngestBudget
+from events.live_poller import LivePoller
 from events.subscriber import SubscriberConfig, go_ahead, run_subscriber
 from gateway import index_transfer
 from index.holders import holder_keys
@@ -52,7 +53,7 @@ class _Stream:
     feeds: list[EngineFeed] = field(default_factory=list)
 
 
-async def _supervised(feed: EngineFeed, source: EventSource, budget: IngestBudget | None = None,
+async def _supervised(feed: EngineFeed, source: EventSource, poller: LivePoller | None = None,
                       config: SubscriberConfig | None = None,
                       before_ingest: Callable[[], Awaitable[None]] = go_ahead) -> None:
     """Run the subscriber; an error no one expected (a publisher's frames reaching a bug) is counted, logged
@@ -61,7 +62,7 @@ async def _supervised(feed: EngineFeed, source: EventSource, budget: IngestBudge
     failures = 0
     while True:
         try:
-            await run_subscriber(feed, source, budget=budget, config=config, before_ingest=before_ingest)
+            await run_subscriber(feed, source, poller=poller, config=config, before_ingest=before_ingest)
             return
         except Exception as exc:  # the publisher is untrusted: nothing it sends may end the process
             SUBSCRIBER_RESTARTS.labels(engine=feed.engine, reason=f"error_{type(exc).__name__}"[:64]).inc()
@@ -84,6 +85,8 @@ class EventIngest:
         self.mesh = mesh
         self.budget = budget or IngestBudget()
         """The share of the event loop every engine's ingest together may take (events/ingest_budget.py)."""
+        self.poller = self.subscriber.poller(self.budget)
+        """Drains every publishing engine's socket once per tick (events/live_poller.py); run by :meth:`run`."""
         self.warm_timeout_s = warm_timeout_s
         self.stats: Counter[str] = Counter()
         self._streams: dict[str, _Stream] = {}
@@ -94,6 +97,7 @@ class EventIngest:
         if self.mesh is not None:
             self.mesh.serve_state(index_transfer.NAMESPACE, self._snapshot)
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.poller.run)
             task_status.started()
             async for engine, stream in self._started:
                 nursery.start_soon(self._ingest, engine, stream)
@@ -126,7 +130,7 @@ class EventIngest:
             log.info("ingesting events", extra={"engine": engine, "resume_seq": list(resume)})
             async with trio.open_nursery() as nursery:
                 for feed, source in zip(stream.feeds, stream.sources, strict=True):
-                    nursery.start_soon(_supervised, feed, source, self.budget, self.subscriber,
+                    nursery.start_soon(_supervised, feed, source, self.poller, self.subscriber,
                                        stream.before_ingest)
 
     async def _warm(self, engine: str, holders: tuple[str, ...], capacity: int) -> tuple[int | None, ...]:

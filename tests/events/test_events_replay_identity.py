@@ -117,7 +117,7 @@ async def test_a_subscriber_that_hits_an_unexpected_error_is_restarted_not_fatal
 
     calls = []
 
-    async def exploding(feed, source, budget=None, config=None, before_ingest=None):
+    async def exploding(feed, source, poller=None, config=None, before_ingest=None):
         calls.append(trio.current_time())
         raise KeyError("a bug a frame found")
 

@@ -1,0 +1,187 @@
+"""The process's live poller on real ZeroMQ sockets (inproc): one task drains every busy socket, gives a quiet
+one back, and hands each socket's failure to the subscriber that handed it over."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import trio
+import zmq
+
+from events.feed import EngineFeed
+from events.ingest_budget import IngestBudget
+from events.live_poller import LivePoller, next_tick
+from index.prefix_index import PrefixIndex
+from index.view import CacheView
+
+_names = itertools.count()
+
+
+class Pair:
+    """A PUB bound in-process and a SUB connected to it, the subscription settled."""
+
+    def __init__(self, context: zmq.Context) -> None:
+        address = f"inproc://poller-{next(_names)}"
+        self.pub = context.socket(zmq.PUB)
+        self.pub.bind(address)
+        self.sub = context.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(address)
+        self.received: list[bytes] = []
+
+    async def settle(self) -> None:
+        """Publish until the SUB gets a message (a subscription reaches the PUB asynchronously)."""
+        with trio.fail_after(5):
+            while True:
+                self.pub.send(b"hello")
+                await trio.sleep(0.01)
+                if self.sub.poll(0):
+                    while self.sub.poll(0):
+                        self.sub.recv()
+                    return
+
+    def handle(self, frames: list[bytes]) -> None:
+        self.received.extend(frames)
+
+    def close(self) -> None:
+        self.pub.close(linger=0)
+        self.sub.close(linger=0)
+
+
+def feed() -> EngineFeed:
+    view = CacheView(PrefixIndex())
+    view.register("e", block_size=4, has_events=True)
+    return EngineFeed("e", "tiny", view)
+
+
+async def go_ahead() -> None:
+    pass
+
+
+async def until(condition) -> None:
+    with trio.fail_after(5):
+        while not condition():
+            await trio.sleep(0.005)
+
+
+@pytest.fixture
+async def pairs():
+    context = zmq.Context()
+    made = [Pair(context) for _ in range(3)]
+    for pair in made:
+        await pair.settle()
+    yield made
+    for pair in made:
+        pair.close()
+    context.term()
+
+
+def test_ticks_are_shared_instants():
+    assert next_tick(0.0, 0.005) == pytest.approx(0.005)
+    assert next_tick(1.0021, 0.005) == pytest.approx(1.005)
+    for now in (0.0, 0.0049, 1.005, 3.14159, 1e6 + 0.001):
+        tick = next_tick(now, 0.005)
+        assert now < tick <= now + 0.005 + 1e-9
+    with pytest.raises(ValueError):
+        LivePoller(IngestBudget(), tick_s=0)
+
+
+async def test_one_task_drains_every_busy_socket_and_gives_quiet_ones_back(pairs):
+    poller = LivePoller(IngestBudget(), tick_s=0.005, quiet_ticks=4)
+    drained_by: set[object] = set()
+    returned: list[int] = []
+
+    async def handed(i: int, pair: Pair, f: EngineFeed) -> None:
+        def handle(frames: list[bytes]) -> None:
+            drained_by.add(trio.lowlevel.current_task())
+            pair.handle(frames)
+        await poller.hand_over(pair.sub, handle, f, trio.current_time, go_ahead)
+        returned.append(i)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(poller.run)
+        for i, pair in enumerate(pairs):
+            nursery.start_soon(handed, i, pair, feed())
+        await until(lambda: poller.handed() == 3)
+        for n in range(5):
+            for pair in pairs:
+                pair.pub.send(b"m%d" % n)
+        await until(lambda: all(len(pair.received) == 5 for pair in pairs))
+        assert [pair.received for pair in pairs] == [[b"m0", b"m1", b"m2", b"m3", b"m4"]] * 3
+        assert len(drained_by) == 1  # one task drained all three sockets
+        await until(lambda: len(returned) == 3)  # quiet for four ticks: each socket went back
+        assert poller.handed() == 0
+        pairs[0].pub.send(b"later")
+        await trio.sleep(0.05)
+        assert pairs[0].received[-1] == b"m4"  # a socket given back is not drained by the poller
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_sockets_failure_reaches_its_subscriber_and_the_others_keep_draining(pairs):
+    poller = LivePoller(IngestBudget(), tick_s=0.005, quiet_ticks=1_000)
+    failed: list[BaseException] = []
+
+    def explode(frames: list[bytes]) -> None:
+        raise KeyError("a frame found a bug")
+
+    async def handed_bad() -> None:
+        try:
+            await poller.hand_over(pairs[0].sub, explode, feed(), trio.current_time, go_ahead)
+        except KeyError as exc:
+            failed.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(poller.run)
+        nursery.start_soon(handed_bad)
+        nursery.start_soon(poller.hand_over, pairs[1].sub, pairs[1].handle, feed(), trio.current_time, go_ahead)
+        await until(lambda: poller.handed() == 2)
+        pairs[0].pub.send(b"bad")
+        await until(lambda: failed)
+        assert poller.handed() == 1
+        pairs[1].pub.send(b"good")
+        await until(lambda: pairs[1].received == [b"good"])
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_subscriber_that_is_cancelled_takes_its_socket_back_at_once(pairs):
+    poller = LivePoller(IngestBudget(), tick_s=0.005, quiet_ticks=1_000)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(poller.run)
+        with trio.CancelScope() as scope:
+            nursery.start_soon(poller.hand_over, pairs[1].sub, pairs[1].handle, feed(), trio.current_time,
+                               go_ahead)
+
+            async def cancel_soon() -> None:
+                await until(lambda: poller.handed() == 2)
+                scope.cancel()
+            nursery.start_soon(cancel_soon)
+            await poller.hand_over(pairs[0].sub, pairs[0].handle, feed(), trio.current_time, go_ahead)
+        assert poller.handed() == 1
+        pairs[0].pub.send(b"not for the poller")
+        pairs[1].pub.send(b"for the poller")
+        await until(lambda: pairs[1].received == [b"for the poller"])
+        assert pairs[0].received == []
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_socket_closed_under_the_poller_fails_only_its_own_hand_over(pairs):
+    poller = LivePoller(IngestBudget(), tick_s=0.005, quiet_ticks=1_000)
+    failed: list[BaseException] = []
+
+    async def handed_then_closed() -> None:
+        try:
+            await poller.hand_over(pairs[2].sub, pairs[2].handle, feed(), trio.current_time, go_ahead)
+        except zmq.ZMQError as exc:
+            failed.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(poller.run)
+        nursery.start_soon(handed_then_closed)
+        nursery.start_soon(poller.hand_over, pairs[0].sub, pairs[0].handle, feed(), trio.current_time, go_ahead)
+        await until(lambda: poller.handed() == 2)
+        pairs[2].sub.close(linger=0)
+        await until(lambda: failed)
+        pairs[0].pub.send(b"still drained")
+        await until(lambda: pairs[0].received == [b"still drained"])
+        nursery.cancel_scope.cancel()
