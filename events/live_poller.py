@@ -23,7 +23,7 @@ import zmq
 
 from events.feed import EngineFeed
 from events.ingest_budget import IngestBudget
-from events.socket_drain import drain
+from events.socket_drain import drain_slice, wait_for_budget
 
 Handler = Callable[[list[bytes]], object]
 
@@ -99,29 +99,42 @@ class LivePoller:
                         await handed.before_ingest()
                     except Exception as exc:  # noqa: BLE001 - the subscriber that handed it over restarts
                         self._fail(handed, exc)
+            await self._drain(ready)
+
+    async def _drain(self, ready: list[_Handed]) -> None:
+        """Drain the ready sockets a slice each in turn, so one engine's backlog cannot starve the others
+        (past their high-water marks that would be gaps), until none has a message left."""
+        yielded = trio.current_time()
+        while ready:
             for handed in ready:
-                if handed in self._handed:  # its subscriber may have taken it back meanwhile
-                    await self._drain(handed)
+                await wait_for_budget(self.budget, ((h.feed, h.clock) for h in ready if h in self._handed))
+                if handed not in self._handed:  # its subscriber took it back meanwhile
+                    continue
+                try:
+                    drain_slice(handed.sock, self.budget, handed.handle, handed.feed)
+                except Exception as exc:  # the subscriber owns this socket's failures: it reconnects or restarts
+                    self._fail(handed, exc)
+                if trio.current_time() - yielded >= self.budget.slice_s:
+                    await trio.lowlevel.checkpoint()
+                    yielded = trio.current_time()
+            ready = [handed for handed in list(self._handed) if self._has_message(handed)]
 
     def _readable(self, handed: _Handed) -> bool:
-        """Whether a message waits; a socket quiet for ``quiet_ticks`` goes back to its subscriber."""
-        try:
-            if handed.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                handed.quiet = 0
-                return True
-        except zmq.ZMQError as exc:
-            self._fail(handed, exc)
-            return False
+        """Whether a message waits, at a tick; a socket quiet for ``quiet_ticks`` goes back to its subscriber."""
+        if self._has_message(handed):
+            handed.quiet = 0
+            return True
         handed.quiet += 1
         if handed.quiet >= self.quiet_ticks:
             self._drop(handed)
         return False
 
-    async def _drain(self, handed: _Handed) -> None:
+    def _has_message(self, handed: _Handed) -> bool:
         try:
-            await drain(handed.sock, self.budget, handed.handle, handed.feed, handed.clock)
-        except Exception as exc:  # the subscriber owns this socket's failures: it reconnects or restarts
+            return bool(handed.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        except zmq.ZMQError as exc:
             self._fail(handed, exc)
+            return False
 
     def _fail(self, handed: _Handed, exc: BaseException) -> None:
         handed.error = exc

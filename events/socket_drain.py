@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import enum
+from collections.abc import Callable, Iterable
 
 import trio
 import zmq
@@ -12,10 +13,48 @@ from events.feed import EngineFeed
 from events.ingest_budget import IngestBudget
 
 
+class Drained(enum.Enum):
+    EMPTY = "empty"
+    """Every queued message was handled."""
+    MARKER = "marker"
+    """``handle`` answered True (a replay's end)."""
+    MORE = "more"
+    """The slice's time ran out with messages left."""
+
+
 async def readable(sock: zmq.Socket) -> None:
     """Wait until the socket has a message; ZMQ's FD only signals edges, so re-check EVENTS."""
     while not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
         await trio.lowlevel.wait_readable(sock.getsockopt(zmq.FD))
+
+
+async def wait_for_budget(budget: IngestBudget, waiting: Iterable[tuple[EngineFeed, Callable[[], float]]]) -> None:
+    """Sleep until the budget allows a slice; every engine in ``waiting`` (feed and its clock) has events
+    queued meanwhile, so its index lags and the wait is counted for it."""
+    wait = budget.wait_s(trio.current_time())
+    if wait > 0:
+        for feed, clock in waiting:
+            INGEST_DEFERRED.labels(engine=feed.engine).inc(wait)
+            feed.freshness.on_deferred(clock())
+        await trio.sleep(wait)
+
+
+def drain_slice(sock: zmq.Socket, budget: IngestBudget, handle: Callable[[list[bytes]], object],
+                feed: EngineFeed) -> Drained:
+    """Handle queued messages for at most one budget slice, charging the time spent."""
+    began = trio.current_time()
+    try:
+        while trio.current_time() - began < budget.slice_s:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                feed.freshness.on_caught_up()
+                return Drained.EMPTY
+            if handle(frames) is True:
+                return Drained.MARKER
+        return Drained.MORE
+    finally:
+        budget.charge(trio.current_time(), trio.current_time() - began)
 
 
 async def drain(sock: zmq.Socket, budget: IngestBudget, handle: Callable[[list[bytes]], object],
@@ -23,21 +62,8 @@ async def drain(sock: zmq.Socket, budget: IngestBudget, handle: Callable[[list[b
     """Handle every queued message in budgeted slices; returns True when an end marker was handled
     (``handle`` answered True), False once the socket is empty."""
     while True:
-        wait = budget.wait_s(trio.current_time())
-        if wait > 0:
-            INGEST_DEFERRED.labels(engine=feed.engine).inc(wait)
-            feed.freshness.on_deferred(clock())
-            await trio.sleep(wait)
-        began = trio.current_time()
-        try:
-            while trio.current_time() - began < budget.slice_s:
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    feed.freshness.on_caught_up()
-                    return False
-                if handle(frames) is True:
-                    return True
-        finally:
-            budget.charge(trio.current_time(), trio.current_time() - began)
+        await wait_for_budget(budget, [(feed, clock)])
+        drained = drain_slice(sock, budget, handle, feed)
+        if drained is not Drained.MORE:
+            return drained is Drained.MARKER
         await trio.lowlevel.checkpoint()

@@ -4,6 +4,7 @@ one back, and hands each socket's failure to the subscriber that handed it over.
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 import trio
@@ -184,4 +185,32 @@ async def test_a_socket_closed_under_the_poller_fails_only_its_own_hand_over(pai
         await until(lambda: failed)
         pairs[0].pub.send(b"still drained")
         await until(lambda: pairs[0].received == [b"still drained"])
+        nursery.cancel_scope.cancel()
+
+
+async def test_one_engines_backlog_does_not_starve_the_others(pairs):
+    """Sockets take turns a budget slice each: an engine with a long backlog does not hold the others' events
+    (past their high-water marks those would be lost) until its own are done."""
+    poller = LivePoller(IngestBudget(idle_share=1.0, share=1.0, burst_s=10.0), tick_s=0.005, quiet_ticks=1_000)
+    order: list[str] = []
+
+    def slow(frames: list[bytes]) -> None:
+        until_s = time.perf_counter() + 0.0002  # 0.2 ms of work per message: 200 of them are 40 ms
+        while time.perf_counter() < until_s:
+            pass
+        order.append("backlog")
+
+    def quick(frames: list[bytes]) -> None:
+        order.append("other")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(poller.run)
+        nursery.start_soon(poller.hand_over, pairs[0].sub, slow, feed(), trio.current_time, go_ahead)
+        nursery.start_soon(poller.hand_over, pairs[1].sub, quick, feed(), trio.current_time, go_ahead)
+        await until(lambda: poller.handed() == 2)
+        for n in range(200):
+            pairs[0].pub.send(b"%d" % n)
+        pairs[1].pub.send(b"one")
+        await until(lambda: len(order) == 201)
+        assert order.index("other") < 100
         nursery.cancel_scope.cancel()
