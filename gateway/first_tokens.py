@@ -2,10 +2,11 @@
 
 An engine publishes a prefill step's KV events as that step's first tokens leave it: a batch for an
 8k-token prompt (530 blocks) took the router's loop 3-6 ms to ingest, and when the batch won the race to
-the loop, the client's first token waited behind it (``kvmesh bench overhead``, 8k turn). The subscriber
-of an engine therefore waits, before each pass over its queued events, until one of that engine's
-pending first tokens has gone out, for at most a few milliseconds: the index is that much later, and the
-first token is not held back by bookkeeping.
+the loop, the client's first token waited behind it (``kvmesh bench overhead``, 8k turn). Ingest
+therefore waits, before each pass over an engine's queued events, until one of that engine's pending
+first tokens has gone out, for at most a few milliseconds (the live poller, events/live_poller.py, waits
+for every engine of one pass together, at most one tick): the index is that much later, and the first
+token is not held back by bookkeeping.
 """
 
 from __future__ import annotations
