@@ -30,13 +30,21 @@ async def readable(sock: zmq.Socket) -> None:
 
 async def wait_for_budget(budget: IngestBudget, waiting: Iterable[tuple[EngineFeed, Callable[[], float]]]) -> None:
     """Sleep until the budget allows a slice; every engine in ``waiting`` (feed and its clock) has events
-    queued meanwhile, so its index lags and the wait is counted for it."""
+    queued meanwhile, so its index lags and the time waited is counted for it. The budget is asked again
+    after each sleep: another consumer (a replay) may have spent what the sleep refilled."""
     wait = budget.wait_s(trio.current_time())
-    if wait > 0:
-        for feed, clock in waiting:
-            INGEST_DEFERRED.labels(engine=feed.engine).inc(wait)
-            feed.freshness.on_deferred(clock())
+    if wait <= 0:
+        return
+    behind = list(waiting)
+    for feed, clock in behind:
+        feed.freshness.on_deferred(clock())
+    began = trio.current_time()
+    while wait > 0:
         await trio.sleep(wait)
+        wait = budget.wait_s(trio.current_time())
+    waited = trio.current_time() - began
+    for feed, _ in behind:
+        INGEST_DEFERRED.labels(engine=feed.engine).inc(waited)
 
 
 def drain_slice(sock: zmq.Socket, budget: IngestBudget, handle: Callable[[list[bytes]], object],
