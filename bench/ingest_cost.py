@@ -159,19 +159,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=100, help="recorded steps per engine (default 100)")
     p.add_argument("--quick", action="store_true", help="16 engines, cap 5000, 40 steps")
     p.add_argument("--repeat", type=int, default=3, help="timed passes of each kind, medians reported (default 3)")
+    p.add_argument("--zmq", type=float, metavar="RATE",
+                   help="through the replica's subscribers over ZeroMQ, RATE messages/s (bench/ingest_zmq.py)")
     add_against_options(p, "code (one engine count)")
     args = p.parse_args(argv)
     counts = [16] if args.quick else [int(x) for x in args.engines.split(",") if x]
     cap, steps = (5_000, 40) if args.quick else (args.cap, args.steps)
     if args.against:
-        one = ["--engines", str(counts[0]), "--cap", str(cap), "--steps", str(steps)]
+        one = ["--engines", str(counts[0]), "--cap", str(cap), "--steps", str(steps),
+               *(["--zmq", str(args.zmq)] if args.zmq else [])]
         log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvmesh-bench-ingest-"))
         for line in side_by_side(args.against, args.passes, ["-m", "bench.ingest_cost", *one], _TOTAL, "us per op",
                                  log_dir):
             print(line, flush=True)
         return 0
     for count in counts:
-        print(measure(count, cap, steps, passes=args.repeat).line(), flush=True)
+        if args.zmq:
+            from bench.ingest_zmq import measure_over_zmq  # it imports this module's recorder
+
+            print(measure_over_zmq(count, cap, steps, args.zmq), flush=True)
+        else:
+            print(measure(count, cap, steps, passes=args.repeat).line(), flush=True)
     return 0
 
 

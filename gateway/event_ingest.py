@@ -117,6 +117,11 @@ class EventIngest:
         if stream is not None:
             stream.scope.cancel()
 
+    def feeds(self, engine: str) -> list[EngineFeed]:
+        """The engine's event feeds (one per data-parallel rank) once its ingest runs; none before."""
+        stream = self._streams.get(engine)
+        return list(stream.feeds) if stream is not None else []
+
     def ingesting(self) -> list[str]:
         return sorted(e for e, s in self._streams.items() if s.feeds)
 

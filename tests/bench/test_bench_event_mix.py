@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 import bench.revision
 from bench.event_mix import BLOCK_SIZE, MAX_PREFILL_BLOCKS, EventTemplates, MixEngine
 from bench.ingest_cost import _TOTAL, measure
+from bench.ingest_zmq import measure_over_zmq
 from bench.revision import pass_in, side_by_side
 from events.feed import EngineFeed
 from index.digest import block_set_digest
@@ -70,3 +71,12 @@ def test_templated_events_encode_exactly_as_the_simulated_engines_encoder(encodi
                             [None] * len(hashes)), BlockRemoved([removed.to_bytes(8, "big")])]
     events = [templates.stored(hashes, parent, tokens), templates.removed(removed)]
     assert EventTemplates.batch(1.5, events, rank) == encode_batch(1.5, expected, encoding, rank)
+
+
+def test_over_zmq_every_published_op_reaches_the_replicas_subscribers():
+    """The ZeroMQ pass ends only once every engine's last message was applied (else it times out), and prints the
+    figure ``--against`` compares."""
+    line = measure_over_zmq(engines=2, cap=2 * MAX_PREFILL_BLOCKS, steps=3, rate=400.0)
+    match = _TOTAL.search(line)
+    assert match is not None and float(match.group(1)) > 0
+    assert "all applied" in line
