@@ -18,7 +18,6 @@ CPU time of this thread only, so other processes on the machine do not count; ea
 from __future__ import annotations
 
 import argparse
-import gc
 import re
 import statistics
 import sys
@@ -29,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.event_mix import BLOCK_SIZE, MixEngine
+from bench.ingest_zmq import measure_over_zmq
+from bench.recorded_events import MODEL, Message, freeze, recorded
 from bench.revision import add_against_options, side_by_side
 from events.decode import decode_live
 from events.feed import EngineFeed
@@ -37,9 +38,6 @@ from index.events import BlockStored, EventBatch
 from index.ingest import EngineIngest
 from index.prefix_index import PrefixIndex
 from index.view import CacheView
-
-MODEL = "kvmesh-tiny"
-Message = tuple[int, list[bytes]]
 
 
 @dataclass(frozen=True)
@@ -66,32 +64,11 @@ class IngestCost:
                 f" (medians of {self.passes} passes; end to end {low:.2f}-{high:.2f})")
 
 
-def _recorded(engines: list[MixEngine], steps: int, seqs: list[int]) -> tuple[list[Message], int]:
-    out: list[Message] = []
-    ops = 0
-    for _ in range(steps):
-        for i, engine in enumerate(engines):
-            batch = engine.next_batch(0.0)
-            out.append((i, [b"kv", seqs[i].to_bytes(8, "big"), batch.payload]))
-            seqs[i] += 1
-            ops += batch.ops
-    return out, ops
-
-
 def _decode_each(messages: list[Message]) -> None:
     """Decode every message and drop the batch, as ingest does: keeping them all (for the apply pass) made
     the timed decode 1.5-2x what decoding costs alone, and left the end-to-end rest negative."""
     for _, frames in messages:
         decode_live(frames)
-
-
-def _freeze() -> None:
-    """Take what the bench keeps (recorded frames, decoded batches: no replica's objects) out of the cyclic
-    collector's walks, as a replica does with its start-up objects (gateway/server.py). Walked, they made
-    the full collections cost up to 1 us per op, in whichever pass one happened to land. They stay frozen
-    (freed by their reference counts when dropped): unfreezing would also release what a caller froze."""
-    gc.collect()
-    gc.freeze()
 
 
 def _cpu(work: Callable[[], object]) -> float:
@@ -105,8 +82,8 @@ def measure(engines: int = 16, cap: int = 20_000, steps: int = 100, seed: int = 
     seqs = [0] * engines
     warm: list[Message] = []
     while not all(e.full for e in fleet):
-        warm += _recorded(fleet, 10, seqs)[0]
-    messages, ops = _recorded(fleet, steps, seqs)
+        warm += recorded(fleet, 10, seqs)[0]
+    messages, ops = recorded(fleet, steps, seqs)
 
     def fresh() -> tuple[CacheView, list[EngineFeed]]:
         view = CacheView(PrefixIndex())
@@ -117,7 +94,7 @@ def measure(engines: int = 16, cap: int = 20_000, steps: int = 100, seed: int = 
             feeds[i].on_live(frames, 0.0)
         return view, feeds
 
-    _freeze()
+    freeze()
     batches: list[tuple[int, EventBatch]] = [(i, decode_live(frames)) for i, frames in messages]
     root = root_seed(MODEL)
     stored = [e for _, b in batches for e in b.events if isinstance(e, BlockStored)]
@@ -135,7 +112,7 @@ def measure(engines: int = 16, cap: int = 20_000, steps: int = 100, seed: int = 
 
     live: list[int] = []
     timings: dict[str, list[float]] = {"decode": [], "keys": [], "apply": [], "total": []}
-    _freeze()
+    freeze()
     for _ in range(max(1, passes)):
         timings["decode"].append(_cpu(lambda: _decode_each(messages)))
         timings["keys"].append(_cpu(lambda: [chain_from(root, e.token_ids, e.block_size) for e in stored]))
@@ -175,8 +152,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for count in counts:
         if args.zmq:
-            from bench.ingest_zmq import measure_over_zmq  # it imports this module's recorder
-
             print(measure_over_zmq(count, cap, steps, args.zmq), flush=True)
         else:
             print(measure(count, cap, steps, passes=args.repeat).line(), flush=True)

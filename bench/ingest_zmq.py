@@ -19,12 +19,10 @@ import trio
 import zmq
 
 from bench.event_mix import BLOCK_SIZE, MixEngine
-from bench.ingest_cost import MODEL, Message, _freeze, _recorded
-from events.decode import decode_live
+from bench.recorded_events import MODEL, Message, freeze, recorded
 from events.discovery import EventSource
 from events.ingest_budget import IngestBudget
 from gateway.event_ingest import EventIngest
-from index.events import BlockRemoved, BlockStored
 from index.prefix_index import PrefixIndex
 from index.view import CacheView
 
@@ -64,18 +62,19 @@ def measure_over_zmq(engines: int = 16, cap: int = 20_000, steps: int = 100, rat
     fleet = [MixEngine(i, cap, MODEL, seed=seed) for i in range(engines)]
     seqs = [0] * engines
     messages: list[Message] = []
+    ops = 0
     while not all(e.full for e in fleet):
-        messages += _recorded(fleet, 10, seqs)[0]
-    more, _ = _recorded(fleet, steps, seqs)
-    messages += more
-    ops = _ops(messages)
+        filled, filled_ops = recorded(fleet, 10, seqs)
+        messages, ops = messages + filled, ops + filled_ops
+    more, more_ops = recorded(fleet, steps, seqs)
+    messages, ops = messages + more, ops + more_ops
     last = {i: int.from_bytes(frames[1], "big") for i, frames in messages}
     endpoints = [f"tcp://127.0.0.1:{port}" for port in _free_ports(engines)]
     fork = multiprocessing.get_context("fork")
     start, done = fork.Event(), fork.Event()
     publisher = fork.Process(target=_publish, args=(endpoints, messages, rate, start, done), daemon=True)
     publisher.start()
-    _freeze()
+    freeze()
     try:
         loop_s, process_s, wall_s = trio.run(_subscribe, engines, endpoints, last, start)
     finally:
@@ -114,11 +113,6 @@ def _all_applied(ingest: EventIngest, last: dict[int, int]) -> bool:
         if len(feeds) != 1 or feeds[0].ingest.last_seq != seq:
             return False
     return True
-
-
-def _ops(messages: list[Message]) -> int:
-    return sum(len(event.block_hashes) for _, frames in messages for event in decode_live(frames).events
-               if isinstance(event, BlockStored | BlockRemoved))
 
 
 def _free_ports(count: int) -> list[int]:
