@@ -74,7 +74,6 @@ def measure_over_zmq(engines: int = 16, cap: int = 20_000, steps: int = 100, rat
     start, done = fork.Event(), fork.Event()
     publisher = fork.Process(target=_publish, args=(endpoints, messages, rate, start, done), daemon=True)
     publisher.start()
-    freeze()
     try:
         loop_s, process_s, wall_s = trio.run(_subscribe, engines, endpoints, last, start)
     finally:
@@ -97,6 +96,7 @@ async def _subscribe(engines: int, endpoints: list[str], last: dict[int, int],
             view.register(f"e{i}", block_size=BLOCK_SIZE, has_events=True)
             ingest.add(f"e{i}", MODEL, [EventSource(endpoint, None, TOPIC)])
         await trio.sleep(SETTLE_S)
+        freeze()  # as a replica does once built (gateway/server.py): numba's objects are not walked by gc
         loop0, process0, wall0 = time.thread_time(), time.process_time(), trio.current_time()
         start.set()
         with trio.fail_after(TIMEOUT_S):

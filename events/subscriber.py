@@ -47,7 +47,7 @@ class SubscriberConfig:
     """The router's CURVE key pair, for sources that name a server key (events/curve.py)."""
     tick_s: float = 0.005
     """How often the process's LivePoller drains the sockets of engines that publish: the index is up to
-    this much later, and the loop wakes for ingest at most this often while every engine publishes."""
+    this much later, and ingest wakes the loop at most this often while engines publish."""
     quiet_ticks: int = 20
     """Ticks in a row without a message after which a socket goes back to waiting on its FD."""
 
