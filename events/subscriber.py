@@ -23,7 +23,7 @@ from events.discovery import EventSource
 from events.feed import DEFAULT_MAX_PAYLOAD, EngineFeed
 from events.ingest_budget import IngestBudget
 from events.live_poller import LivePoller
-from events.socket_drain import drain, readable
+from events.socket_drain import drain, drain_slice, readable, wait_for_budget
 
 
 class PublisherDisconnected(Exception):
@@ -142,7 +142,8 @@ async def _session(feed: EngineFeed, source: EventSource, context: zmq.Context, 
             while True:
                 await readable(sub)
                 await before_ingest()
-                await drain(sub, budget, handle, feed, clock)
+                await wait_for_budget(budget, [(feed, clock)])
+                drain_slice(sub, budget, handle, feed)  # what woke it, at once; the poller does the rest
                 await poller.hand_over(sub, handle, feed, clock, before_ingest)
     finally:
         sub.disable_monitor()
