@@ -27,9 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.event_mix import BLOCK_SIZE, MixEngine
+from bench.event_mix import BLOCK_SIZE
 from bench.ingest_zmq import measure_over_zmq
-from bench.recorded_events import MODEL, Message, freeze, recorded
+from bench.recorded_events import MODEL, Message, freeze, recorded_mix
 from bench.revision import add_against_options, side_by_side
 from events.decode import decode_live
 from events.feed import EngineFeed
@@ -78,12 +78,8 @@ def _cpu(work: Callable[[], object]) -> float:
 
 
 def measure(engines: int = 16, cap: int = 20_000, steps: int = 100, seed: int = 0, passes: int = 3) -> IngestCost:
-    fleet = [MixEngine(i, cap, MODEL, seed=seed) for i in range(engines)]
-    seqs = [0] * engines
-    warm: list[Message] = []
-    while not all(e.full for e in fleet):
-        warm += recorded(fleet, 10, seqs)[0]
-    messages, ops = recorded(fleet, steps, seqs)
+    mix = recorded_mix(engines, cap, steps, seed)
+    warm, messages, ops = mix.fill, mix.steady, mix.steady_ops
 
     def fresh() -> tuple[CacheView, list[EngineFeed]]:
         view = CacheView(PrefixIndex())

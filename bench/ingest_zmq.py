@@ -18,8 +18,8 @@ from multiprocessing.synchronize import Event as ProcessEvent
 import trio
 import zmq
 
-from bench.event_mix import BLOCK_SIZE, MixEngine
-from bench.recorded_events import MODEL, Message, freeze, recorded
+from bench.event_mix import BLOCK_SIZE
+from bench.recorded_events import MODEL, Message, freeze, recorded_mix
 from events.discovery import EventSource
 from events.ingest_budget import IngestBudget
 from gateway.event_ingest import EventIngest
@@ -59,15 +59,8 @@ def _publish(endpoints: list[str], messages: list[Message], rate: float, start: 
 def measure_over_zmq(engines: int = 16, cap: int = 20_000, steps: int = 100, rate: float = 1_000.0,
                      seed: int = 0) -> str:
     """The line this mode prints (its ``ops: N us`` figure is what ``--against`` compares)."""
-    fleet = [MixEngine(i, cap, MODEL, seed=seed) for i in range(engines)]
-    seqs = [0] * engines
-    messages: list[Message] = []
-    ops = 0
-    while not all(e.full for e in fleet):
-        filled, filled_ops = recorded(fleet, 10, seqs)
-        messages, ops = messages + filled, ops + filled_ops
-    more, more_ops = recorded(fleet, steps, seqs)
-    messages, ops = messages + more, ops + more_ops
+    mix = recorded_mix(engines, cap, steps, seed)
+    messages, ops = mix.fill + mix.steady, mix.fill_ops + mix.steady_ops
     last = {i: int.from_bytes(frames[1], "big") for i, frames in messages}
     endpoints = [f"tcp://127.0.0.1:{port}" for port in _free_ports(engines)]
     fork = multiprocessing.get_context("fork")

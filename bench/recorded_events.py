@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from dataclasses import dataclass
 
 from bench.event_mix import MixEngine
 
@@ -22,6 +23,30 @@ def recorded(engines: list[MixEngine], steps: int, seqs: list[int]) -> tuple[lis
             seqs[i] += 1
             ops += batch.ops
     return out, ops
+
+
+@dataclass(frozen=True)
+class RecordedMix:
+    fill: list[Message]
+    """Every engine's messages until its cache is full (the first eviction onwards is the mix's steady state)."""
+    fill_ops: int
+    steady: list[Message]
+    """``steps`` more messages of every engine, full: stores and evictions."""
+    steady_ops: int
+
+
+def recorded_mix(engines: int, cap: int, steps: int, seed: int = 0) -> RecordedMix:
+    """E engines of ``cap`` blocks each, recorded from empty until full and then for ``steps`` steps."""
+    fleet = [MixEngine(i, cap, MODEL, seed=seed) for i in range(engines)]
+    seqs = [0] * engines
+    fill: list[Message] = []
+    fill_ops = 0
+    while not all(e.full for e in fleet):
+        more, more_ops = recorded(fleet, 10, seqs)
+        fill += more
+        fill_ops += more_ops
+    steady, steady_ops = recorded(fleet, steps, seqs)
+    return RecordedMix(fill, fill_ops, steady, steady_ops)
 
 
 def freeze() -> None:
