@@ -78,7 +78,8 @@ def parser() -> argparse.ArgumentParser:
     routing.add_argument("--workload", choices=WORKLOAD_NAMES, default="a")
     routing.add_argument("--concurrency", type=_int_list, default=[1, 32], help="comma-separated")
     routing.add_argument("--policies", help="comma-separated (default kv_aware,round_robin,approximate; with --suite "
-                         "also smg:cache_aware when smg is found); smg:POLICY runs that peer router (bench/peers.py)")
+                         "also smg:cache_aware when smg is found); smg:POLICY runs that peer router (bench/peers.py), "
+                         "POLICY@REV kvmesh's router at git revision REV")
     routing.add_argument("--target", help="drive this OpenAI URL instead of starting routers")
     routing.add_argument("--label", default="target", help="row name for --target")
     routing.add_argument("--engine-metrics", nargs="*", default=[], help="engine URLs whose /metrics to diff")

@@ -43,6 +43,13 @@ def mean_engine_ttft(d: Snapshot) -> float:
     return d.get(TTFT_SUM, 0.0) / count if count > 0 else math.nan
 
 
+def fleet_engine_ttft(deltas: list[Snapshot]) -> float:
+    """The engines' own mean time to first token over the whole fleet (request-weighted), NaN when none got one:
+    beside the client's mean TTFT it splits a policy's time into the engines' (queue, prefill) and the router's."""
+    return mean_engine_ttft({TTFT_SUM: sum(d.get(TTFT_SUM, 0.0) for d in deltas),
+                             TTFT_COUNT: sum(d.get(TTFT_COUNT, 0.0) for d in deltas)})
+
+
 def parse_counters(text: str, names: tuple[str, ...] = COUNTERS) -> Snapshot:
     """Sum each named sample over all its label sets; unparsable exposition text raises ValueError."""
     totals = dict.fromkeys(names, 0.0)

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -34,6 +35,7 @@ from bench.offline_bound import Fleet, TraceRequest, offline_bound
 from bench.prefix import PrefixMeter
 from bench.processes import StartFailed, free_port_range, free_udp_port, python_module, spawned, wait_ready
 from bench.report import Row
+from bench.revision import exported, split_peer
 from bench.stats import RequestResult, late_hit_rate, percentile, shares, summarize
 from bench.workloads import Conversation, total_requests
 from sim.profiles import get_profile
@@ -169,14 +171,17 @@ async def routers(
     pids: dict[str, int] | None = None,
 ) -> AsyncIterator[list[str]]:
     """``count`` router replicas with ``policy``; meshed when the policy shares an index (see
-    ``MESHED_POLICIES``), independent otherwise; a peer router for ``smg:POLICY`` (bench/peers.py).
+    ``MESHED_POLICIES``), independent otherwise; a peer router for ``smg:POLICY`` (bench/peers.py); kvmesh's
+    code at git revision REV for ``POLICY@REV`` (bench/revision.py: a change's before and after in one run).
     Yields their base URLs (and notes kvmesh replicas' pids in ``pids``, by URL)."""
-    meshed = count > 1 and policy in MESHED_POLICIES
+    base, revision = split_peer(policy)
+    root = exported(revision, log_dir) if revision else None
+    meshed = count > 1 and base in MESHED_POLICIES
     if peers.is_peer(policy):
         starts = [peers.smg_router(client, engine_urls, policy, log_dir) for _ in range(count)]
     else:
         extra = _mesh_args(log_dir, count) if meshed else [[] for _ in range(count)]
-        starts = [router(client, engine_urls, policy, log_dir, tokenizer, args, pids) for args in extra]
+        starts = [router(client, engine_urls, base, log_dir, tokenizer, args, pids, root=root) for args in extra]
     async with AsyncExitStack() as stack:
         urls = [await stack.enter_async_context(start) for start in starts]
         if meshed:
@@ -287,7 +292,8 @@ async def measure_sent(
     model = await model_name(client, urls[0])
     warm = workloads.unique_prompts(options.seed, options.warmup) + list(primed)
     await run_closed_loop(client, urls, warm, max(1, len(engine_urls)), model, True, options.timeout)
-    before = await engine_stats.scrape(client, engine_urls)
+    engine_names = engine_stats.COUNTERS + engine_stats.ENGINE_TTFT
+    before = await engine_stats.scrape(client, engine_urls, names=engine_names)
     routers_before = await engine_stats.scrape(client, urls, names=engine_stats.ROUTER_COUNTERS)
     if load.arrival_rate is None:
         results, wall = await run_closed_loop(
@@ -297,7 +303,7 @@ async def measure_sent(
         results, wall = await run_sessions(client, balancer or urls, convs, load.arrival_rate, model,
                                            random.Random(f"arrivals-{load.seed}"), True, options.timeout,
                                            options.route_header)
-    after = await engine_stats.scrape(client, engine_urls)
+    after = await engine_stats.scrape(client, engine_urls, names=engine_names)
     routers_after = await engine_stats.scrape(client, urls, names=engine_stats.ROUTER_COUNTERS)
     deltas = engine_stats.deltas(before, after)
     ids = [urlsplit(u).netloc for u in engine_urls]
@@ -333,6 +339,7 @@ async def measure_sent(
         run=run,
         decision_ms=engine_stats.mean_decision_ms(engine_stats.deltas(routers_before, routers_after)),
         late_hit_rate=late_hit_rate(results, total_requests(convs) // 2),
+        router_added_s=statistics.fmean(ttfts) - engine_stats.fleet_engine_ttft(deltas) if ttfts else math.nan,
     )
 
 

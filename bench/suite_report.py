@@ -59,17 +59,33 @@ def _ms(value: float) -> str:
     return "-" if math.isnan(value) else f"{value * 1000:.0f}"
 
 
+def _ms1(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value * 1000:.1f}"
+
+
 def labels(runs: list[ShapeRun]) -> list[str]:
     return list(dict.fromkeys(r.label for run in runs for r in run.rows))
 
 
+def engines_used(row: Row) -> int:
+    """Engines that served at least one of the run's requests (by their own counters)."""
+    return sum(1 for share in row.engine_share if share > 0)
+
+
+def busiest_share(row: Row) -> float:
+    """The largest share of the run's requests one engine served (NaN without the engines' counters)."""
+    return max(row.engine_share) if row.engine_share else math.nan
+
+
 def format_shapes(runs: list[ShapeRun]) -> str:
     """One block per shape: each entry's hit, bound, fraction, hit of the run's second half (``hit 2nd``: where
-    the survivors route in a run that kills a replica), TTFT p50/p90/p99 (ms, and x round robin), and its
-    router's mean decision time (tokenize and score, ms)."""
+    the survivors route in a run that kills a replica), TTFT p50/p90/p99 (ms, and x round robin), its router's
+    mean decision time (tokenize and score, ms), the mean time its requests spent outside the engines before
+    their first token (``out ms``: client TTFT minus the engines' own), how many engines served any and the
+    busiest one's share of the requests."""
     head = (f"  {'policy':<18} {'reqs':>4} {'errs':>4} {'hit':>6} {'bound':>6} {'frac':>5} {'hit 2nd':>7} "
             f"{'p50':>6} {'p90':>6} "
-            f"{'p99':>6} {'p50 x':>6} {'p90 x':>6} {'p99 x':>6} {'dec ms':>6}")
+            f"{'p99':>6} {'p50 x':>6} {'p90 x':>6} {'p99 x':>6} {'dec ms':>6} {'out ms':>6} {'eng':>3} {'top':>4}")
     lines = []
     for run in runs:
         lines += [f"{run.shape.label} (time scale {run.time_scale}, {run.num_blocks} blocks/engine)", head]
@@ -81,7 +97,8 @@ def format_shapes(runs: list[ShapeRun]) -> str:
                 f"{_num(row.bound_hit_rate, 3):>6} {_num(fraction(row)):>5} {_num(row.late_hit_rate, 3):>7} "
                 f"{_ms(row.summary.ttft_p50):>6} "
                 f"{_ms(row.ttft_p90):>6} {_ms(row.ttft_p99):>6} {_num(x50):>6} {_num(x90):>6} {_num(x99):>6} "
-                f"{_num(row.decision_ms, 1):>6}"
+                f"{_num(row.decision_ms, 1):>6} {_ms1(row.router_added_s):>6} {engines_used(row):>3} "
+                f"{_num(busiest_share(row)):>4}"
             )
     return "\n".join(lines)
 

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench import engine_stats
 from bench import suite_shapes as shapes
 from bench.report import Row
 from bench.stats import RequestResult, summarize
@@ -204,3 +205,16 @@ def test_a_plan_counts_its_longest_session_and_overruns_only_at_both_floors(seed
 def test_one_shape_of_a_suite_is_rerun_as_drawn():
     assert chosen_shapes(0, 6, frozenset({12})) == [shapes.draw_suite(0, 20)[11]]
     assert chosen_shapes(0, 6) == shapes.draw_suite(0, 6)
+
+
+def test_a_shape_line_splits_time_outside_the_engines_and_counts_engines_that_served():
+    rr = [0.1, 0.2, 0.3, 0.4]
+    kv = _row("kv_aware", 0.8, 0.8, rr)
+    kv.router_added_s, kv.engine_share = 0.0123, [0.5, 0.0, 0.5, 0.0]
+    line = next(x for x in format_shapes([_run(1, [_row("round_robin", 0.3, 0.8, rr), kv])]).splitlines()
+                if x.split()[:1] == ["kv_aware"])
+    assert line.split()[-3:] == ["12.3", "2", "0.50"]
+    assert engine_stats.fleet_engine_ttft([
+        {engine_stats.TTFT_SUM: 0.3, engine_stats.TTFT_COUNT: 3.0},
+        {engine_stats.TTFT_SUM: 0.5, engine_stats.TTFT_COUNT: 1.0}, {}]) == pytest.approx(0.2)
+    assert math.isnan(engine_stats.fleet_engine_ttft([{}]))
