@@ -81,7 +81,7 @@ async def pairs():
 def test_ticks_are_shared_instants():
     assert next_tick(0.0, 0.005) == pytest.approx(0.005)
     assert next_tick(1.0021, 0.005) == pytest.approx(1.005)
-    for now in (0.0, 0.0049, 1.005, 3.14159, 1e6 + 0.001):
+    for now in (0.0, 0.0049, 1.005, 3.14159, 1e6 + 0.001, *(k * 0.005 for k in range(1, 400))):
         tick = next_tick(now, 0.005)
         assert now < tick <= now + 0.005 + 1e-9
     with pytest.raises(ValueError):
