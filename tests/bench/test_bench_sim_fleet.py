@@ -29,6 +29,27 @@ async def test_measure_reads_engine_hit_rates_and_load_from_a_sim_fleet(tmp_path
     assert (row.summary.prefix_hits, row.summary.prefix_judged) == (30 - distinct, 30)
     assert row.summary.ttft_p50 > 0 and row.summary.out_tok_per_s > 0
     assert 0 < row.ttft_floor < row.summary.ttft_p50
+    # The client's TTFT holds the engine's own (its scheduler to the token) plus its HTTP front and the network.
+    assert 0 < row.router_added_s < row.summary.ttft_p50
+
+
+@pytest.mark.integration
+async def test_a_policy_at_a_revision_runs_that_revisions_router(tmp_path):
+    """``round_robin@HEAD``: the router runs from the revision's exported tree, beside the fleet as any other."""
+    client = HttpClient()
+    spec = FleetSpec(engines=2, profile="fast", time_scale=1.0, num_blocks=1024)
+    options = MeasureOptions("b", seed=7, requests=6, max_tokens=4, timeout=30.0, warmup=2)
+    try:
+        async with (
+            sim_fleet(client, spec, tmp_path) as engines,
+            routers(client, engines, "round_robin@HEAD", 1, tmp_path) as urls,
+        ):
+            row = await measure(client, "round_robin@HEAD", urls, engines, 1, options, fleet=spec)
+    finally:
+        await client.aclose()
+    assert (row.summary.requests, row.summary.errors) == (6, 0)
+    assert sorted(row.engine_share) == [0.5, 0.5]
+    assert [p.name for p in tmp_path.glob("rev-*/gateway/cli.py")] == ["cli.py"]
 
 
 @pytest.mark.integration
