@@ -33,20 +33,27 @@ async def test_measure_reads_engine_hit_rates_and_load_from_a_sim_fleet(tmp_path
     assert 0 < row.router_added_s < row.summary.ttft_p50
 
 
-@pytest.mark.integration
-async def test_a_policy_at_a_revision_runs_that_revisions_router(tmp_path):
-    """``round_robin@HEAD``: the router runs from the revision's exported tree, beside the fleet as any other."""
+async def measured_through(tmp_path, policy: str, replicas: int, options: MeasureOptions, after=None):
+    """(the row of ``options`` sent through ``replicas`` routers of ``policy`` on a fresh 2-engine fleet, what
+    ``after(urls)`` returned while they still ran)."""
     client = HttpClient()
     spec = FleetSpec(engines=2, profile="fast", time_scale=1.0, num_blocks=1024)
-    options = MeasureOptions("b", seed=7, requests=6, max_tokens=4, timeout=30.0, warmup=2)
     try:
         async with (
             sim_fleet(client, spec, tmp_path) as engines,
-            routers(client, engines, "round_robin@HEAD", 1, tmp_path) as urls,
+            routers(client, engines, policy, replicas, tmp_path) as urls,
         ):
-            row = await measure(client, "round_robin@HEAD", urls, engines, 1, options, fleet=spec)
+            row = await measure(client, policy, urls, engines, 1, options, fleet=spec)
+            return row, (await after(client, urls) if after else None)
     finally:
         await client.aclose()
+
+
+@pytest.mark.integration
+async def test_a_policy_at_a_revision_runs_that_revisions_router(tmp_path):
+    """``round_robin@HEAD``: the router runs from the revision's exported tree, beside the fleet as any other."""
+    options = MeasureOptions("b", seed=7, requests=6, max_tokens=4, timeout=30.0, warmup=2)
+    row, _ = await measured_through(tmp_path, "round_robin@HEAD", 1, options)
     assert (row.summary.requests, row.summary.errors) == (6, 0)
     assert sorted(row.engine_share) == [0.5, 0.5]
     assert [p.name for p in tmp_path.glob("rev-*/gateway/cli.py")] == ["cli.py"]
@@ -55,18 +62,12 @@ async def test_a_policy_at_a_revision_runs_that_revisions_router(tmp_path):
 @pytest.mark.integration
 @pytest.mark.mesh
 async def test_meshed_replicas_share_the_requests_and_one_index(tmp_path):
-    client = HttpClient()
-    spec = FleetSpec(engines=2, profile="fast", time_scale=1.0, num_blocks=1024)
     options = MeasureOptions("a", seed=3, requests=12, max_tokens=4, timeout=30.0, warmup=2)
-    try:
-        async with (
-            sim_fleet(client, spec, tmp_path) as engines,
-            routers(client, engines, "kv_aware", 2, tmp_path) as urls,
-        ):
-            row = await measure(client, "kv_aware", urls, engines, 1, options, fleet=spec)
-            members = [len((await client.get_json(u + "/admin/mesh"))["members"]) for u in urls]
-    finally:
-        await client.aclose()
+
+    async def members_seen(client, urls):
+        return [len((await client.get_json(u + "/admin/mesh"))["members"]) for u in urls]
+
+    row, members = await measured_through(tmp_path, "kv_aware", 2, options, members_seen)
     assert members == [2, 2] and row.routers == 2
     assert row.summary.errors == 0 and row.summary.prefix_judged == row.summary.requests
     # Each replica routes the other's primed documents to where they are: a cache-blind choice
