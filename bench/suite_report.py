@@ -118,6 +118,8 @@ class Overall:
     """Shapes where its TTFT p90 is worse than round robin's."""
     p99_worse: int
     """Shapes where its TTFT p99 is worse than ``P99_SLACK`` times round robin's."""
+    out_s: float = math.nan
+    """Mean over shapes of the time its requests spent outside the engines before their first token."""
 
 
 def overall(runs: list[ShapeRun], label: str) -> Overall:
@@ -130,19 +132,20 @@ def overall(runs: list[ShapeRun], label: str) -> Overall:
         label, len(pairs), _mean(fractions), min(kept) if kept else math.nan, _mean([r.hit_rate for r, _ in pairs]),
         (_mean([x[0] for x in xs]), _mean([x[1] for x in xs]), _mean([x[2] for x in xs])),
         sum(1 for x in xs if x[1] > 1.0), sum(1 for x in xs if x[2] > P99_SLACK),
+        _mean([r.router_added_s for r, _ in pairs]),
     )
 
 
 def format_overall(runs: list[ShapeRun]) -> str:
     head = (f"{'policy':<18} {'shapes':>6} {'frac mean':>9} {'frac min':>8} {'hit mean':>8} {'p50 x':>6} "
-            f"{'p90 x':>6} {'p99 x':>6} {'p90>rr':>6} {'p99>1.1rr':>9}")
+            f"{'p90 x':>6} {'p99 x':>6} {'p90>rr':>6} {'p99>1.1rr':>9} {'out ms':>6}")
     lines = [head, "-" * len(head)]
     for label in labels(runs):
         o = overall(runs, label)
         lines.append(
             f"{o.label:<18} {o.shapes:>6} {_num(o.mean_fraction, 3):>9} {_num(o.min_fraction, 3):>8} "
             f"{_num(o.mean_hit, 3):>8} {_num(o.ttft_x[0]):>6} {_num(o.ttft_x[1]):>6} {_num(o.ttft_x[2]):>6} "
-            f"{o.p90_worse:>6} {o.p99_worse:>9}"
+            f"{o.p90_worse:>6} {o.p99_worse:>9} {_ms1(o.out_s):>6}"
         )
     return "\n".join(lines)
 

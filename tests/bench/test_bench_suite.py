@@ -214,6 +214,8 @@ def test_a_shape_line_splits_time_outside_the_engines_and_counts_engines_that_se
     line = next(x for x in format_shapes([_run(1, [_row("round_robin", 0.3, 0.8, rr), kv])]).splitlines()
                 if x.split()[:1] == ["kv_aware"])
     assert line.split()[-3:] == ["12.3", "2", "0.50"]
+    assert overall([_run(1, [kv])], "kv_aware").out_s == pytest.approx(0.0123)
+    assert format_overall([_run(1, [kv])]).splitlines()[-1].split()[-1] == "12.3"
     assert engine_stats.fleet_engine_ttft([
         {engine_stats.TTFT_SUM: 0.3, engine_stats.TTFT_COUNT: 3.0},
         {engine_stats.TTFT_SUM: 0.5, engine_stats.TTFT_COUNT: 1.0}, {}]) == pytest.approx(0.2)
