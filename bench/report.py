@@ -34,7 +34,7 @@ class Row:
     """Which of the consecutive runs on the same engines and routers (1: fresh engines)."""
     decision_ms: float = math.nan
     """The router's mean tokenize-and-score time per request (kvmesh routers only)."""
-    router_added_s: float = math.nan
+    outside_engines_s: float = math.nan
     """The client's mean TTFT minus the engines' own (``fleet_engine_ttft``): the time a request spends outside
     the engines before its first token (the router's decision and relay, and the network)."""
     late_hit_rate: float = math.nan

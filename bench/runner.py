@@ -339,7 +339,7 @@ async def measure_sent(
         run=run,
         decision_ms=engine_stats.mean_decision_ms(engine_stats.deltas(routers_before, routers_after)),
         late_hit_rate=late_hit_rate(results, total_requests(convs) // 2),
-        router_added_s=statistics.fmean(ttfts) - engine_stats.fleet_engine_ttft(deltas) if ttfts else math.nan,
+        outside_engines_s=statistics.fmean(ttfts) - engine_stats.fleet_engine_ttft(deltas) if ttfts else math.nan,
     )
 
 

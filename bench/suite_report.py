@@ -97,7 +97,7 @@ def format_shapes(runs: list[ShapeRun]) -> str:
                 f"{_num(row.bound_hit_rate, 3):>6} {_num(fraction(row)):>5} {_num(row.late_hit_rate, 3):>7} "
                 f"{_ms(row.summary.ttft_p50):>6} "
                 f"{_ms(row.ttft_p90):>6} {_ms(row.ttft_p99):>6} {_num(x50):>6} {_num(x90):>6} {_num(x99):>6} "
-                f"{_num(row.decision_ms, 1):>6} {_ms1(row.router_added_s):>6} {engines_used(row):>3} "
+                f"{_num(row.decision_ms, 1):>6} {_ms1(row.outside_engines_s):>6} {engines_used(row):>3} "
                 f"{_num(busiest_share(row)):>4}"
             )
     return "\n".join(lines)
@@ -132,7 +132,7 @@ def overall(runs: list[ShapeRun], label: str) -> Overall:
         label, len(pairs), _mean(fractions), min(kept) if kept else math.nan, _mean([r.hit_rate for r, _ in pairs]),
         (_mean([x[0] for x in xs]), _mean([x[1] for x in xs]), _mean([x[2] for x in xs])),
         sum(1 for x in xs if x[1] > 1.0), sum(1 for x in xs if x[2] > P99_SLACK),
-        _mean([r.router_added_s for r, _ in pairs]),
+        _mean([r.outside_engines_s for r, _ in pairs]),
     )
 
 

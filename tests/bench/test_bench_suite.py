@@ -210,7 +210,7 @@ def test_one_shape_of_a_suite_is_rerun_as_drawn():
 def test_a_shape_line_splits_time_outside_the_engines_and_counts_engines_that_served():
     rr = [0.1, 0.2, 0.3, 0.4]
     kv = _row("kv_aware", 0.8, 0.8, rr)
-    kv.router_added_s, kv.engine_share = 0.0123, [0.5, 0.0, 0.5, 0.0]
+    kv.outside_engines_s, kv.engine_share = 0.0123, [0.5, 0.0, 0.5, 0.0]
     line = next(x for x in format_shapes([_run(1, [_row("round_robin", 0.3, 0.8, rr), kv])]).splitlines()
                 if x.split()[:1] == ["kv_aware"])
     assert line.split()[-3:] == ["12.3", "2", "0.50"]
