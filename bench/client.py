@@ -215,10 +215,20 @@ def _finish_plain(result: RequestResult, raw: bytes) -> None:
         result.error = "malformed body"
 
 
-async def model_name(client: HttpClient, base_url: str) -> str:
-    """The first model an OpenAI server lists; requests must name it."""
-    listing = await client.get_json(base_url.rstrip("/") + "/v1/models")
-    return listing["data"][0]["id"]  # type: ignore[index]
+MODELS_WAIT_S = 10.0
+
+
+async def model_name(client: HttpClient, base_url: str, wait_s: float = MODELS_WAIT_S) -> str:
+    """The first model an OpenAI server lists; requests must name it. A router answering ``/health`` may list none
+    until it has read its engines' (3 of 12 runs of a test starting a fresh router failed so), so an empty list
+    is asked again for up to ``wait_s``."""
+    with trio.move_on_after(wait_s):
+        while True:
+            listing = await client.get_json(base_url.rstrip("/") + "/v1/models")
+            if listing.get("data"):  # type: ignore[union-attr]
+                return listing["data"][0]["id"]  # type: ignore[index]
+            await trio.sleep(0.05)
+    raise ValueError(f"{base_url} listed no model within {wait_s:g} s")
 
 
 CHAT_PATH = "/v1/chat/completions"

@@ -22,6 +22,8 @@ COUNTERS = (HITS, QUERIES, SUCCESSES, PROMPT_TOKENS)
 TTFT_SUM = "vllm:time_to_first_token_seconds_sum"
 TTFT_COUNT = "vllm:time_to_first_token_seconds_count"
 ENGINE_TTFT = (TTFT_SUM, TTFT_COUNT)
+RUN_SAMPLES = COUNTERS + ENGINE_TTFT
+"""What a measured run reads from each engine before and after it: the counters and the engine's own TTFT."""
 DECISION_SUM = "kvmesh_route_decision_seconds_sum"
 DECISION_COUNT = "kvmesh_route_decision_seconds_count"
 ROUTER_COUNTERS = (DECISION_SUM, DECISION_COUNT)

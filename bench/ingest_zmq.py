@@ -19,6 +19,7 @@ import trio
 import zmq
 
 from bench.event_mix import BLOCK_SIZE
+from bench.processes import free_port_range
 from bench.recorded_events import MODEL, Message, freeze, recorded_mix
 from events.discovery import EventSource
 from events.ingest_budget import IngestBudget
@@ -62,7 +63,8 @@ def measure_over_zmq(engines: int = 16, cap: int = 20_000, steps: int = 100, rat
     mix = recorded_mix(engines, cap, steps, seed)
     messages, ops = mix.fill + mix.steady, mix.fill_ops + mix.steady_ops
     last = {i: int.from_bytes(frames[1], "big") for i, frames in messages}
-    endpoints = [f"tcp://127.0.0.1:{port}" for port in _free_ports(engines)]
+    base = free_port_range(engines)
+    endpoints = [f"tcp://127.0.0.1:{base + i}" for i in range(engines)]
     fork = multiprocessing.get_context("fork")
     start, done = fork.Event(), fork.Event()
     publisher = fork.Process(target=_publish, args=(endpoints, messages, rate, start, done), daemon=True)
@@ -107,15 +109,3 @@ def _all_applied(ingest: EventIngest, last: dict[int, int]) -> bool:
             return False
     return True
 
-
-def _free_ports(count: int) -> list[int]:
-    """Ports free on loopback now (the publisher binds them a moment later), found with a context of their own
-    that is gone before the publisher forks."""
-    context = zmq.Context()
-    socks = [context.socket(zmq.PUB) for _ in range(count)]
-    try:
-        return [sock.bind_to_random_port("tcp://127.0.0.1") for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close(linger=0)
-        context.term()

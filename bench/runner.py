@@ -292,8 +292,7 @@ async def measure_sent(
     model = await model_name(client, urls[0])
     warm = workloads.unique_prompts(options.seed, options.warmup) + list(primed)
     await run_closed_loop(client, urls, warm, max(1, len(engine_urls)), model, True, options.timeout)
-    engine_names = engine_stats.COUNTERS + engine_stats.ENGINE_TTFT
-    before = await engine_stats.scrape(client, engine_urls, names=engine_names)
+    before = await engine_stats.scrape(client, engine_urls, names=engine_stats.RUN_SAMPLES)
     routers_before = await engine_stats.scrape(client, urls, names=engine_stats.ROUTER_COUNTERS)
     if load.arrival_rate is None:
         results, wall = await run_closed_loop(
@@ -303,7 +302,7 @@ async def measure_sent(
         results, wall = await run_sessions(client, balancer or urls, convs, load.arrival_rate, model,
                                            random.Random(f"arrivals-{load.seed}"), True, options.timeout,
                                            options.route_header)
-    after = await engine_stats.scrape(client, engine_urls, names=engine_names)
+    after = await engine_stats.scrape(client, engine_urls, names=engine_stats.RUN_SAMPLES)
     routers_after = await engine_stats.scrape(client, urls, names=engine_stats.ROUTER_COUNTERS)
     deltas = engine_stats.deltas(before, after)
     ids = [urlsplit(u).netloc for u in engine_urls]

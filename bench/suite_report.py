@@ -55,12 +55,8 @@ def _num(value: float, digits: int = 2) -> str:
     return "-" if math.isnan(value) else f"{value:.{digits}f}"
 
 
-def _ms(value: float) -> str:
-    return "-" if math.isnan(value) else f"{value * 1000:.0f}"
-
-
-def _ms1(value: float) -> str:
-    return "-" if math.isnan(value) else f"{value * 1000:.1f}"
+def _ms(value: float, digits: int = 0) -> str:
+    return "-" if math.isnan(value) else f"{value * 1000:.{digits}f}"
 
 
 def labels(runs: list[ShapeRun]) -> list[str]:
@@ -97,7 +93,7 @@ def format_shapes(runs: list[ShapeRun]) -> str:
                 f"{_num(row.bound_hit_rate, 3):>6} {_num(fraction(row)):>5} {_num(row.late_hit_rate, 3):>7} "
                 f"{_ms(row.summary.ttft_p50):>6} "
                 f"{_ms(row.ttft_p90):>6} {_ms(row.ttft_p99):>6} {_num(x50):>6} {_num(x90):>6} {_num(x99):>6} "
-                f"{_num(row.decision_ms, 1):>6} {_ms1(row.outside_engines_s):>6} {engines_used(row):>3} "
+                f"{_num(row.decision_ms, 1):>6} {_ms(row.outside_engines_s, 1):>6} {engines_used(row):>3} "
                 f"{_num(busiest_share(row)):>4}"
             )
     return "\n".join(lines)
@@ -145,7 +141,7 @@ def format_overall(runs: list[ShapeRun]) -> str:
         lines.append(
             f"{o.label:<18} {o.shapes:>6} {_num(o.mean_fraction, 3):>9} {_num(o.min_fraction, 3):>8} "
             f"{_num(o.mean_hit, 3):>8} {_num(o.ttft_x[0]):>6} {_num(o.ttft_x[1]):>6} {_num(o.ttft_x[2]):>6} "
-            f"{o.p90_worse:>6} {o.p99_worse:>9} {_ms1(o.out_s):>6}"
+            f"{o.p90_worse:>6} {o.p99_worse:>9} {_ms(o.out_s, 1):>6}"
         )
     return "\n".join(lines)
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 from bench import workloads
@@ -32,7 +30,7 @@ async def test_measure_reads_engine_hit_rates_and_load_from_a_sim_fleet(tmp_path
     assert row.summary.ttft_p50 > 0 and row.summary.out_tok_per_s > 0
     assert 0 < row.ttft_floor < row.summary.ttft_p50
     # The client's TTFT holds the engine's own (its scheduler to the token) plus its HTTP front and the network.
-    assert 0 < row.outside_engines_s < math.inf
+    assert row.outside_engines_s > 0
 
 
 async def measured_through(tmp_path, policy: str, replicas: int, options: MeasureOptions, after=None):
