@@ -58,7 +58,8 @@ class Policy(ABC):
         if not pool:
             return Decision([], [], "no-engine", self.name, request.prompt_tokens)
         self.costs.prepare(pool)
-        scores = {e.id: self.costs.estimate(request, e, self.knowledge) for e in pool}
+        scores = self.costs.estimate_all(request, pool, self.knowledge,
+                                         blind_eviction=not self.prices_evictions(request))
         ranked, reason = self.rank(request, pool, scores)
         if not live:
             healthy = {e.id for e in pool if e.healthy}
@@ -66,6 +67,11 @@ class Policy(ABC):
             reason = f"{reason}; no-live-engine"
         home = self.home_note(request, pool, scores, ranked)
         return Decision(ranked, [scores[i] for i in ranked], reason, self.name, request.prompt_tokens, home)
+
+    def prices_evictions(self, request: RouteRequest) -> bool:
+        """Whether ``rank`` prices what ``request`` evicts itself, replacing the cost model's blind ``eviction_s``
+        (which is then not worked out at all)."""
+        return False
 
     def home_note(self, request: RouteRequest, pool: list[EngineView], scores: Scores,
                   ranked: list[str]) -> HomeNote | None:

@@ -87,10 +87,10 @@ def queue_depth(engine: EngineView) -> int:
     return _count(max(routed, engine.running - max(0, engine.finished_since_poll)) + max(0, engine.waiting))
 
 
-def overlaps(engine: EngineView, request: RouteRequest, knowledge: Knowledge) -> tuple[int, int, int]:
-    """Leading prompt tokens the engine holds: in its GPU cache by its events, with its offloaded tiers
-    after them, and by the router's record of what it sent there (computed once per candidate)."""
-    prompt, block = _count(request.prompt_tokens), _block_size(engine)
+def overlaps(engine: EngineView, prompt: int, knowledge: Knowledge) -> tuple[int, int, int]:
+    """Leading tokens of a ``prompt`` tokens long (clamped) the engine holds: in its GPU cache by its events, with
+    its offloaded tiers after them, and by the router's record of what it sent there (once per candidate)."""
+    block = _block_size(engine)
     exact = max(0, min(prompt, engine.exact_blocks * block))
     tiers = tier_blocks(engine, knowledge)
     tiered = max(0, min(prompt, (engine.exact_blocks + tiers) * block)) if tiers else exact
@@ -104,11 +104,11 @@ def tier_blocks(engine: EngineView, knowledge: Knowledge) -> int:
     return _count(sum(blocks for _, blocks, _ in engine.tier_runs))
 
 
-def tier_load_s(engine: EngineView, request: RouteRequest, knowledge: Knowledge) -> float:
-    """Time to load the prompt's blocks held in lower tiers back into the engine's KV cache."""
+def tier_load_s(engine: EngineView, prompt: int, knowledge: Knowledge) -> float:
+    """Time to load a ``prompt`` tokens long prompt's blocks held in lower tiers back into the engine's KV cache."""
     if knowledge is not Knowledge.EVENTS or not engine.tier_runs:
         return 0.0
-    left = _count(request.prompt_tokens) // _block_size(engine) - _count(engine.exact_blocks)
+    left = prompt // _block_size(engine) - _count(engine.exact_blocks)
     total = 0.0
     for _, blocks, per_block_s in engine.tier_runs:
         used = min(_count(blocks), max(0, left))
@@ -139,8 +139,10 @@ class CostModel:
         credited = tiered + self.settings.approx_trust * max(0, approx - tiered)
         return confidence * credited, confidence
 
-    def pressure_penalty_s(self, engine: EngineView, request: RouteRequest, uncached: int, p: TTFTParams) -> float:
-        """Recompute cost of the tokens that do not fit in the engine's free KV blocks.
+    @staticmethod
+    def pressure_penalty_s(engine: EngineView, answer_cap: int, uncached: int, p: TTFTParams) -> float:
+        """Recompute cost of the tokens (the uncached prompt and up to ``answer_cap`` answer tokens, clamped) that do
+        not fit in the engine's free KV blocks.
 
         vLLM's kv_cache_usage counts blocks held by running requests; a request needing more than the rest
         forces preemption (someone's work is recomputed) or evicts what it just brought. Unknown block
@@ -150,11 +152,11 @@ class CostModel:
             return 0.0
         capacity = _count(engine.num_blocks) * _block_size(engine)
         free = capacity * (1.0 - _clamp(engine.kv_usage, 0.0, 1.0))
-        needed = uncached + _count(request.max_tokens or 0)
+        needed = uncached + answer_cap
         overflow = min(float(capacity), max(0.0, needed - free))
         return p.prefill_s(overflow)
 
-    def eviction_s(self, engine: EngineView, request: RouteRequest, uncached: int, p: TTFTParams,
+    def eviction_s(self, engine: EngineView, max_tokens: int | None, uncached: int, p: TTFTParams,
                    knowledge: Knowledge) -> float:
         """Recompute that later requests can expect because this placement evicts cached blocks.
 
@@ -168,7 +170,7 @@ class CostModel:
         if not engine.num_blocks or held is None:
             return 0.0
         held, block = _count(held), _block_size(engine)
-        answer = self.decode.expected_output_tokens(_max_tokens(request))
+        answer = self.decode.expected_output_tokens(max_tokens)
         needed = math.ceil((uncached + answer) / block)
         evicted = min(held, max(0, needed - max(0, _count(engine.num_blocks) - held)))
         return _clamp(engine.reuse_ratio, 0.0, 1.0) * p.prefill_s(evicted * block)
@@ -198,13 +200,30 @@ class CostModel:
         return self.settings.cross_island_s if crosses else 0.0
 
     def estimate(self, request: RouteRequest, engine: EngineView, knowledge: Knowledge) -> CandidateScore:
+        return self.estimate_all(request, [engine], knowledge)[engine.id]
+
+    def estimate_all(self, request: RouteRequest, engines: Sequence[EngineView], knowledge: Knowledge,
+                     blind_eviction: bool = True) -> dict[str, CandidateScore]:
+        """Every engine's estimate (by id), with what the request alone decides worked out once: a decision
+        scores every engine, and redoing the request's clamps and expected answer per engine was a tenth of the
+        scoring at 256 engines. ``blind_eviction`` False leaves ``eviction_s`` at 0 for a policy that prices
+        evictions another way (kv_aware's homes) and would only replace it."""
+        prompt = _count(request.prompt_tokens)
+        max_tokens = _max_tokens(request)
+        after_first = self.decode.tokens_after_first(max_tokens)
+        answer_cap = _count(request.max_tokens or 0)
+        return {engine.id: self._estimate(request, engine, knowledge, prompt, max_tokens, after_first, answer_cap,
+                                          blind_eviction) for engine in engines}
+
+    def _estimate(self, request: RouteRequest, engine: EngineView, knowledge: Knowledge, prompt: int,
+                  max_tokens: int | None, after_first: float, answer_cap: int, blind_eviction: bool) -> CandidateScore:
         slots = engine_slots(engine)
         params = self.learner.params(engine.id, slots)
-        exact, tiered, approx = overlaps(engine, request, knowledge)
+        exact, tiered, approx = overlaps(engine, prompt, knowledge)
         cached, trust = self.credited(engine, tiered, approx, knowledge)
-        uncached = max(0, math.ceil(_count(request.prompt_tokens) - cached - 1e-9))
+        uncached = max(0, math.ceil(prompt - cached - 1e-9))
         depth = queue_depth(engine)
-        load_s = tier_load_s(engine, request, knowledge)
+        load_s = tier_load_s(engine, prompt, knowledge)
         adapter_s = self.adapter_s(engine, depth)
         return CandidateScore(
             engine=engine.id,
@@ -216,11 +235,11 @@ class CostModel:
             queue_depth=depth,
             queue_s=params.queue_s(depth, slots) + adapter_s,
             prefill_s=params.overhead_s + params.prefill_s(uncached) + load_s,
-            pressure_penalty_s=self.pressure_penalty_s(engine, request, uncached, params),
+            pressure_penalty_s=self.pressure_penalty_s(engine, answer_cap, uncached, params),
             topology_penalty_s=self.topology_penalty_s(engine, request),
             live=engine.live,
-            decode_s=self.decode.decode_s(engine.id, depth, _max_tokens(request)),
-            eviction_s=self.eviction_s(engine, request, uncached, params, knowledge),
+            decode_s=after_first * self.decode.time_per_token_s(engine.id, depth),
+            eviction_s=self.eviction_s(engine, max_tokens, uncached, params, knowledge) if blind_eviction else 0.0,
             tier_runs=engine.tier_runs if load_s else (),
             tier_tokens=tiered - exact,
             load_s=load_s,

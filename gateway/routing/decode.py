@@ -175,9 +175,13 @@ class DecodeModel:
         typical = self._output_tokens if self._output_tokens is not None else self.prior.output_tokens
         return float(min(max_tokens, typical)) if max_tokens is not None else typical
 
+    def tokens_after_first(self, max_tokens: int | None) -> float:
+        """The tokens a request decodes after its first (``expected_output_tokens`` less one)."""
+        return max(0.0, self.expected_output_tokens(max_tokens) - 1)
+
     def decode_s(self, engine_id: str, batch_depth: int, max_tokens: int | None) -> float:
         """Time from the first token to the last for a request joining a batch of ``batch_depth``."""
-        return max(0.0, self.expected_output_tokens(max_tokens) - 1) * self.time_per_token_s(engine_id, batch_depth)
+        return self.tokens_after_first(max_tokens) * self.time_per_token_s(engine_id, batch_depth)
 
     def observe(self, engine_id: str, batch_depth: int, output_tokens: int, decode_s: float) -> bool:
         """One finished stream: ``output_tokens`` events in ``decode_s`` after the first. Impossible values

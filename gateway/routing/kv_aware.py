@@ -167,8 +167,11 @@ class KvAwarePolicy(Policy):
             scores[engine.id] = msgspec.structs.replace(score, home=home, eviction_s=0.0, displacement_s=displacement,
                                         crowding_s=crowding, stall_s=stall)
 
+    def prices_evictions(self, request: RouteRequest) -> bool:
+        return self.keeps_homes and bool(request.home_key)
+
     def rank(self, request: RouteRequest, pool: list[EngineView], scores: Scores) -> tuple[list[str], str]:
-        if self.keeps_homes and request.home_key:
+        if self.prices_evictions(request):
             self._priced_by_homes(request, pool, scores)
         h = key_hash(request.prefix_key or request.model)
 

@@ -251,19 +251,19 @@ def test_other_replicas_in_flight_requests_count_before_the_next_poll():
 
 def test_eviction_is_charged_only_once_the_cache_is_full():
     costs = CostModel()
-    request = RouteRequest("m", 1024, 64, "doc", max_tokens=16)
+    answer_cap = 16
     params = costs.learner.params("e", None)
     roomy = EngineView("e", "u", num_blocks=1000, held_blocks=100, reuse_ratio=0.6)
-    assert costs.eviction_s(roomy, request, 1024, params, Knowledge.EVENTS) == 0.0
+    assert costs.eviction_s(roomy, answer_cap, 1024, params, Knowledge.EVENTS) == 0.0
     full = EngineView("e", "u", num_blocks=1000, held_blocks=1000, reuse_ratio=0.6)
     expected = 0.6 * params.prefill_s(65 * 16)  # 1024 + 16 tokens need 65 blocks
-    assert costs.eviction_s(full, request, 1024, params, Knowledge.EVENTS) == pytest.approx(expected)
+    assert costs.eviction_s(full, answer_cap, 1024, params, Knowledge.EVENTS) == pytest.approx(expected)
     unread = EngineView("e", "u", num_blocks=1000, held_blocks=1000, reuse_ratio=0.0)
-    assert costs.eviction_s(unread, request, 1024, params, Knowledge.EVENTS) == 0.0
-    assert costs.eviction_s(EngineView("e", "u", held_blocks=1000, reuse_ratio=0.6), request, 1024, params,
+    assert costs.eviction_s(unread, answer_cap, 1024, params, Knowledge.EVENTS) == 0.0
+    assert costs.eviction_s(EngineView("e", "u", held_blocks=1000, reuse_ratio=0.6), answer_cap, 1024, params,
                             Knowledge.EVENTS) == 0.0  # capacity unknown
     router_only = EngineView("e", "u", num_blocks=1000, held_blocks=1000, approx_held_blocks=0, reuse_ratio=0.6)
-    assert costs.eviction_s(router_only, request, 1024, params, Knowledge.ROUTER_ONLY) == 0.0
+    assert costs.eviction_s(router_only, answer_cap, 1024, params, Knowledge.ROUTER_ONLY) == 0.0
 
 
 def test_a_full_fleet_keeps_a_prefix_on_its_busier_holder_when_its_cache_is_read():
@@ -291,3 +291,20 @@ def test_a_prefill_stalls_only_the_streams_in_the_batch():
     assert CostModel.stall_s(3, 8, 1000, params) == pytest.approx(3 * params.prefill_s(1000))
     assert CostModel.stall_s(20, 8, 1000, params) == pytest.approx(8 * params.prefill_s(1000))
     assert CostModel.stall_s(20, None, 40, params) == pytest.approx(20 * params.prefill_s(40))
+
+
+def test_the_blind_eviction_is_worked_out_only_for_policies_that_use_it():
+    """kv_aware prices what a request with a home key evicts by its home book, so the cost model leaves the blind term
+    at 0 for it; the approximate policy (no homes) and kv_aware's home-less requests still pay it on a full engine."""
+    full = EngineView("e", "u", num_blocks=1000, held_blocks=1000, reuse_ratio=0.6)
+    homed = RouteRequest("m", 1024, 64, "doc", max_tokens=16, home_key="k")
+    costs = CostModel()
+    assert costs.estimate_all(homed, [full], Knowledge.EVENTS, blind_eviction=False)["e"].eviction_s == 0.0
+    assert costs.estimate_all(homed, [full], Knowledge.EVENTS)["e"].eviction_s > 0.0
+    kv_aware, approximate = make_policy("kv_aware"), make_policy("approximate")
+    assert kv_aware.prices_evictions(homed) and not approximate.prices_evictions(homed)
+    assert not kv_aware.prices_evictions(RouteRequest("m", 1024, 64, "doc", max_tokens=16))
+    sent_full = EngineView("e", "u", num_blocks=1000, approx_held_blocks=1000, reuse_ratio=0.6)
+    assert approximate.choose(homed, [sent_full]).table[0].eviction_s > 0.0
+    assert kv_aware.choose(homed, [full]).table[0].eviction_s == 0.0
+    assert make_policy("round_robin").prices_evictions(homed) is False
