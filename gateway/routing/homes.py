@@ -66,7 +66,6 @@ class HomeBook:
         self._residents: dict[str, dict[str, None]] = {}
         self._capacity: dict[str, int] = {}
         self._memo: dict[str, list[Resident]] = {}
-        self._heat_memo: dict[str, tuple[float, dict[str, float]]] = {}
         self._key_memo: dict[str, tuple[list[str], float]] = {}
         self._clock = 0
 
@@ -121,14 +120,8 @@ class HomeBook:
         return [r for r in found if r.key != exclude] if exclude else list(found)
 
     def resident_heat(self, engine: str, exclude: str = "") -> float:
-        """How much recent traffic the prefixes homed on ``engine`` bring it (summed once between two records: a
-        decision asks it of every engine)."""
-        found = self._heat_memo.get(engine)
-        if found is None:
-            residents = self.residents(engine)
-            found = self._heat_memo[engine] = sum(r.heat for r in residents), {r.key: r.heat for r in residents}
-        total, by_key = found
-        return total - by_key.get(exclude, 0.0) if exclude else total
+        """How much recent traffic the prefixes homed on ``engine`` bring it."""
+        return sum(r.heat for r in self.residents(engine, exclude))
 
     def displaced(self, key: str, blocks: int, engine: str,
                   capacity_blocks: int | None) -> list[tuple[Resident, float]]:
@@ -137,7 +130,7 @@ class HomeBook:
         (and one request), so hot residents cost nearly a full recompute, a newcomer twice as hot displaces a
         resident at a third of one, and a cold resident costs little. Empty when ``key`` is homed there, or
         the engine's size is unknown."""
-        if not key or not capacity_blocks or engine in self._key_reads(key)[0]:
+        if not key or not capacity_blocks or engine in self.homes(key):
             return []
         room = self.settings.fill * capacity_blocks
         residents = self.residents(engine, exclude=key)
@@ -220,7 +213,6 @@ class HomeBook:
 
     def _forget_reads(self) -> None:
         self._memo.clear()
-        self._heat_memo.clear()
         self._key_memo.clear()
 
     def _prune(self) -> None:
