@@ -117,6 +117,19 @@ def tier_load_s(engine: EngineView, prompt: int, knowledge: Knowledge) -> float:
     return total
 
 
+@dataclass(frozen=True, slots=True)
+class _RequestTerms:
+    """What the request alone puts into every engine's estimate, worked out once per decision."""
+
+    prompt: int
+    """Prompt tokens, clamped."""
+    max_tokens: int | None
+    after_first: float
+    """Tokens it is expected to decode after its first."""
+    answer_cap: int
+    """Its ``max_tokens`` clamped, 0 when not given: what the KV pressure term reserves for its answer."""
+
+
 class CostModel:
     """Estimates candidates with per-engine parameters from ``learner``; holds no I/O and no clock."""
 
@@ -208,15 +221,14 @@ class CostModel:
         scores every engine, and redoing the request's clamps and expected answer per engine was a tenth of the
         scoring at 256 engines. ``blind_eviction`` False leaves ``eviction_s`` at 0 for a policy that prices
         evictions another way (kv_aware's homes) and would only replace it."""
-        prompt = _count(request.prompt_tokens)
         max_tokens = _max_tokens(request)
-        after_first = self.decode.tokens_after_first(max_tokens)
-        answer_cap = _count(request.max_tokens or 0)
-        return {engine.id: self._estimate(request, engine, knowledge, prompt, max_tokens, after_first, answer_cap,
-                                          blind_eviction) for engine in engines}
+        terms = _RequestTerms(_count(request.prompt_tokens), max_tokens, self.decode.tokens_after_first(max_tokens),
+                              _count(request.max_tokens or 0))
+        return {engine.id: self._estimate(request, terms, engine, knowledge, blind_eviction) for engine in engines}
 
-    def _estimate(self, request: RouteRequest, engine: EngineView, knowledge: Knowledge, prompt: int,
-                  max_tokens: int | None, after_first: float, answer_cap: int, blind_eviction: bool) -> CandidateScore:
+    def _estimate(self, request: RouteRequest, terms: _RequestTerms, engine: EngineView, knowledge: Knowledge,
+                  blind_eviction: bool) -> CandidateScore:
+        prompt = terms.prompt
         slots = engine_slots(engine)
         params = self.learner.params(engine.id, slots)
         exact, tiered, approx = overlaps(engine, prompt, knowledge)
@@ -235,11 +247,12 @@ class CostModel:
             queue_depth=depth,
             queue_s=params.queue_s(depth, slots) + adapter_s,
             prefill_s=params.overhead_s + params.prefill_s(uncached) + load_s,
-            pressure_penalty_s=self.pressure_penalty_s(engine, answer_cap, uncached, params),
+            pressure_penalty_s=self.pressure_penalty_s(engine, terms.answer_cap, uncached, params),
             topology_penalty_s=self.topology_penalty_s(engine, request),
             live=engine.live,
-            decode_s=after_first * self.decode.time_per_token_s(engine.id, depth),
-            eviction_s=self.eviction_s(engine, max_tokens, uncached, params, knowledge) if blind_eviction else 0.0,
+            decode_s=terms.after_first * self.decode.time_per_token_s(engine.id, depth),
+            eviction_s=(self.eviction_s(engine, terms.max_tokens, uncached, params, knowledge) if blind_eviction
+                        else 0.0),
             tier_runs=engine.tier_runs if load_s else (),
             tier_tokens=tiered - exact,
             load_s=load_s,

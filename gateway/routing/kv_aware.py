@@ -134,12 +134,13 @@ class KvAwarePolicy(Policy):
         agree with, and ranks them by cost alone)."""
 
     def _priced_by_homes(self, request: RouteRequest, pool: list[EngineView], scores: Scores) -> None:
-        """Replace the blind eviction term by what the home book says each placement displaces, and charge a
-        prefix without a home the queueing beside the heat homed on each engine, relative to the pool's mean (a
-        homed prefix spills by the cost model's own queue terms, which already price its home's queue; charging
-        the spill again would only keep hot prefixes on queued engines longer). The blind term prices the
-        blocks of prefixes nobody asks for any more like those of hot ones: after a change of traffic it sent
-        every new prefix away from the engine whose cache happened to be full of old ones.
+        """Price what each placement displaces by the home book (in place of the blind eviction term, which
+        ``prices_evictions`` leaves out of the estimates), and charge a prefix without a home the queueing beside
+        the heat homed on each engine, relative to the pool's mean (a homed prefix spills by the cost model's own
+        queue terms, which already price its home's queue; charging the spill again would only keep hot prefixes
+        on queued engines longer). The blind term prices the blocks of prefixes nobody asks for any more like
+        those of hot ones: after a change of traffic it sent every new prefix away from the engine whose cache
+        happened to be full of old ones.
 
         Leaving home is also charged the stall its prefill causes the streams decoding where it goes
         (``CostModel.stall_s``); ``decode_s`` charges a request for the batch it joins, and without the mirror
@@ -164,8 +165,8 @@ class KvAwarePolicy(Policy):
             score = scores[engine.id]
             stall = 0.0 if home or not homes else self.costs.stall_s(
                 score.queue_depth, engine.max_num_seqs, score.uncached_tokens, params)
-            scores[engine.id] = msgspec.structs.replace(score, home=home, eviction_s=0.0, displacement_s=displacement,
-                                        crowding_s=crowding, stall_s=stall)
+            scores[engine.id] = msgspec.structs.replace(score, home=home, displacement_s=displacement,
+                                                        crowding_s=crowding, stall_s=stall)
 
     def prices_evictions(self, request: RouteRequest) -> bool:
         return self.keeps_homes and bool(request.home_key)
