@@ -49,8 +49,6 @@ class IngestBudget:
     observed_at: float = -math.inf
     tokens: float = 0.003
     updated_at: float | None = None
-    deferrals: int = 0
-    deferred_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not (0 < self.share <= 1 and 0 < self.idle_share <= 1) or self.burst_s <= 0 or self.slice_s <= 0:
@@ -78,14 +76,13 @@ class IngestBudget:
         self.updated_at = now if self.updated_at is None else max(now, self.updated_at)
 
     def wait_s(self, now: float) -> float:
-        """Seconds to wait before the next slice (0: go ahead); a positive answer counts as a deferral."""
+        """Seconds to wait before the next slice (0: go ahead). The time ingest actually waited is counted where
+        it waits (``kvmesh_event_ingest_deferred_seconds_total``, events/socket_drain.py): a wait asked again after
+        a sleep would count twice here."""
         self._refill(now)
         if self.tokens > 0:
             return 0.0
-        wait = -self.tokens / self._rate(now) + 1e-4
-        self.deferrals += 1
-        self.deferred_s += wait
-        return wait
+        return -self.tokens / self._rate(now) + 1e-4
 
     def charge(self, now: float, spent_s: float) -> None:
         """Work of ``spent_s`` seconds was done; the bucket may go negative (a slice overran)."""

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import pytest
+import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
+from events.counters import INGEST_DEFERRED
+from events.feed import EngineFeed
 from events.ingest_budget import IngestBudget
+from events.socket_drain import wait_for_budget
+from index.prefix_index import PrefixIndex
+from index.view import CacheView
 
 
 def test_a_fresh_budget_allows_one_burst_then_defers_until_refilled():
@@ -15,7 +21,7 @@ def test_a_fresh_budget_allows_one_burst_then_defers_until_refilled():
     budget.charge(0.0, 0.03)  # a slice overran the burst
     wait = budget.wait_s(0.0)
     assert wait == pytest.approx(0.02, abs=1e-3)  # 0.01 s of debt at half a second per second
-    assert budget.deferrals == 1
+    assert budget.wait_s(wait / 2) == pytest.approx(wait / 2, abs=1e-3)  # asked again halfway: the rest
     assert budget.wait_s(wait) == 0.0
 
 
@@ -62,3 +68,28 @@ def test_ingest_takes_the_idle_share_whenever_no_request_is_in_flight():
     assert not budget.headroom(0.0)
     serving[0] = False
     assert budget.headroom(0.0)
+
+
+async def test_the_time_ingest_waits_for_the_budget_is_counted_as_waited(autojump_clock):
+    """``wait_for_budget`` asks the budget again after each sleep (a replay may have spent the refill meanwhile); the
+    seconds it waited in all are counted for every engine whose events queued meanwhile."""
+    view = CacheView(PrefixIndex())
+    view.register("waiting-engine", block_size=4, has_events=True)
+    feed = EngineFeed("waiting-engine", "tiny", view)
+    budget = IngestBudget(share=0.5, burst_s=0.02)
+    budget.charge(trio.current_time(), 0.03)
+    first_wait = budget.wait_s(trio.current_time())
+    counter = INGEST_DEFERRED.labels(engine="waiting-engine")
+    before = counter._value.get()
+
+    async def replay_spends_the_refill() -> None:
+        await trio.sleep(first_wait / 2)
+        budget.charge(trio.current_time(), 0.01)
+
+    began = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(replay_spends_the_refill)
+        await wait_for_budget(budget, [(feed, trio.current_time)])
+    waited = trio.current_time() - began
+    assert waited > first_wait * 1.5
+    assert counter._value.get() - before == pytest.approx(waited)
