@@ -1,6 +1,10 @@
-"""The index's compiled loops still compile where numba cannot cache them."""
+"""The index's compiled loops: they still compile where numba cannot cache them, and load before they are needed."""
 
 from __future__ import annotations
+
+import ast
+import subprocess
+import sys
 
 import numba
 import pytest
@@ -24,3 +28,18 @@ def test_a_refused_cache_falls_back_to_compiling_in_each_process(monkeypatch: py
     loop = compiled_module.compiled(double)
     assert loop(21) == 42
     assert isinstance(loop, numba.core.registry.CPUDispatcher)
+
+
+def test_building_an_index_loads_every_compiled_loop_before_the_first_event_or_lookup() -> None:
+    """A fresh process: once an index is built, each compiled loop has its machine code, so neither the first event
+    nor the first long prompt's lookup pays numba's load (or, on a fresh checkout, its compile) on the request path.
+    Warmed with a two-block chain, the lookup's walk was left out: it is compiled only for chains of 16 blocks on."""
+    probe = (
+        "from index import mask_table, paired_update\n"
+        "from index.prefix_index import PrefixIndex\n"
+        "PrefixIndex()\n"
+        "loops = [mask_table._walk_compiled, paired_update._store_loop, paired_update._remove_loop]\n"
+        "print([len(loop.signatures) for loop in loops])\n"
+    )
+    printed = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)
+    assert all(count > 0 for count in ast.literal_eval(printed.stdout.strip().splitlines()[-1]))
