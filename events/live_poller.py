@@ -122,28 +122,16 @@ class LivePoller:
                 if trio.current_time() - yielded >= self.budget.slice_s:
                     await trio.lowlevel.checkpoint()
                     yielded = trio.current_time()
-            ready = [handed for handed in list(self._handed) if self._has_message(handed)]
+            handed_now = list(self._handed)
+            ready = [h for h, waiting in zip(handed_now, self._waiting(handed_now), strict=True) if waiting]
 
     def _ready_at_tick(self) -> list[_Handed]:
-        """The handed-over sockets with a message waiting, found by one ``zmq_poll`` over all of them (a
-        ``getsockopt(EVENTS)`` per socket from Python cost 65 us a tick at 16 engines, the poll 15 us: at 200 ticks
-        a second, a percent of a core while any engine is busy); a socket quiet for ``quiet_ticks`` ticks goes
-        back to its subscriber. With a socket closed under the poller (which ``zmq_poll`` would take for file
-        descriptor 0) or a poll that fails, each socket is asked alone, so only the failed one's subscriber hears
-        of it."""
+        """The handed-over sockets with a message waiting; a socket quiet for ``quiet_ticks`` ticks goes back to its
+        subscriber."""
         handed = list(self._handed)
-        try:
-            if any(h.sock.closed for h in handed):
-                raise zmq.ZMQError(zmq.ENOTSOCK)
-            polled = zmq.zmq_poll([(h.sock, zmq.POLLIN) for h in handed], 0)
-        except zmq.ZMQError:
-            readable = [self._has_message(h) for h in handed]
-        else:
-            waiting = {id(sock) for sock, events in polled if events & zmq.POLLIN}
-            readable = [id(h.sock) in waiting for h in handed]
         ready = []
-        for h, has_message in zip(handed, readable, strict=True):
-            if has_message:
+        for h, waiting in zip(handed, self._waiting(handed), strict=True):
+            if waiting:
                 h.quiet = 0
                 ready.append(h)
                 continue
@@ -151,6 +139,22 @@ class LivePoller:
             if h.quiet >= self.quiet_ticks:
                 self._drop(h)
         return ready
+
+    def _waiting(self, handed: list[_Handed]) -> list[bool]:
+        """Whether a message waits on each of ``handed``, by one ``zmq_poll`` over them all (a ``getsockopt(EVENTS)``
+        per socket from Python cost 65 us a tick at 16 engines, the poll 15 us: at 200 ticks a second, a percent of a
+        core while any engine is busy). With a socket closed under the poller (which ``zmq_poll`` would take for
+        file descriptor 0) or a poll that fails, each socket is asked alone, so only the failed one's subscriber
+        hears of it."""
+        if not any(h.sock.closed for h in handed):
+            try:
+                polled = zmq.zmq_poll([(h.sock, zmq.POLLIN) for h in handed], 0)
+            except zmq.ZMQError:
+                pass
+            else:
+                waiting = {id(sock) for sock, events in polled if events & zmq.POLLIN}
+                return [id(h.sock) in waiting for h in handed]
+        return [self._has_message(h) for h in handed]
 
     def _has_message(self, handed: _Handed) -> bool:
         try:

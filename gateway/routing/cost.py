@@ -124,10 +124,11 @@ class _RequestTerms:
     prompt: int
     """Prompt tokens, clamped."""
     max_tokens: int | None
+    """Its answer cap, clamped (None: not given)."""
+    answer: float
+    """Tokens it is expected to answer (``DecodeModel.expected_output_tokens``)."""
     after_first: float
-    """Tokens it is expected to decode after its first."""
-    answer_cap: int
-    """Its ``max_tokens`` clamped, 0 when not given: what the KV pressure term reserves for its answer."""
+    """Of those, the ones decoded after its first."""
 
 
 class CostModel:
@@ -153,9 +154,9 @@ class CostModel:
         return confidence * credited, confidence
 
     @staticmethod
-    def pressure_penalty_s(engine: EngineView, answer_cap: int, uncached: int, p: TTFTParams) -> float:
-        """Recompute cost of the tokens (the uncached prompt and up to ``answer_cap`` answer tokens, clamped) that do
-        not fit in the engine's free KV blocks.
+    def pressure_penalty_s(engine: EngineView, max_tokens: int | None, uncached: int, p: TTFTParams) -> float:
+        """Recompute cost of the tokens (the uncached prompt and up to ``max_tokens`` answer tokens, clamped; none when
+        not given) that do not fit in the engine's free KV blocks.
 
         vLLM's kv_cache_usage counts blocks held by running requests; a request needing more than the rest
         forces preemption (someone's work is recomputed) or evicts what it just brought. Unknown block
@@ -165,25 +166,24 @@ class CostModel:
             return 0.0
         capacity = _count(engine.num_blocks) * _block_size(engine)
         free = capacity * (1.0 - _clamp(engine.kv_usage, 0.0, 1.0))
-        needed = uncached + answer_cap
+        needed = uncached + (max_tokens or 0)
         overflow = min(float(capacity), max(0.0, needed - free))
         return p.prefill_s(overflow)
 
-    def eviction_s(self, engine: EngineView, max_tokens: int | None, uncached: int, p: TTFTParams,
-                   knowledge: Knowledge) -> float:
+    @staticmethod
+    def eviction_s(engine: EngineView, answer: float, uncached: int, p: TTFTParams, knowledge: Knowledge) -> float:
         """Recompute that later requests can expect because this placement evicts cached blocks.
 
-        The request allocates blocks for its uncached prompt and its answer; once the engine's empty blocks
-        are used up, each one evicts a cached block, which is read again about as often as the engine's
-        cache is read at all (its own recent hit ratio). Recomputing a prefix that another engine already
-        holds therefore costs more than its own prefill when caches are full, and nothing while they have
+        The request allocates blocks for its uncached prompt and its ``answer`` (expected tokens); once the
+        engine's empty blocks are used up, each one evicts a cached block, which is read again about as often as
+        the engine's cache is read at all (its own recent hit ratio). Recomputing a prefix that another engine
+        already holds therefore costs more than its own prefill when caches are full, and nothing while they have
         room; the ratio is measured, not tuned. Unknown block counts charge nothing.
         """
         held = engine.held_blocks if knowledge is Knowledge.EVENTS else engine.approx_held_blocks
         if not engine.num_blocks or held is None:
             return 0.0
         held, block = _count(held), _block_size(engine)
-        answer = self.decode.expected_output_tokens(max_tokens)
         needed = math.ceil((uncached + answer) / block)
         evicted = min(held, max(0, needed - max(0, _count(engine.num_blocks) - held)))
         return _clamp(engine.reuse_ratio, 0.0, 1.0) * p.prefill_s(evicted * block)
@@ -222,8 +222,8 @@ class CostModel:
         scoring at 256 engines. ``blind_eviction`` False leaves ``eviction_s`` at 0 for a policy that prices
         evictions another way (kv_aware's homes) and would only replace it."""
         max_tokens = _max_tokens(request)
-        terms = _RequestTerms(_count(request.prompt_tokens), max_tokens, self.decode.tokens_after_first(max_tokens),
-                              _count(request.max_tokens or 0))
+        terms = _RequestTerms(_count(request.prompt_tokens), max_tokens, self.decode.expected_output_tokens(max_tokens),
+                              self.decode.tokens_after_first(max_tokens))
         return {engine.id: self._estimate(request, terms, engine, knowledge, blind_eviction) for engine in engines}
 
     def _estimate(self, request: RouteRequest, terms: _RequestTerms, engine: EngineView, knowledge: Knowledge,
@@ -247,11 +247,11 @@ class CostModel:
             queue_depth=depth,
             queue_s=params.queue_s(depth, slots) + adapter_s,
             prefill_s=params.overhead_s + params.prefill_s(uncached) + load_s,
-            pressure_penalty_s=self.pressure_penalty_s(engine, terms.answer_cap, uncached, params),
+            pressure_penalty_s=self.pressure_penalty_s(engine, terms.max_tokens, uncached, params),
             topology_penalty_s=self.topology_penalty_s(engine, request),
             live=engine.live,
             decode_s=terms.after_first * self.decode.time_per_token_s(engine.id, depth),
-            eviction_s=(self.eviction_s(engine, terms.max_tokens, uncached, params, knowledge) if blind_eviction
+            eviction_s=(self.eviction_s(engine, terms.answer, uncached, params, knowledge) if blind_eviction
                         else 0.0),
             tier_runs=engine.tier_runs if load_s else (),
             tier_tokens=tiered - exact,

@@ -251,19 +251,19 @@ def test_other_replicas_in_flight_requests_count_before_the_next_poll():
 
 def test_eviction_is_charged_only_once_the_cache_is_full():
     costs = CostModel()
-    answer_cap = 16
+    answer = 16.0  # a 16-token cap under the 128-token typical answer
     params = costs.learner.params("e", None)
     roomy = EngineView("e", "u", num_blocks=1000, held_blocks=100, reuse_ratio=0.6)
-    assert costs.eviction_s(roomy, answer_cap, 1024, params, Knowledge.EVENTS) == 0.0
+    assert costs.eviction_s(roomy, answer, 1024, params, Knowledge.EVENTS) == 0.0
     full = EngineView("e", "u", num_blocks=1000, held_blocks=1000, reuse_ratio=0.6)
     expected = 0.6 * params.prefill_s(65 * 16)  # 1024 + 16 tokens need 65 blocks
-    assert costs.eviction_s(full, answer_cap, 1024, params, Knowledge.EVENTS) == pytest.approx(expected)
+    assert costs.eviction_s(full, answer, 1024, params, Knowledge.EVENTS) == pytest.approx(expected)
     unread = EngineView("e", "u", num_blocks=1000, held_blocks=1000, reuse_ratio=0.0)
-    assert costs.eviction_s(unread, answer_cap, 1024, params, Knowledge.EVENTS) == 0.0
-    assert costs.eviction_s(EngineView("e", "u", held_blocks=1000, reuse_ratio=0.6), answer_cap, 1024, params,
+    assert costs.eviction_s(unread, answer, 1024, params, Knowledge.EVENTS) == 0.0
+    assert costs.eviction_s(EngineView("e", "u", held_blocks=1000, reuse_ratio=0.6), answer, 1024, params,
                             Knowledge.EVENTS) == 0.0  # capacity unknown
     router_only = EngineView("e", "u", num_blocks=1000, held_blocks=1000, approx_held_blocks=0, reuse_ratio=0.6)
-    assert costs.eviction_s(router_only, answer_cap, 1024, params, Knowledge.ROUTER_ONLY) == 0.0
+    assert costs.eviction_s(router_only, answer, 1024, params, Knowledge.ROUTER_ONLY) == 0.0
 
 
 def test_a_full_fleet_keeps_a_prefix_on_its_busier_holder_when_its_cache_is_read():
