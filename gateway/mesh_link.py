@@ -25,7 +25,6 @@ from gateway.openai_errors import ApiError
 from gateway.routing.kv_aware import KvAwarePolicy
 from mesh.auth import load_secret
 from mesh.node import MeshNode
-from mesh.peer_load import LoadReport
 from mesh.settings import MeshSettings
 
 DISPATCH_SWEEP_S = 5.0
@@ -175,10 +174,7 @@ def follow_mesh(fleet: Fleet, state: MeshState) -> None:
     state.on_registry(on_registry)
     state.on_dispatch(on_dispatch)
     planner.share_dispatch = share_dispatch
-    node.share_load(lambda: LoadReport(
-        {e.id: e.in_flight for e in fleet.engines.all() if e.in_flight > 0},
-        {e.id: e.first_tokens.prefill_tokens for e in fleet.engines.all() if e.first_tokens.prefill_tokens > 0}))
+    node.share_load(lambda: {e.id: e.in_flight for e in fleet.engines.all() if e.in_flight > 0})
     planner.peer_in_flight = node.peer_in_flight
-    planner.peer_prefill_tokens = node.peer_prefill_tokens
     for engine_id, engine_state in state.registry().items():
         on_registry(engine_id, engine_state)

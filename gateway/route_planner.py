@@ -246,8 +246,6 @@ class RoutePlanner:
         """Set in a mesh: shares speculative and approximate entries with the other replicas."""
         self.peer_in_flight: Callable[[], dict[str, int]] = dict
         """Other replicas' in-flight requests per engine (set by the mesh link; empty without a mesh)."""
-        self.peer_prefill_tokens: Callable[[], dict[str, int]] = dict
-        """Per engine, prompt tokens still prefilling for other replicas' streams (``PendingFirstTokens``)."""
         self._background: trio.Nursery | None = None
         """Where deferred encodes run (set while ``run`` runs); without it every prompt is encoded first."""
         self._computing: list[Plan] = []
@@ -473,7 +471,7 @@ class RoutePlanner:
 
     def _decide(self, parsed: ParsedRequest, headers: Mapping[str, str], candidates: list[EngineState],
                 prompt_tokens: int, chains: dict[int, list[int]], overlaps: Mapping[str, CacheOverlap]) -> Decision:
-        peers, peers_prefill = self.peer_in_flight(), self.peer_prefill_tokens()
+        peers = self.peer_in_flight()
         views = []
         _, adapter = chain_model(parsed.model, candidates)
         for engine in candidates:
@@ -484,7 +482,7 @@ class RoutePlanner:
                 id=engine.id, url=engine.url, island=engine.config.island,
                 healthy=engine.healthy and not engine.maintenance, draining=engine.draining,
                 in_flight=engine.in_flight, peer_in_flight=peers.get(engine.id, 0), running=engine.load.running,
-                prefill_ahead=engine.first_tokens.prefill_tokens + peers_prefill.get(engine.id, 0),
+                prefill_ahead=engine.first_tokens.prefill_tokens,
                 finished_since_poll=engine.load.finished_since_poll, rejoining=engine.rejoining,
                 waiting=engine.load.waiting, kv_usage=engine.load.kv_usage, num_blocks=engine.load.num_blocks,
                 block_size=engine.block_size, exact_blocks=found.exact_blocks if found else 0,

@@ -29,7 +29,6 @@ import trio
 from mesh.auth import load_secret
 from mesh.crdt_doc import Change, Op, ReplicatedDoc
 from mesh.gossip import Membership
-from mesh.peer_load import LoadReport
 from mesh.seeds import format_hostport, parse_hostport, parse_seeds
 from mesh.settings import MeshSettings
 from mesh.snapshots import RedisSnapshotStore, SnapshotWriter, load_into
@@ -58,7 +57,7 @@ class MeshNode:
         self._cancel_scope: trio.CancelScope | None = None
         self._isolated = False
         self._view_watchers: list[trio.MemorySendChannel[list[str]]] = []
-        self._load_source: Callable[[], LoadReport] | None = None
+        self._load_source: Callable[[], dict[str, int]] | None = None
 
     # ----- lifecycle -----------------------------------------------------------------------------
 
@@ -230,9 +229,8 @@ class MeshNode:
         finally:
             self.protocol.transfers.close(request_id)
 
-    def share_load(self, source: Callable[[], LoadReport]) -> None:
-        """Report ``source()`` (this replica's in-flight requests and prompt tokens still prefilling per engine)
-        to the peers from now on."""
+    def share_load(self, source: Callable[[], dict[str, int]]) -> None:
+        """Report ``source()`` (this replica's in-flight requests per engine) to the peers from now on."""
         self._load_source = source
 
     def peer_in_flight(self) -> dict[str, int]:
@@ -240,12 +238,6 @@ class MeshNode:
         if self._membership is None:
             return {}
         return self.protocol.peer_load.totals(trio.current_time(), self.live_members())
-
-    def peer_prefill_tokens(self) -> dict[str, int]:
-        """Per engine, the prompt tokens it still computes for live peers' streams, as they last reported."""
-        if self._membership is None:
-            return {}
-        return self.protocol.peer_prefill.totals(trio.current_time(), self.live_members())
 
     # ----- fault injection -----------------------------------------------------------------------
 

@@ -1,20 +1,16 @@
-"""Other replicas' in-flight requests per engine (sans-IO), shared every ~100 ms between replicas, and the
-prompt tokens those engines still compute for their streams awaiting a first token.
+"""Other replicas' in-flight requests per engine (sans-IO), shared every ~100 ms between replicas.
 
 A replica's own in-flight count is fresh, but the engines' /metrics poll that shows everybody else's load
 is up to a poll interval old. Replicas behind an L4 balancer that each send a burst to the engine that
 looked idle at the last poll overload it together (``kvmesh bench targets``, workload d: a p95 TTFT of
 1.8 s with two replicas against 0.19 s with one). Each replica therefore tells its peers how many
-requests it has in flight per engine; the router adds the fresh sum to its own count. The prompt tokens still
-prefilling travel the same way in a frame of their own (``LoadReport``): a queue of misses costs its prefills,
-and a replica that saw only its own would price an engine a burst of peers' misses went to as nearly idle.
+requests it has in flight per engine; the router adds the fresh sum to its own count.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 import msgpack
 
@@ -22,24 +18,13 @@ MAX_AGE_S = 2.0
 """A report older than this is ignored: its sender stopped reporting (gone, partitioned or idle)."""
 MAX_ENGINES = 4096
 MAX_COUNT = 1_000_000
-MAX_TOKENS = 1 << 40
-"""Prompt tokens per engine a report may claim (far beyond any real queue, within float precision)."""
-
-
-@dataclass(frozen=True)
-class LoadReport:
-    """What a replica tells its peers about its own traffic, per engine."""
-
-    in_flight: dict[str, int]
-    prefill_tokens: dict[str, int] = field(default_factory=dict)
-    """Prompt tokens the engine still computes for this replica's streams awaiting their first token."""
 
 
 def encode(loads: dict[str, int]) -> bytes:
     return msgpack.packb(loads)
 
 
-def decode(payload: bytes, max_count: int = MAX_COUNT) -> dict[str, int]:
+def decode(payload: bytes) -> dict[str, int]:
     """The per-engine counts of one report; ValueError when it is not a bounded map of engine -> count."""
     try:
         loads = msgpack.unpackb(payload)
@@ -50,8 +35,8 @@ def decode(payload: bytes, max_count: int = MAX_COUNT) -> dict[str, int]:
     for engine, count in loads.items():
         if not isinstance(engine, str) or isinstance(count, bool) or not isinstance(count, int):
             raise ValueError("a load report maps engine ids to integer counts")
-        if not 0 <= count <= max_count:
-            raise ValueError(f"count out of range: {count}")
+        if not 0 <= count <= MAX_COUNT:
+            raise ValueError(f"in-flight count out of range: {count}")
     return loads
 
 
@@ -62,15 +47,14 @@ class PeerLoad:
     the sum is kept until a report arrives, the oldest one expires or the live peers change.
     """
 
-    def __init__(self, max_age_s: float = MAX_AGE_S, max_count: int = MAX_COUNT) -> None:
+    def __init__(self, max_age_s: float = MAX_AGE_S) -> None:
         self.max_age_s = max_age_s
-        self.max_count = max_count
         self._reports: dict[str, tuple[dict[str, int], float]] = {}
         self._summed: tuple[tuple[str, ...] | None, float, dict[str, int]] | None = None
 
     def update(self, sender: str, payload: bytes, now: float) -> None:
         """Replace ``sender``'s report; a malformed one raises ValueError and leaves the old one in place."""
-        self._reports[sender] = (decode(payload, self.max_count), now)
+        self._reports[sender] = (decode(payload), now)
         self._summed = None
 
     def totals(self, now: float, live: Iterable[str] | None = None) -> dict[str, int]:

@@ -27,7 +27,6 @@ from collections.abc import Callable, Mapping
 import trio
 
 from mesh.auth import MAX_PACKET_BYTES, AuthError, FrameError, FrameReader, MeshAuth, frame
-from mesh.peer_load import LoadReport
 from mesh.sync_protocol import SyncProtocol
 
 DOMAIN = "replication"
@@ -86,7 +85,7 @@ class SyncService:
         port: int = 0,
         flush_interval: float = 0.03,
         anti_entropy_interval: float = 1.0,
-        load_source: Callable[[], LoadReport | None] | None = None,
+        load_source: Callable[[], dict[str, int] | None] | None = None,
         load_interval: float = LOAD_INTERVAL_S,
         is_compactor: Callable[[], bool] | None = None,
         drop: Callable[[str], bool] | None = None,
@@ -180,20 +179,18 @@ class SyncService:
             if packet is not None:
                 self._broadcast(packet)
 
-    async def _load_loop(self, source: Callable[[], LoadReport | None]) -> None:
-        """Report this replica's in-flight requests and prompt tokens still prefilling per engine when they
-        change, and at least every LOAD_REFRESH_S so peers know the report is current (nothing while ``source``
-        answers None)."""
-        last: LoadReport | None = None
+    async def _load_loop(self, source: Callable[[], dict[str, int] | None]) -> None:
+        """Report this replica's in-flight requests per engine when they change, and at least every
+        LOAD_REFRESH_S so peers know the report is current (nothing while ``source`` answers None)."""
+        last: dict[str, int] | None = None
         sent_at = -math.inf
         while True:
             await trio.sleep(self._load_interval)
-            report = source()
+            loads = source()
             now = trio.current_time()
-            if report is not None and (report != last or now - sent_at >= LOAD_REFRESH_S):
-                for packet in self.protocol.load_frames(report):
-                    self._broadcast(packet)
-                last, sent_at = report, now
+            if loads is not None and (loads != last or now - sent_at >= LOAD_REFRESH_S):
+                self._broadcast(self.protocol.load_frame(loads))
+                last, sent_at = loads, now
 
     async def _anti_entropy_loop(self) -> None:
         while True:

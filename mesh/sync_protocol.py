@@ -9,8 +9,6 @@ Every frame is a msgpack array ``[kind, epoch number, epoch owner, sender, *payl
                                 built from
 - ``ld`` ``[report]``           the sender's in-flight requests per engine (mesh/peer_load.py); outside the
                                 document, so accepted whatever the epoch
-- ``pf`` ``[report]``           the prompt tokens still prefilling for the sender's streams per engine, the same
-                                way (its own kind, so a replica that predates it keeps reading ``ld``)
 - ``sq`` ``[request]``          state-transfer query: "send me your state of (namespace, key)"
 - ``sc`` ``[chunk header, chunk]``  one chunk of the answer; ``count`` 0 means "I hold nothing"
 
@@ -52,7 +50,6 @@ class SyncProtocol:
         self.doc = doc
         self.counters: Counter[str] = Counter()
         self.peer_load = PeerLoad()
-        self.peer_prefill = PeerLoad(max_count=peer_load.MAX_TOKENS)
         self.transfers = StateTransfers()
         self._providers: dict[str, StateProvider] = {}
         self._epoch_resend_s = epoch_resend_s
@@ -71,9 +68,8 @@ class SyncProtocol:
         update = self.doc.take_update()
         return None if update is None else self._frame("u", update)
 
-    def load_frames(self, report: peer_load.LoadReport) -> list[bytes]:
-        return [self._frame("ld", peer_load.encode(report.in_flight)),
-                self._frame("pf", peer_load.encode(report.prefill_tokens))]
+    def load_frame(self, loads: dict[str, int]) -> bytes:
+        return self._frame("ld", peer_load.encode(loads))
 
     def state_frame(self) -> bytes:
         """An anti-entropy request (also sent on every new connection so a joining replica warms up)."""
@@ -129,10 +125,10 @@ class SyncProtocol:
             return []
 
     def _dispatch(self, kind: str, epoch: Epoch, sender: str, payload: list, now: float) -> list[bytes]:
-        if kind in ("ld", "pf"):
+        if kind == "ld":
             (report,) = payload
-            (self.peer_load if kind == "ld" else self.peer_prefill).update(sender, report, now)
-            self.counters[f"rx_{kind}"] += 1
+            self.peer_load.update(sender, report, now)
+            self.counters["rx_ld"] += 1
             return []
         if kind == "sq":
             (query,) = payload

@@ -41,9 +41,8 @@ class EngineView(msgspec.Struct, frozen=True, gc=False):
     finished_since_poll: int = 0
     waiting: int = 0
     prefill_ahead: int = 0
-    """Prompt tokens the engine still computes for streams there that await their first token (this router's,
-    fresh, and the other replicas', as they reported them): a new request's prefill comes after (or shares steps
-    with) theirs."""
+    """Prompt tokens the engine still computes for this router's streams there that await their first token:
+    a new request's prefill comes after (or shares steps with) theirs."""
     kv_usage: float = 0.0
     num_blocks: int | None = None
     block_size: int = 16

@@ -37,7 +37,7 @@ class Feed:
     """The reading side: hands the router's registry callback a peer's entries."""
 
     def __init__(self) -> None:
-        self.node = SimpleNamespace(share_load=lambda source: None, peer_in_flight=dict, peer_prefill_tokens=dict)
+        self.node = SimpleNamespace(share_load=lambda source: None, peer_in_flight=dict)
         self.malformed: Counter[str] = Counter()
         self.on_registry_change = None
 

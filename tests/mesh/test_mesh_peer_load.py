@@ -1,4 +1,4 @@
-"""Replicas' in-flight reports: decoding bounds, freshness, and the ``ld`` and ``pf`` frames between two protocols."""
+"""Replicas' in-flight reports: decoding bounds, freshness, and the ``ld`` frame between two protocols."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mesh import peer_load
-from mesh.peer_load import LoadReport, PeerLoad
+from mesh.peer_load import PeerLoad
 from mesh.sync_protocol import SyncProtocol
 
 
@@ -50,20 +50,8 @@ def test_load_frames_cross_epochs_and_bad_ones_are_counted() -> None:
     pa, pb = SyncProtocol(a.doc), SyncProtocol(b.doc)
     a.store("e", [(1, 2)])
     assert pa.maybe_compact(True, min_churn=0, ratio=0.0) is not None  # a moves to a newer epoch than b
-    for packet in pa.load_frames(LoadReport({"e": 3}, {"e": 3 * 10**6})):
-        assert pb.on_frame(packet, 5.0) == []
+    assert pb.on_frame(pa.load_frame({"e": 3}), 5.0) == []
     assert pb.peer_load.totals(5.0) == {"e": 3}
-    assert pb.peer_prefill.totals(5.0) == {"e": 3 * 10**6}  # tokens: beyond the in-flight count's bound
     bad = msgpack.packb(["ld", 0, "", "a", msgpack.packb({"e": "three"})])
     assert pb.on_frame(bad, 5.1) == [] and pb.counters["malformed"] == 1
     assert pb.peer_load.totals(5.2) == {"e": 3}
-
-
-def test_a_prefill_report_is_bounded_too_and_a_bad_one_leaves_the_in_flight_report_alone() -> None:
-    a, b = Replica("a"), Replica("b")
-    pa, pb = SyncProtocol(a.doc), SyncProtocol(b.doc)
-    for packet in pa.load_frames(LoadReport({"e": 2}, {"e": 900})):
-        pb.on_frame(packet, 1.0)
-    bad = msgpack.packb(["pf", 0, "", "a", msgpack.packb({"e": peer_load.MAX_TOKENS + 1})])
-    assert pb.on_frame(bad, 1.1) == [] and pb.counters["malformed"] == 1
-    assert pb.peer_prefill.totals(1.2) == {"e": 900} and pb.peer_load.totals(1.2) == {"e": 2}
