@@ -245,13 +245,12 @@ class RoutePlanner:
         self.share_dispatch: Callable[[str, Sequence[int], float], None] | None = None
         """Set in a mesh: shares speculative and approximate entries with the other replicas."""
         self.peer_in_flight: Callable[[], dict[str, int]] = dict
+        """Other replicas' in-flight requests per engine (set by the mesh link; empty without a mesh)."""
         self.prices_prefill_ahead = True
         """Whether engines' views carry the prompt tokens still prefilling for this router's streams there
-        (``EngineView.prefill_ahead``). A meshed replica sees only its own share of them, fresh, and its peers'
-        not at all or a report late; three replicas pricing them placed new prefixes apart more often (seed 2
-        quick suite shape #2, 60 streams: 0.78-0.81 of the bound against 0.84-0.88 in the same runs without), so
-        the mesh link turns it off."""
-        """Other replicas' in-flight requests per engine (set by the mesh link; empty without a mesh)."""
+        (``EngineView.prefill_ahead``). A meshed replica sees only its own share of them, and three replicas
+        pricing their own shares placed new prefixes apart more often (seed 2 quick suite shape #2, 60 streams:
+        0.78-0.81 of the bound against 0.84-0.88 in the same runs without), so the mesh link turns it off."""
         self._background: trio.Nursery | None = None
         """Where deferred encodes run (set while ``run`` runs); without it every prompt is encoded first."""
         self._computing: list[Plan] = []
