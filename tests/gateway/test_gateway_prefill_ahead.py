@@ -33,3 +33,20 @@ async def test_a_stream_hands_the_proxy_each_engines_priced_prompt_and_later_dec
     router.planner.prices_prefill_ahead = True
     went_out()
     assert set(_ahead(await call(router, "POST", "/debug/route", json.dumps(CHAT).encode())).values()) == {0}
+
+
+async def test_the_ttft_learner_is_taught_with_the_prompts_ahead_beside_the_requests_own():
+    """A first token that came after other streams' prefills is what those prefills and its own took: the learner
+    gets both token counts as one, so it does not learn the queue of misses as a few ms per request."""
+    router = make_router(StubUpstream())
+    taught: list[tuple[str, float, int]] = []
+    policy = router.planner.policy
+    policy.observe = lambda engine, tokens, depth, ttft: taught.append((engine, tokens, depth)) or True
+    engines = router.engines.all()
+    for engine in engines:
+        engine.first_tokens.wait_for_one(2500)
+    decided = (await call(router, "POST", "/debug/route", json.dumps(CHAT).encode())).json()["candidates"]
+    assert (await call(router, "POST", "/v1/chat/completions", json.dumps(CHAT).encode())).status == 200
+    (engine, tokens, depth), = taught
+    row = next(r for r in decided if r["engine"] == engine)
+    assert row["prefill_ahead_tokens"] == 2500 and tokens == row["uncached_tokens"] + 2500

@@ -121,7 +121,7 @@ def test_more_in_flight_or_waiting_never_looks_faster():
 
 def test_the_prompts_still_prefilling_ahead_are_priced_at_the_engines_prefill_speed():
     """A queue of misses costs its prefills: two engines as deep, one with 6k prompt tokens still to compute
-    for the requests ahead, differ by those tokens' prefill, and the learner is handed them with the request's own."""
+    for the requests ahead, differ by those tokens' prefill at the engine's learned speed."""
     costs = trained_costs(3)
     request = RouteRequest("m", 1024, 64, "k")
     light = costs.estimate(request, EngineView("e1", "u", max_num_seqs=8, in_flight=4), Knowledge.EVENTS)
