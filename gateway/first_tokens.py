@@ -23,18 +23,12 @@ token is nearly always pending) events are that much later, never starved."""
 class PendingFirstTokens:
     def __init__(self) -> None:
         self.count = 0
-        self.prefill_tokens = 0
-        """The prompt tokens those streams' engine still computes for them (as their decisions priced them): work
-        a new request there waits behind (``CostModel`` prices it at the engine's learned prefill speed)."""
         self._went_out = trio.Event()
 
-    def wait_for_one(self, prefill_tokens: int = 0) -> Callable[[], None]:
-        """Count a stream sent and waiting for its first token, and the ``prefill_tokens`` the engine computes
-        before it; call the returned function (idempotent) once that token went to the client or the attempt
-        ended."""
-        prefill_tokens = max(0, prefill_tokens)
+    def wait_for_one(self) -> Callable[[], None]:
+        """Count a stream sent and waiting for its first token; call the returned function (idempotent) once
+        that token went to the client or the attempt ended."""
         self.count += 1
-        self.prefill_tokens += prefill_tokens
         done = False
 
         def went_out() -> None:
@@ -42,7 +36,6 @@ class PendingFirstTokens:
             if not done:
                 done = True
                 self.count -= 1
-                self.prefill_tokens -= prefill_tokens
                 self._went_out.set()
                 self._went_out = trio.Event()
 

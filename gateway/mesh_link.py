@@ -176,6 +176,5 @@ def follow_mesh(fleet: Fleet, state: MeshState) -> None:
     planner.share_dispatch = share_dispatch
     node.share_load(lambda: {e.id: e.in_flight for e in fleet.engines.all() if e.in_flight > 0})
     planner.peer_in_flight = node.peer_in_flight
-    planner.prices_prefill_ahead = False
     for engine_id, engine_state in state.registry().items():
         on_registry(engine_id, engine_state)

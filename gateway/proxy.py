@@ -215,9 +215,6 @@ class Exchange:
     breaker: Callable[[EngineState], CircuitBreaker] | None = None
     """The breaker each attempt is checked against and charged to, when not the engine's own (a prefill leg
     on an engine that also decodes: its failures must not keep the engine from decoding)."""
-    prefill_tokens: Callable[[EngineState], int] | None = None
-    """The prompt tokens each engine would compute for a stream (its decision's ``uncached_tokens``), counted as
-    pending there until the first token (``PendingFirstTokens.prefill_tokens``); None: none known."""
 
 
 def _breaker(exchange: Exchange, engine: EngineState) -> CircuitBreaker:
@@ -331,8 +328,7 @@ async def _try_engine(engine: EngineState, exchange: Exchange, result: ProxyResu
     token, the engine's event ingest lets it go first (``gateway.first_tokens``)."""
     if not exchange.is_stream:
         return await _attempt(engine, exchange, result, start, candidates)
-    tokens = 0 if exchange.prefill_tokens is None else exchange.prefill_tokens(engine)
-    result.first_token_out = engine.first_tokens.wait_for_one(tokens)
+    result.first_token_out = engine.first_tokens.wait_for_one()
     try:
         return await _attempt(engine, exchange, result, start, candidates)
     finally:

@@ -144,10 +144,6 @@ class Plan:
         """The prompt's exact token count, 0 when it was only estimated."""
         return 0 if self.estimated else self.prompt_tokens
 
-    def uncached_tokens(self, engine: EngineState) -> int:
-        """The prompt tokens the decision priced ``engine`` to compute (0 where it was not scored)."""
-        return next((s.uncached_tokens for s in self.decision.table if s.engine == engine.id), 0)
-
     def header(self, engine_id: str, attempts: int, detailed: bool = True) -> str:
         """The ``x-kvmesh-route`` value; cache details only when ``detailed`` (the caller is an admin)."""
         value = route_header(self.decision, detailed)
@@ -246,11 +242,6 @@ class RoutePlanner:
         """Set in a mesh: shares speculative and approximate entries with the other replicas."""
         self.peer_in_flight: Callable[[], dict[str, int]] = dict
         """Other replicas' in-flight requests per engine (set by the mesh link; empty without a mesh)."""
-        self.prices_prefill_ahead = True
-        """Whether engines' views carry the prompt tokens still prefilling for this router's streams there
-        (``EngineView.prefill_ahead``). A meshed replica sees only its own share of them, and three replicas
-        pricing their own shares placed new prefixes apart more often (seed 2 quick suite shape #2, 60 streams:
-        0.78-0.81 of the bound against 0.84-0.88 in the same runs without), so the mesh link turns it off."""
         self._background: trio.Nursery | None = None
         """Where deferred encodes run (set while ``run`` runs); without it every prompt is encoded first."""
         self._computing: list[Plan] = []
@@ -487,7 +478,6 @@ class RoutePlanner:
                 id=engine.id, url=engine.url, island=engine.config.island,
                 healthy=engine.healthy and not engine.maintenance, draining=engine.draining,
                 in_flight=engine.in_flight, peer_in_flight=peers.get(engine.id, 0), running=engine.load.running,
-                prefill_ahead=engine.first_tokens.prefill_tokens if self.prices_prefill_ahead else 0,
                 finished_since_poll=engine.load.finished_since_poll, rejoining=engine.rejoining,
                 waiting=engine.load.waiting, kv_usage=engine.load.kv_usage, num_blocks=engine.load.num_blocks,
                 block_size=engine.block_size, exact_blocks=found.exact_blocks if found else 0,
@@ -560,8 +550,7 @@ class RoutePlanner:
             self.metrics.reported_cached.inc(reported)
         if len(result.attempts) == 1 and plan.parsed.stream and not plan.estimated:
             if not prefilled:
-                self.policy.observe(engine_id, score.uncached_tokens + score.prefill_ahead_tokens, score.queue_depth,
-                                    result.ttft_s)
+                self.policy.observe(engine_id, score.uncached_tokens, score.queue_depth, result.ttft_s)
                 self._refit_now(engine_id)
             if not result.broken_after_first_byte and result.events > STREAM_FRAMING_EVENTS:
                 self.policy.observe_decode(engine_id, score.queue_depth, result.events - STREAM_FRAMING_EVENTS,

@@ -248,8 +248,7 @@ class Router:
                         scope, receive, response, lambda: self.planner.encode_rest(plan),
                         lambda send_: self._proxy(plan, pd, Exchange("POST", scope["path"], plan.parsed.raw,
                                                                      upstream_headers, send_, self.timeouts,
-                                                                     route_header, parsed.stream, continuation,
-                                                                     prefill_tokens=plan.uncached_tokens),
+                                                                     route_header, parsed.stream, continuation),
                                                   detailed),
                     )
                 if cut.cancelled_caught:

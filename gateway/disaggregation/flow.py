@@ -169,8 +169,7 @@ class Disaggregation:
             return [*route_header(engine, attempts), (PD_HEADER, note)]
 
         leg = replace(exchange, body=plain, body_for=body_for if handed else None, route_header=with_note,
-                      headers_for=headers_for if handed and rank is not None else None,
-                      prefill_tokens=None if handed else exchange.prefill_tokens)
+                      headers_for=headers_for if handed and rank is not None else None)
         return await forward(route.decode, leg, max_attempts)
 
     async def _prefill(self, route: PdRoute, body: dict[str, Any], exchange: Exchange, forward: Forward

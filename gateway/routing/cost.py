@@ -1,7 +1,6 @@
 """The cost model: each candidate's estimated time to first token, in seconds.
 
-ttft = queue delay (requests ahead, learned per engine, and the prompt tokens still to compute for this
-router's requests ahead that await their first token) + overhead + prefill of the tokens the engine
+ttft = queue delay (requests ahead, learned per engine) + overhead + prefill of the tokens the engine
 does not already hold (overlap times the trust in that knowledge) + penalties for KV memory pressure
 and for leaving the router's island; candidates are ranked by ttft plus the request's own decode time
 at the engine's batch size (gateway/routing/decode.py), so load counts even where it hardly delays the
@@ -236,7 +235,6 @@ class CostModel:
         cached, trust = self.credited(engine, tiered, approx, knowledge)
         uncached = max(0, math.ceil(prompt - cached - 1e-9))
         depth = queue_depth(engine)
-        ahead = _count(engine.prefill_ahead)
         load_s = tier_load_s(engine, prompt, knowledge)
         adapter_s = self.adapter_s(engine, depth)
         return CandidateScore(
@@ -247,7 +245,7 @@ class CostModel:
             uncached_tokens=uncached,
             confidence=trust,
             queue_depth=depth,
-            queue_s=params.queue_s(depth, slots) + params.prefill_s(ahead) + adapter_s,
+            queue_s=params.queue_s(depth, slots) + adapter_s,
             prefill_s=params.overhead_s + params.prefill_s(uncached) + load_s,
             pressure_penalty_s=self.pressure_penalty_s(engine, terms.max_tokens, uncached, params),
             topology_penalty_s=self.topology_penalty_s(engine, request),
@@ -259,5 +257,4 @@ class CostModel:
             tier_tokens=tiered - exact,
             load_s=load_s,
             adapter_s=adapter_s,
-            prefill_ahead_tokens=ahead,
         )

@@ -71,7 +71,6 @@ def _row(rank: int, score: CandidateScore) -> dict[str, Any]:
         "uncached_tokens": score.uncached_tokens,
         "confidence": round(score.confidence, 3),
         "queue_depth": score.queue_depth,
-        "prefill_ahead_tokens": score.prefill_ahead_tokens,
         "queue_ms": _ms(score.queue_s),
         "prefill_ms": _ms(score.prefill_s),
         "pressure_penalty_ms": _ms(score.pressure_penalty_s),

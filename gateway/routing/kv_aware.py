@@ -83,10 +83,8 @@ LOAD_SLACK_REQUESTS = 3
 def within_load_limit(ranked: list[str], scores: Scores) -> list[str]:
     """``ranked`` with the engines queued far deeper than the pool's mean moved last (when some are not).
 
-    The cost model priced a request ahead by its learned share of a batch alone, which at an opening burst (priors,
-    a loaded machine) is a fraction of what the prefills ahead take; it now prices the prompts still prefilling for
-    a lone router's streams as well (``EngineView.prefill_ahead``), but a meshed replica's view, and the priors
-    before any answer, still fall short in such a burst: 13 new agentic sessions sharing a 2.2k-token
+    The cost model prices a request ahead by its learned share of a batch, which at an opening burst (priors, a
+    loaded machine) is a fraction of what the prefills ahead take: 13 new agentic sessions sharing a 2.2k-token
     system prompt went to the one engine holding it (seed 2 suite shape #1, estimated 100-130 ms, measured 1.1 s),
     and their growing histories then evicted each other there (0.71-0.82 of the bound, 0.84-0.94 when the
     system prompt's holders were hidden by head-only records; 0.84-0.92 with this limit)."""

@@ -1,10 +1,5 @@
 """Per-engine TTFT model learned online: ttft = overhead + b*uncached + c*ahead_in_batch + d*ahead_of_slot.
 
-``uncached`` is every prompt token the engine computes before the request's first token: its own uncached
-suffix and the prompts still prefilling for the router's requests ahead of it (``CandidateScore``). Counted
-by requests alone, the queue made of an opening burst's misses was learned as a few ms per request (each
-miss's TTFT went to its own prefill), and a hot engine 16 deep was then estimated at half what it took.
-
 A request waits behind the requests already on the engine: while free slots remain (``max_num_seqs``)
 each one ahead only shares the batch with it (``c``); beyond the slots it must wait for a slot to free,
 about one service time per ``max_num_seqs`` requests (``d``). Its own prefill costs ``b`` per uncached

@@ -40,9 +40,6 @@ class EngineView(msgspec.Struct, frozen=True, gc=False):
     running: int = 0
     finished_since_poll: int = 0
     waiting: int = 0
-    prefill_ahead: int = 0
-    """Prompt tokens the engine still computes for this router's streams there that await their first token:
-    a new request's prefill comes after (or shares steps with) theirs."""
     kv_usage: float = 0.0
     num_blocks: int | None = None
     block_size: int = 16
@@ -95,8 +92,8 @@ class RouteRequest:
 class CandidateScore(msgspec.Struct, frozen=True, gc=False):
     """The cost model's estimate for one candidate; a row of the explanation table.
 
-    ``queue_depth`` and ``uncached_tokens`` plus ``prefill_ahead_tokens`` are the values to hand back to
-    ``Policy.observe`` with the measured TTFT once the first token of a request sent to this engine arrives.
+    ``queue_depth`` and ``uncached_tokens`` are the values to hand back to ``Policy.observe`` with the
+    measured TTFT once the first token of a request sent to this engine arrives.
     """
 
     engine: str
@@ -131,9 +128,6 @@ class CandidateScore(msgspec.Struct, frozen=True, gc=False):
     """Loading those runs back into the engine's KV cache; part of ``prefill_s``."""
     adapter_s: float = 0.0
     """Loading the request's LoRA adapter there, and waiting for a slot when all are taken; in ``queue_s``."""
-    prefill_ahead_tokens: int = 0
-    """The prompt tokens of requests ahead still to compute there (``EngineView.prefill_ahead``), priced at the
-    engine's prefill speed in ``queue_s``."""
 
     @property
     def penalties_s(self) -> float:

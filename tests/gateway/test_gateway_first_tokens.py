@@ -44,18 +44,6 @@ async def test_ingest_waits_for_a_pending_first_token_and_goes_once_it_is_out(au
     assert await _waited(pending, first_token_after_a_millisecond) == 0.001
 
 
-def test_pending_streams_count_their_prompt_tokens_until_each_first_token_is_out():
-    pending = PendingFirstTokens()
-    first, second = pending.wait_for_one(3000), pending.wait_for_one(200)
-    assert (pending.count, pending.prefill_tokens) == (2, 3200)
-    first()
-    first()
-    assert (pending.count, pending.prefill_tokens) == (1, 200)
-    second()
-    pending.wait_for_one(-5)()  # a nonsense count adds nothing and takes nothing back
-    assert (pending.count, pending.prefill_tokens) == (0, 0)
-
-
 async def test_ingest_never_waits_longer_than_the_grace_for_a_first_token_that_does_not_come(autojump_clock):
     pending = PendingFirstTokens()
     pending.wait_for_one()

@@ -67,7 +67,6 @@ async def test_an_engine_added_on_one_replica_keeps_its_events_and_curve_key_on_
     first, second, feed, recorder = make_router(), make_router(), Feed(), Recorder()
     first.fleet.replicate = recorder.set_registry
     follow_mesh(second.fleet, feed)
-    assert first.planner.prices_prefill_ahead and not second.planner.prices_prefill_ahead  # see RoutePlanner
     async with trio.open_nursery() as nursery:
         nursery.start_soon(first.fleet.run)  # where the engines' watchers run
         nursery.start_soon(second.fleet.run)

@@ -23,7 +23,6 @@ def engine_views(draw: st.DrawFn, engine_id: str) -> EngineView:
         running=draw(st.integers(0, 40)),
         finished_since_poll=draw(st.integers(0, 4)),
         waiting=draw(st.integers(0, 20)),
-        prefill_ahead=draw(st.integers(0, 20_000)),
         kv_usage=draw(st.floats(0.0, 1.0)),
         num_blocks=draw(st.one_of(st.none(), st.integers(1, 4000))),
         block_size=block_size,

@@ -29,7 +29,6 @@ def reference_ttft(engine: EngineView, request: RouteRequest, p: TTFTParams, s: 
             t += p.slot_wait_s_per_request
     if occupied >= slots:
         t += p.slot_wait_s_per_request
-    t += p.prefill_s_per_token * engine.prefill_ahead
     exact = engine.exact_blocks * engine.block_size
     approx = engine.approx_blocks * engine.block_size
     computed = 0.0
@@ -117,20 +116,6 @@ def test_more_in_flight_or_waiting_never_looks_faster():
         for n in range(20)
     ]
     assert all(later > earlier for earlier, later in zip(by_in_flight, by_in_flight[1:], strict=False))
-
-
-def test_the_prompts_still_prefilling_ahead_are_priced_at_the_engines_prefill_speed():
-    """A queue of misses costs its prefills: two engines as deep, one with 6k prompt tokens still to compute
-    for the requests ahead, differ by those tokens' prefill at the engine's learned speed."""
-    costs = trained_costs(3)
-    request = RouteRequest("m", 1024, 64, "k")
-    light = costs.estimate(request, EngineView("e1", "u", max_num_seqs=8, in_flight=4), Knowledge.EVENTS)
-    heavy = costs.estimate(request, EngineView("e1", "u", max_num_seqs=8, in_flight=4, prefill_ahead=6000),
-                           Knowledge.EVENTS)
-    params = costs.learner.params("e1", 8)
-    assert heavy.prefill_ahead_tokens == 6000 and light.prefill_ahead_tokens == 0
-    assert math.isclose(heavy.queue_s - light.queue_s, params.prefill_s(6000))
-    assert heavy.prefill_s == light.prefill_s and heavy.uncached_tokens == light.uncached_tokens
 
 
 def _dispatch(engine: EngineView, prefix_blocks: int) -> EngineView:
