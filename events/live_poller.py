@@ -14,6 +14,7 @@ the loop's wake-ups were not where that time goes. The index is up to one tick l
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -147,11 +148,8 @@ class LivePoller:
         file descriptor 0) or a poll that fails, each socket is asked alone, so only the failed one's subscriber
         hears of it."""
         if not any(h.sock.closed for h in handed):
-            try:
+            with contextlib.suppress(zmq.ZMQError):
                 polled = zmq.zmq_poll([(h.sock, zmq.POLLIN) for h in handed], 0)
-            except zmq.ZMQError:
-                pass
-            else:
                 waiting = {id(sock) for sock, events in polled if events & zmq.POLLIN}
                 return [id(h.sock) in waiting for h in handed]
         return [self._has_message(h) for h in handed]

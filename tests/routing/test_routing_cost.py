@@ -251,7 +251,7 @@ def test_other_replicas_in_flight_requests_count_before_the_next_poll():
 
 def test_eviction_is_charged_only_once_the_cache_is_full():
     costs = CostModel()
-    answer = 16.0  # a 16-token cap under the 128-token typical answer
+    answer = 16.0  # the tokens the request is expected to answer
     params = costs.learner.params("e", None)
     roomy = EngineView("e", "u", num_blocks=1000, held_blocks=100, reuse_ratio=0.6)
     assert costs.eviction_s(roomy, answer, 1024, params, Knowledge.EVENTS) == 0.0
