@@ -164,6 +164,9 @@ class RouterConfig:
     metrics_interval_s: float = 1.0
     events_curve_secret_file: str | None = None
     """The router's CURVE secret key (Z85), for engines whose events need CURVE (curve_server_key)."""
+    ingest_process: bool = False
+    """Ingest KV events in a child process (gateway/process_ingest.py): the serving loop then only applies index
+    updates, and a replica uses a second core for its fleet's events."""
     log_level: str = "info"
     engines: list[EngineConfig] = field(default_factory=list)
     mesh: MeshConfig = field(default_factory=MeshConfig)

@@ -44,7 +44,7 @@ LOAD_SLICE = 20_000
 
 
 @dataclass
-class _Stream:
+class EngineStream:
     model: str
     sources: list[EventSource]
     before_ingest: Callable[[], Awaitable[None]] = go_ahead
@@ -53,7 +53,7 @@ class _Stream:
     feeds: list[EngineFeed] = field(default_factory=list)
 
 
-async def _supervised(feed: EngineFeed, source: EventSource, poller: LivePoller | None = None,
+async def supervised(feed: EngineFeed, source: EventSource, poller: LivePoller | None = None,
                       config: SubscriberConfig | None = None,
                       before_ingest: Callable[[], Awaitable[None]] = go_ahead) -> None:
     """Run the subscriber; an error no one expected (a publisher's frames reaching a bug) is counted, logged
@@ -89,8 +89,8 @@ class EventIngest:
         """Drains every publishing engine's socket once per tick (events/live_poller.py); run by :meth:`run`."""
         self.warm_timeout_s = warm_timeout_s
         self.stats: Counter[str] = Counter()
-        self._streams: dict[str, _Stream] = {}
-        self._send, self._started = trio.open_memory_channel[tuple[str, _Stream]](math.inf)
+        self._streams: dict[str, EngineStream] = {}
+        self._send, self._started = trio.open_memory_channel[tuple[str, EngineStream]](math.inf)
 
     async def run(self, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         """Own every engine's subscriber tasks; answer peers' index queries."""
@@ -109,7 +109,7 @@ class EventIngest:
         ``capacity_blocks()``, the engine's KV capacity when known), then subscribe (awaiting
         ``before_ingest`` before each pass over its queued events)."""
         self.remove(engine)
-        self._streams[engine] = stream = _Stream(model, sources, before_ingest, capacity_blocks)
+        self._streams[engine] = stream = EngineStream(model, sources, before_ingest, capacity_blocks)
         self._send.send_nowait((engine, stream))
 
     def remove(self, engine: str) -> None:
@@ -125,7 +125,7 @@ class EventIngest:
     def ingesting(self) -> list[str]:
         return sorted(e for e, s in self._streams.items() if s.feeds)
 
-    async def _ingest(self, engine: str, stream: _Stream) -> None:
+    async def _ingest(self, engine: str, stream: EngineStream) -> None:
         with stream.scope:
             holders = holder_keys(engine, [source.rank for source in stream.sources])
             self.cache.set_holders(engine, holders)
@@ -135,7 +135,7 @@ class EventIngest:
             log.info("ingesting events", extra={"engine": engine, "resume_seq": list(resume)})
             async with trio.open_nursery() as nursery:
                 for feed, source in zip(stream.feeds, stream.sources, strict=True):
-                    nursery.start_soon(_supervised, feed, source, self.poller, self.subscriber,
+                    nursery.start_soon(supervised, feed, source, self.poller, self.subscriber,
                                        stream.before_ingest)
 
     async def _warm(self, engine: str, holders: tuple[str, ...], capacity: int) -> tuple[int | None, ...]:

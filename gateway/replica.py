@@ -50,6 +50,7 @@ from gateway.mesh_link import (
 from gateway.mesh_metrics import MeshCollector
 from gateway.mesh_state import MeshState
 from gateway.metrics import RouterMetrics
+from gateway.process_ingest import ProcessIngest
 from gateway.proxy import Forward, forward
 from gateway.route_planner import RoutePlanner
 from gateway.router import Router
@@ -95,9 +96,14 @@ def build_replica(config: RouterConfig, *, forward: Forward = forward, watch: Wa
         metrics.registry.register(MeshCollector(mesh, mesh_state))
     member_id = mesh.member_id if mesh is not None else "local"
     planner = RoutePlanner(config, engines, metrics)
-    curve = CurveClient.load(config.events_curve_secret_file) if config.events_curve_secret_file else None
-    ingest = EventIngest(planner.cache, mesh, budget=IngestBudget(serving=lambda: router.active_requests > 0),
-                         subscriber=SubscriberConfig(curve_client=curve))
+    budget = IngestBudget(serving=lambda: router.active_requests > 0)
+    if config.ingest_process:
+        ingest: EventIngest = ProcessIngest(planner.cache, mesh, budget=budget,
+                                            curve_secret_file=config.events_curve_secret_file,
+                                            log_level=config.log_level)
+    else:
+        curve = CurveClient.load(config.events_curve_secret_file) if config.events_curve_secret_file else None
+        ingest = EventIngest(planner.cache, mesh, budget=budget, subscriber=SubscriberConfig(curve_client=curve))
     fleet = Fleet(engines, planner, ingest, metrics, config.metrics_interval_s, watch)
     autoscaler = None
     if config.autoscaler.enabled:

@@ -8,7 +8,6 @@ serve_router
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import os
@@ -23,6 +22,7 @@ from gateway.config import ConfigError, RouterConfig
 from gateway.logs import setup_logging
 from gateway.replica import build_replica, run_replica
 from gateway.security.posture import log_posture
+from gateway.startup_objects import freeze_startup_objects
 from gateway.tracing import setup_tracing
 
 log = logging.getLogger("kvmesh.server")
@@ -34,15 +34,6 @@ READY_PREFIX = "KVMESH_ROUTER_READY "
 def server_settings(config: RouterConfig) -> ServerSettings:
     return ServerSettings(config.host, config.port, keep_alive_s=75.0, max_head_bytes=64 * 1024,
                           graceful_s=config.shutdown_grace_s + CUT_FLUSH_S)
-
-
-def freeze_startup_objects() -> None:
-    """Take what start-up built (modules, classes, functions, config: about 120k objects) out of the
-    cyclic collector's walks. They live as long as the process, yet every full collection visited them
-    all on the event loop: 50-85 ms of CPU per pass in a replica holding 131k blocks (``kvmesh bench
-    scale``), a stall every request and health poll waited through."""
-    gc.collect()
-    gc.freeze()
 
 
 async def _wait_for_signal(stop: trio.Event) -> None:

@@ -124,6 +124,6 @@ async def test_a_subscriber_that_hits_an_unexpected_error_is_restarted_not_fatal
     monkeypatch.setattr(event_ingest, "run_subscriber", exploding)
     f = feed()
     with trio.move_on_after(10.0):
-        await event_ingest._supervised(f, EventSource("tcp://127.0.0.1:1", None, "kv"))
+        await event_ingest.supervised(f, EventSource("tcp://127.0.0.1:1", None, "kv"))
     assert [round(t - calls[0], 2) for t in calls] == [0.0, 0.5, 1.5, 3.5, 7.5]  # backing off
     assert f.freshness.lost_batches == len(calls)

@@ -1,0 +1,278 @@
+"""What an ingest process tells the serving process, in order: index changes, freshness and counters.
+
+A replica can ingest KV events in a process of its own (gateway/ingest_worker.py): it decodes, orders, replays
+and derives own keys there, against a ``KeyLedger`` (index/key_ledger.py), and the serving process only applies
+the ledger's store calls to its full index. Everything that would have touched the serving side's state is a
+note, kept in the order it happened, so the serving index, each engine's freshness and the event counters end
+as they would have with ingest on the serving loop.
+
+Wire form (one message per worker tick): frame 0 is a msgpack list of notes, each a list whose first item names
+it; block hashes and own keys travel as little-endian u64 arrays in the frames after it, named by index:
+
+    ["s", holder, hashes_frame, keys_frame]   store_many
+    ["r", holder, hashes_frame]               remove
+    ["c", holder]                             clear
+    ["i", engine, keys_frame or -1, cleared]  CacheView.on_ingest (stored own keys, AllBlocksCleared count)
+    ["z", engine]                             CacheView.on_reset
+    ["e", engine, holder, seq]                the holder's batch ``seq`` is applied (freshness.on_events)
+    ["g", engine] / ["l", engine, batches] / ["x", engine] / ["p", engine]
+                                              a gap / lost batches / a stream reset / a failed replay
+    ["n", counter, [label values], amount]    an event counter went up
+
+The serving side checks every note (its own child is still outside the process): a message that does not
+decode is refused whole, and notes about engines it does not ingest are skipped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+from prometheus_client import Counter
+
+from events.counters import BLOCK_OPS, EVENT_BATCHES, EVENTS_DROPPED, INGEST_DEFERRED, REPLAYS, SUBSCRIBER_RESTARTS
+from index.freshness import EngineFreshness
+from index.ingest import IngestStats
+from index.mask_table import KEY_LIMIT
+from index.tiers import source_of
+from index.view import CacheView
+
+FORWARDED_COUNTERS: dict[str, Counter] = {
+    counter._name: counter  # noqa: SLF001 - the counter's own name is its identity on the wire
+    for counter in (EVENTS_DROPPED, EVENT_BATCHES, BLOCK_OPS, REPLAYS, SUBSCRIBER_RESTARTS, INGEST_DEFERRED)
+}
+"""The event path's counters an ingest process counts and the serving process exports."""
+MAX_NOTE_ARRAY = 1 << 22
+"""Entries in one note's array: more than any engine step (a full prompt re-announced is ~8k blocks)."""
+
+
+class NotesError(ValueError):
+    """A worker message that is not a well-formed list of notes."""
+
+
+def _array(values: Sequence[int]) -> bytes:
+    return np.asarray(values, dtype="<u8").tobytes()
+
+
+def encode_notes(notes: Iterable[tuple[Any, ...]]) -> list[bytes]:
+    """Frames of one message: the notes' list, then the arrays they name."""
+    arrays: list[bytes] = []
+
+    def frame(values: Sequence[int]) -> int:
+        arrays.append(_array(values))
+        return len(arrays)
+
+    header: list[list[Any]] = []
+    for note in notes:
+        kind = note[0]
+        if kind == "s":
+            header.append(["s", note[1], frame(note[2]), frame(note[3])])
+        elif kind == "r":
+            header.append(["r", note[1], frame(note[2])])
+        elif kind == "i":
+            header.append(["i", note[1], frame(note[2]) if note[2] else -1, note[3]])
+        else:
+            header.append(list(note))
+    return [msgpack.packb(header, use_bin_type=True), *arrays]
+
+
+@dataclass(frozen=True, slots=True)
+class Note:
+    kind: str
+    name: str
+    """The holder (s, r, c), the engine (i, z, e, g, l, x, p) or the counter (n)."""
+    hashes: list[int] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)
+    holder: str = ""
+    number: float = 0
+    labels: tuple[str, ...] = ()
+
+
+def _keys(frames: Sequence[bytes], at: Any) -> list[int]:
+    if type(at) is not int or not 1 <= at < len(frames):
+        raise NotesError("a note names a frame the message does not have")
+    raw = frames[at]
+    if len(raw) % 8 or len(raw) // 8 > MAX_NOTE_ARRAY:
+        raise NotesError("an array frame is not a bounded run of u64 words")
+    values = np.frombuffer(raw, dtype="<u8")
+    if len(values) and int(values.max()) >= KEY_LIMIT:
+        raise NotesError("a hash or own key out of the index's range")
+    return values.tolist()
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str) or not value or len(value) > 1024:
+        raise NotesError("a note's name is not a short string")
+    return value
+
+
+def _count(value: Any) -> int:
+    if type(value) is not int or not 0 <= value < 2**63:
+        raise NotesError("a note's count is not a non-negative int")
+    return value
+
+
+def decode_notes(frames: Sequence[bytes]) -> list[Note]:
+    """The notes of one message, every field checked; raises NotesError for anything else."""
+    if not frames:
+        raise NotesError("an empty message")
+    try:
+        header = msgpack.unpackb(frames[0], raw=False, strict_map_key=True)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise NotesError(f"notes do not decode: {type(exc).__name__}") from None
+    if not isinstance(header, list):
+        raise NotesError("notes are not a list")
+    return [_note(item, frames) for item in header]
+
+
+def _note(item: Any, frames: Sequence[bytes]) -> Note:
+    if not isinstance(item, list) or not item or not isinstance(item[0], str):
+        raise NotesError("a note is not a list led by its kind")
+    kind, args = item[0], item[1:]
+    arity = {"s": 3, "r": 2, "c": 1, "i": 3, "z": 1, "e": 3, "g": 1, "l": 2, "x": 1, "p": 1, "n": 3}.get(kind)
+    if arity is None or len(args) != arity:
+        raise NotesError(f"an unknown note or one of the wrong size: {kind!r}")
+    name = _text(args[0])
+    if kind == "s":
+        hashes, keys = _keys(frames, args[1]), _keys(frames, args[2])
+        if len(hashes) != len(keys):
+            raise NotesError("a store note's hashes and own keys differ in length")
+        return Note(kind, name, hashes, keys)
+    if kind == "r":
+        return Note(kind, name, _keys(frames, args[1]))
+    if kind == "i":
+        keys = [] if args[1] == -1 else _keys(frames, args[1])
+        return Note(kind, name, keys=keys, number=_count(args[2]))
+    if kind == "e":
+        return Note(kind, name, holder=_text(args[1]), number=_count(args[2]))
+    if kind == "l":
+        return Note(kind, name, number=_count(args[1]))
+    if kind == "n":
+        labels, amount = args[1], args[2]
+        if name not in FORWARDED_COUNTERS or not isinstance(labels, list) or not all(
+                isinstance(label, str) and len(label) <= 1024 for label in labels):
+            raise NotesError("a counter note names no forwarded counter or has bad labels")
+        if not isinstance(amount, int | float) or isinstance(amount, bool) or not 0 <= amount < math.inf:
+            raise NotesError("a counter note's amount is not a finite non-negative number")
+        return Note(kind, name, labels=tuple(labels), number=amount)
+    return Note(kind, name)
+
+
+class NotedFreshness(EngineFreshness):
+    """One event source's freshness in the ingest process: what the serving side's copy must hear is noted."""
+
+    def __init__(self, engine: str, holder: str, notes: list[tuple[Any, ...]]) -> None:
+        super().__init__(has_events=True)
+        self.engine, self.holder, self.notes = engine, holder, notes
+
+    def on_events(self, now: float, seq: int) -> None:
+        super().on_events(now, seq)
+        self.notes.append(("e", self.engine, self.holder, seq))
+
+    def on_gap(self) -> None:
+        super().on_gap()
+        self.notes.append(("g", self.engine))
+
+    def on_lost(self, now: float, batches: int) -> None:
+        super().on_lost(now, batches)
+        self.notes.append(("l", self.engine, batches))
+
+    def on_replay_failed(self) -> None:
+        super().on_replay_failed()
+        self.notes.append(("p", self.engine))
+
+    def on_reset(self) -> None:
+        super().on_reset()
+        self.notes.append(("x", self.engine))
+
+
+class NotedView(CacheView):
+    """The ingest process's view: the serving side's speculative entries hear what ingest told this one."""
+
+    def __init__(self, store: Any, notes: list[tuple[Any, ...]]) -> None:
+        super().__init__(store)
+        self.notes = notes
+
+    def on_ingest(self, engine: str, stats: IngestStats) -> None:
+        if stats.stored_keys or stats.cleared:
+            self.notes.append(("i", engine, stats.stored_keys, stats.cleared))
+
+    def on_reset(self, engine: str) -> None:
+        self.notes.append(("z", engine))
+
+
+class CounterDeltas:
+    """The forwarded counters' growth since the last call, as notes (the ingest process's registry is its own)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[str, tuple[str, ...]], float] = {}
+
+    def notes(self) -> list[tuple[Any, ...]]:
+        found: list[tuple[Any, ...]] = []
+        for name, counter in FORWARDED_COUNTERS.items():
+            for metric in counter.collect():
+                for sample in metric.samples:
+                    if not sample.name.endswith("_total"):
+                        continue
+                    labels = tuple(sample.labels[label] for label in counter._labelnames)  # noqa: SLF001
+                    key = (name, labels)
+                    delta = sample.value - self._seen.get(key, 0.0)
+                    if delta > 0:
+                        self._seen[key] = sample.value
+                        found.append(("n", name, list(labels), int(delta) if delta == int(delta) else delta))
+        return found
+
+
+def apply_notes(notes: Sequence[Note], view: CacheView, sources: Callable[[str], bool],
+                applied: dict[str, int], now: float) -> set[str]:
+    """Apply a worker message's notes to the serving side in order; returns the engines they touched.
+
+    ``sources(holder)``: whether that event source (a GPU holder; its tiers follow it) is ingested now: notes
+    of an engine removed meanwhile would put back blocks it no longer has. ``applied``: each source's last
+    applied seq, kept here."""
+    store = view.store
+    touched: set[str] = set()
+    for note in notes:
+        kind = note.kind
+        if kind in "src":
+            if not sources(source_of(note.name)):
+                continue
+            if kind == "s":
+                store.store_many(note.name, note.hashes, note.keys)
+            elif kind == "r":
+                store.remove(note.name, note.hashes)
+            else:
+                store.clear(note.name)
+            continue
+        if kind == "n":
+            counter = FORWARDED_COUNTERS[note.name]
+            try:
+                counter.labels(*note.labels).inc(note.number)
+            except ValueError:  # the wrong number of labels for that counter
+                continue
+            continue
+        info = view.info(note.name)
+        if info is None:
+            continue
+        touched.add(note.name)
+        if kind == "e":
+            if sources(note.holder):
+                applied[note.holder] = int(note.number)
+                info.freshness.on_events(now, int(note.number))
+        elif kind == "i":
+            view.on_ingest(note.name, IngestStats(cleared=int(note.number), stored_keys=note.keys))
+        elif kind == "z":
+            view.on_reset(note.name)
+        elif kind == "g":
+            info.freshness.on_gap()
+        elif kind == "l":
+            info.freshness.on_lost(now, int(note.number))
+        elif kind == "x":
+            info.freshness.on_reset()
+        elif kind == "p":
+            info.freshness.on_replay_failed()
+    return touched
