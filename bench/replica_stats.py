@@ -1,6 +1,7 @@
 """What ``kvmesh bench scale`` reads from a running router replica, as pure functions over the raw text.
 
-CPU and memory come from ``/proc/PID`` (the whole process, everything it holds); ingest progress and
+CPU and memory come from ``/proc`` for the replica's whole process tree (the router and the children it
+started: tokenizer workers and, with ``ingest_process``, its ingest process); ingest progress and
 engine health from the replica's ``/metrics``, which costs the replica O(engines), not O(blocks), so it
 can be polled while ingesting. ``GET /admin/index`` digests every block and is only read to check
 convergence once publishing stopped.
@@ -40,12 +41,42 @@ def rss_bytes(statm: str) -> int:
     return int(statm.split()[1]) * PAGE_SIZE
 
 
+def parent_pid(stat: str) -> int:
+    """The parent's pid in a ``/proc/PID/stat`` line."""
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process descended from it, now."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):  # a process may end while listed
+                children.setdefault(parent_pid((entry / "stat").read_text()), []).append(int(entry.name))
+    tree, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        todo.extend(children.get(current, ()))
+    return tree
+
+
+def _summed(pid: int, read) -> float:
+    total = 0.0
+    for member in process_tree(pid):
+        with contextlib.suppress(OSError):  # a child that ended since the listing holds nothing
+            total += read(member)
+    return total
+
+
 def process_cpu(pid: int) -> float:
-    return cpu_seconds(Path(f"/proc/{pid}/stat").read_text())
+    """CPU seconds of the replica's process tree."""
+    return _summed(pid, lambda p: cpu_seconds(Path(f"/proc/{p}/stat").read_text()))
 
 
 def process_rss(pid: int) -> int:
-    return rss_bytes(Path(f"/proc/{pid}/statm").read_text())
+    """Resident bytes of the replica's process tree."""
+    return int(_summed(pid, lambda p: rss_bytes(Path(f"/proc/{p}/statm").read_text())))
 
 
 def run_wait_seconds(schedstats: Sequence[str]) -> float:
@@ -57,9 +88,11 @@ def run_wait_seconds(schedstats: Sequence[str]) -> float:
 
 def process_run_wait(pid: int) -> float:
     stats = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):  # a thread may end between listing and reading
-            stats.append((task / "schedstat").read_text())
+    for member in process_tree(pid):
+        with contextlib.suppress(OSError):  # a process or thread may end between listing and reading
+            for task in Path(f"/proc/{member}/task").iterdir():
+                with contextlib.suppress(OSError):
+                    stats.append((task / "schedstat").read_text())
     return run_wait_seconds(stats)
 
 

@@ -88,6 +88,7 @@ class ScaleOptions:
     converge_timeout_s: float
     seed: int
     publishers: int = 1
+    ingest_process: bool = False
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -108,6 +109,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--publishers", type=int, default=1,
                    help="publisher processes sharing the engines (one spends ~6.4 us of CPU per block op)")
     p.add_argument("--plot", type=Path, help="PNG path (default: scale.png in the log folder)")
+    p.add_argument("--ingest-process", action="store_true",
+                   help="replicas ingest in a child process (ingest_process = true); CPU and RSS count it")
     p.add_argument("--quick", action="store_true", help="R=1,2,3 at 10000 ops/s, 8 engines, short phases")
 
 
@@ -119,7 +122,7 @@ def options(args: argparse.Namespace) -> ScaleOptions:
         [float(x) for x in str(values["rates"]).split(",") if x],
         int(values["engines"]), int(values["cap"]), args.encoding, args.mix, float(values["steady_s"]),
         float(values["burst_s"]), float(values["probe_s"]), args.fill_rate, float(values["converge_timeout_s"]),
-        args.seed, max(1, args.publishers),
+        args.seed, max(1, args.publishers), args.ingest_process,
     )  # fmt: skip
 
 
@@ -146,7 +149,8 @@ async def measure_cell(client: HttpClient, opts: ScaleOptions, count: int, rate:
                    for i, (url, ep) in enumerate(zip(engine_urls, endpoints, strict=True))]
         ids = [e.id for e in engines]
         cluster = f"scale-{os.getpid()}-r{count}-{rate:.0f}"
-        async with replicas(client, count, engines, MODEL, redis_url, cluster, log_dir) as reps:
+        async with replicas(client, count, engines, MODEL, redis_url, cluster, log_dir,
+                            opts.ingest_process) as reps:
             await wait_subscribed(client, reps, ids)
             return await _phases(client, opts, pub, reps, ids, count, rate)
 

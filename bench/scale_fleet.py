@@ -52,10 +52,11 @@ def _toml(value: object) -> str:
 
 
 def replica_config(port: int, engines: Sequence[EngineEndpoints], model: str, gossip: list[int], index: int,
-                   secret_file: Path, redis_url: str, cluster: str) -> str:
+                   secret_file: Path, redis_url: str, cluster: str, ingest_process: bool = False) -> str:
     """Router ``index``'s configuration file: every engine, and a mesh seeded with the other replicas."""
     seeds = [f"{HOST}:{p}" for i, p in enumerate(gossip) if i != index]
-    lines = [f"host = {_toml(HOST)}", f"port = {port}", 'policy = "kv_aware"', 'log_level = "warning"', "",
+    lines = [f"host = {_toml(HOST)}", f"port = {port}", 'policy = "kv_aware"', 'log_level = "warning"',
+             f"ingest_process = {'true' if ingest_process else 'false'}", "",
              "[mesh]", f"bind = {_toml(f'{HOST}:{gossip[index]}')}", f"seeds = {_toml(seeds)}",
              f"secret_file = {_toml(str(secret_file))}", f"redis_url = {_toml(redis_url)}",
              f"cluster = {_toml(cluster)}"]
@@ -230,7 +231,8 @@ def _secret(log_dir: Path) -> Path:
 
 @asynccontextmanager
 async def replicas(client: HttpClient, count: int, engines: Sequence[EngineEndpoints], model: str,
-                   redis_url: str, cluster: str, log_dir: Path) -> AsyncIterator[list[Replica]]:
+                   redis_url: str, cluster: str, log_dir: Path,
+                   ingest_process: bool = False) -> AsyncIterator[list[Replica]]:
     """``count`` meshed router replicas, ready and seeing each other; stopped on exit."""
     ports = free_ports(2 * count, udp_too=True)
     http, gossip = ports[:count], ports[count:]
@@ -239,7 +241,8 @@ async def replicas(client: HttpClient, count: int, engines: Sequence[EngineEndpo
         started = []
         for i in range(count):
             config = log_dir / f"{cluster}-router-{i}.toml"
-            config.write_text(replica_config(http[i], engines, model, gossip, i, secret, redis_url, cluster))
+            config.write_text(replica_config(http[i], engines, model, gossip, i, secret, redis_url, cluster,
+                                             ingest_process))
             log = log_dir / f"{cluster}-router-{i}.log"
             argv = python_module("gateway.cli", "router", "--config", str(config))
             started.append((await stack.enter_async_context(spawned(argv, log)), log, f"http://{HOST}:{http[i]}"))

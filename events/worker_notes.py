@@ -43,9 +43,11 @@ from index.view import CacheView
 
 FORWARDED_COUNTERS: dict[str, Counter] = {
     counter._name: counter  # noqa: SLF001 - the counter's own name is its identity on the wire
-    for counter in (EVENTS_DROPPED, EVENT_BATCHES, BLOCK_OPS, REPLAYS, SUBSCRIBER_RESTARTS, INGEST_DEFERRED)
+    for counter in (EVENTS_DROPPED, BLOCK_OPS, REPLAYS, SUBSCRIBER_RESTARTS, INGEST_DEFERRED)
 }
-"""The event path's counters an ingest process counts and the serving process exports."""
+"""The event path's counters an ingest process counts and the serving process exports, their growth sent once a
+second. Applied batches (``kvmesh_event_batches_total``) are counted here as their notes are applied instead: they
+say how far this side's index has got."""
 MAX_NOTE_ARRAY = 1 << 22
 """Entries in one note's array: more than any engine step (a full prompt re-announced is ~8k blocks)."""
 
@@ -263,6 +265,7 @@ def apply_notes(notes: Sequence[Note], view: CacheView, sources: Callable[[str],
             if sources(note.holder):
                 applied[note.holder] = int(note.number)
                 info.freshness.on_events(now, int(note.number))
+                EVENT_BATCHES.labels(engine=note.name).inc()
         elif kind == "i":
             view.on_ingest(note.name, IngestStats(cleared=int(note.number), stored_keys=note.keys))
         elif kind == "z":
