@@ -1,0 +1,154 @@
+"""The ingest process's notes (events/worker_notes.py, index/key_ledger.py): what the serving side builds from
+them is what ingest on its own loop would have built, and a malformed message is refused whole."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from events_frames import live_frames, removed_map, stored_map
+from hypothesis import given
+from hypothesis import strategies as st
+
+from events.feed import EngineFeed
+from events.worker_notes import (
+    NotedFreshness,
+    NotedView,
+    NotesError,
+    apply_notes,
+    decode_notes,
+    encode_notes,
+)
+from index.key_ledger import KeyLedger
+from index.prefix_index import PrefixIndex
+from index.tiers import TIER_MEDIA, tier_holder
+from index.view import CacheView
+
+BLOCK = 4
+MODEL = "tiny"
+ENGINE = "e0"
+OTHER = "e1"
+
+
+def _stored(hashes, parent, first_token, medium="GPU"):
+    tokens = [first_token * 16 + i for i in range(BLOCK * len(hashes))]
+    event = stored_map(hashes, parent, tokens, BLOCK)
+    event["medium"] = medium
+    return event
+
+
+@st.composite
+def streams(draw):
+    """Batches of one engine's stream: chains grown from held blocks or roots, evictions, offloads, resets."""
+    held: list[int] = []
+    next_hash = 1
+    batches = []
+    for _ in range(draw(st.integers(1, 12))):
+        events = []
+        for _ in range(draw(st.integers(1, 5))):
+            kind = draw(st.sampled_from(["store", "store", "store", "remove", "cpu", "clear"]))
+            if kind in ("store", "cpu"):
+                count = draw(st.integers(1, 6))
+                parent = draw(st.sampled_from([None, *held[-8:]])) if held else None
+                hashes = list(range(next_hash, next_hash + count))
+                next_hash += count
+                events.append(_stored(hashes, parent, draw(st.integers(0, 3)), "GPU" if kind == "store" else "CPU"))
+                if kind == "store":
+                    held += hashes
+            elif kind == "remove" and held:
+                gone = draw(st.lists(st.sampled_from(held), min_size=1, max_size=4, unique=True))
+                events.append(removed_map(gone))
+                held = [h for h in held if h not in gone]
+            elif kind == "clear":
+                events.append({"type": "AllBlocksCleared"})
+                held = []
+        batches.append(events)
+    return batches
+
+
+def _loop_side():
+    view = CacheView(PrefixIndex())
+    for engine in (ENGINE, OTHER):
+        view.register(engine, block_size=BLOCK, has_events=True)
+    return view
+
+
+def _worker_side():
+    ledger = KeyLedger()
+    view = NotedView(ledger, ledger.notes)
+    view.register(ENGINE, block_size=BLOCK, has_events=True)
+    feed = EngineFeed(ENGINE, MODEL, view)
+    feed.freshness = NotedFreshness(ENGINE, ENGINE, ledger.notes)
+    return ledger, feed
+
+
+@given(streams(), st.lists(st.booleans(), min_size=12, max_size=12), st.integers(0, 11))
+def test_the_serving_index_built_from_notes_equals_ingest_on_its_own_loop(batches, flush_after, gap_at):
+    loop_view = _loop_side()
+    loop_feed = EngineFeed(ENGINE, MODEL, loop_view)
+    # another engine shares blocks, so the serving side's masks hold more than one holder
+    shared = EngineFeed(OTHER, MODEL, loop_view)
+    served = _loop_side()
+    shared_served = EngineFeed(OTHER, MODEL, served)
+    ledger, worker_feed = _worker_side()
+    applied: dict[str, int] = {}
+
+    def flush():
+        if ledger.notes:
+            apply_notes(decode_notes(encode_notes(ledger.notes)), served, {ENGINE}.__contains__, applied, 1.0)
+            ledger.notes.clear()
+
+    for seq, events in enumerate(batches):
+        seq_sent = seq + 1 if seq >= gap_at else seq  # one seq skipped: both sides see the gap alike
+        frames = live_frames(seq_sent, events)
+        assert loop_feed.on_live(frames, 1.0) == worker_feed.on_live(frames, 1.0)
+        if seq == 0:
+            mirror = live_frames(0, [_stored([900, 901], None, 0)])
+            shared.on_live(mirror, 1.0)
+            shared_served.on_live(mirror, 1.0)
+        if flush_after[seq % len(flush_after)]:
+            flush()
+    flush()
+
+    loop_store, served_store = loop_view.store, served.store
+    for holder in (ENGINE, OTHER, *(tier_holder(ENGINE, m) for m in TIER_MEDIA)):
+        loop_pairs, served_pairs = loop_store.pairs(holder), served_store.pairs(holder)
+        assert served_pairs == loop_pairs
+        assert served_store.block_count(holder) == loop_store.block_count(holder)
+        if holder in (ENGINE, OTHER):
+            assert ledger.block_count(holder) == (loop_store.block_count(holder) if holder == ENGINE else 0)
+    assert served_store.unique_blocks() == loop_store.unique_blocks()
+    chain = list(loop_store.pairs(ENGINE).values())
+    assert served_store.overlap(chain) == loop_store.overlap(chain)
+    loop_fresh, served_fresh = loop_view.info(ENGINE).freshness, served.info(ENGINE).freshness
+    assert (served_fresh.last_seq, served_fresh.gaps, served_fresh.resets) == \
+        (loop_fresh.last_seq, loop_fresh.gaps, loop_fresh.resets)
+    assert applied.get(ENGINE) == loop_feed.applied_seq()
+
+
+def test_notes_of_an_engine_no_longer_ingested_change_nothing():
+    ledger, feed = _worker_side()
+    feed.on_live(live_frames(0, [_stored([1, 2], None, 0)]), 1.0)
+    served = _loop_side()
+    applied: dict[str, int] = {}
+    apply_notes(decode_notes(encode_notes(ledger.notes)), served, set().__contains__, applied, 1.0)
+    assert served.store.block_count(ENGINE) == 0
+    assert applied == {}
+
+
+@pytest.mark.parametrize("frames", [
+    [],
+    [b"\xc1"],
+    [msgpack.packb({"s": 1})],
+    [msgpack.packb([["s", "e0", 1, 2]])],  # names frames the message does not have
+    [msgpack.packb([["s", "e0", 1, 2]]), b"\x01" * 8, b"\x01" * 16],  # unequal hashes and keys
+    [msgpack.packb([["r", "e0", 1]]), b"\x01" * 7],
+    [msgpack.packb([["r", "e0", 1]]), b"\xff" * 8],  # past the index's key range
+    [msgpack.packb([["e", "e0", "e0", -1]])],
+    [msgpack.packb([["q", "e0"]])],
+    [msgpack.packb([["n", "not_a_counter", [], 1]])],
+    [msgpack.packb([["n", "kvmesh_event_replays", ["e0", "x"], float("nan")]])],
+    [msgpack.packb([["c", ""]])],
+])
+def test_a_malformed_message_is_refused_whole(frames):
+    with pytest.raises(NotesError):
+        decode_notes(frames)
