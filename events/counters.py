@@ -22,3 +22,6 @@ ENGINE_TASK_FAILURES = Counter("kvmesh_engine_task_failures_total",
                                "after a backoff", ["engine", "task", "reason"])
 ENGINE_VALUES_REJECTED = Counter("kvmesh_engine_values_rejected_total",
                                  "Numbers an engine reported that were out of range and ignored", ["engine", "value"])
+INGEST_PROCESS_FAILURES = Counter("kvmesh_ingest_process_failures_total",
+                                  "Times the replica's ingest process ended or sent what does not decode, and was "
+                                  "started again")

@@ -71,7 +71,7 @@ def index_report(fleet: Fleet) -> dict[str, Any]:
             "speculative_blocks": cache.approximate.size(engine.id),
             "ingest_behind": bool(fresh and fresh.behind_since is not None),
         }
-    return {"engines": engines}
+    return {"engines": engines, "ingest": fleet.ingest.report()}
 
 
 async def _json_body(api: AdminApi, scope: dict, receive) -> dict[str, Any]:

@@ -122,6 +122,10 @@ class EventIngest:
         stream = self._streams.get(engine)
         return list(stream.feeds) if stream is not None else []
 
+    def report(self) -> dict[str, object]:
+        """Where this replica's ingest runs, for ``GET /admin/index``."""
+        return {"process": False}
+
     def ingesting(self) -> list[str]:
         return sorted(e for e, s in self._streams.items() if s.feeds)
 

@@ -29,7 +29,7 @@ import numpy as np
 import trio
 import zmq
 
-from events.counters import INGEST_DEFERRED
+from events.counters import INGEST_DEFERRED, INGEST_PROCESS_FAILURES
 from events.ingest_budget import IngestBudget
 from events.socket_drain import readable
 from events.subscriber import SubscriberConfig
@@ -93,6 +93,10 @@ class ProcessIngest(EventIngest):
         self._control: zmq.Socket | None = None
         self._control_lock = trio.Lock()
         self.worker_pid: int | None = None
+
+    def report(self) -> dict[str, object]:
+        return {"process": True, "worker_pid": self.worker_pid, "worker_starts": self.stats["worker_starts"],
+                "worker_failures": self.stats["worker_failures"]}
 
     async def run(self, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         if self.mesh is not None:
@@ -174,6 +178,7 @@ class ProcessIngest(EventIngest):
                 await self._run_worker()
             except* (WorkerFailed, zmq.ZMQError, OSError) as group:
                 self.stats["worker_failures"] += 1
+                INGEST_PROCESS_FAILURES.inc()
                 if not failures:
                     log.error("ingest process failed; restarting it", extra={"reason": str(group.exceptions[0])})
             if trio.current_time() - began > BACKOFF_MAX_S:

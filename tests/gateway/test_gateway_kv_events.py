@@ -1,5 +1,6 @@
 """The router's index follows simulated engines' KV events: flow, gaps filled by replay, restarts, eviction."""
 
+import os
 import socket
 import time
 
@@ -37,17 +38,23 @@ def small_fleet():
         yield sims
 
 
-@pytest.fixture(scope="module")
-def small(small_fleet):
-    with RouterProcess(small_fleet.urls, metrics_interval=0.2) as proc:
+@pytest.fixture(scope="module", params=["loop", "process"])
+def small(small_fleet, request):
+    """A router ingesting on its serving loop, and one ingesting in its ingest process (``ingest_process``)."""
+    env = {**os.environ, "KVMESH_INGEST_PROCESS": "true"} if request.param == "process" else None
+    with RouterProcess(small_fleet.urls, metrics_interval=0.2, env=env) as proc:
         yield Http(proc.url), small_fleet.urls[0].removeprefix("http://"), Http(small_fleet.urls[0])
 
 
-def test_events_flow_into_the_index(small):
+def test_events_flow_into_the_index(small, request):
     client, engine, _ = small
     body = document("flow")
     client.json("POST", "/v1/chat/completions", body)
     assert wait_for(lambda: overlap(client, body, engine) >= 600)
+    ingest = client.json("GET", "/admin/index")[2]["ingest"]
+    in_process = request.node.callspec.params["small"] == "process"
+    assert ingest["process"] is in_process
+    assert (ingest.get("worker_pid") is not None) is in_process
 
 
 def test_gap_is_filled_by_replay(small):
