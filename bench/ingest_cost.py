@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.event_mix import BLOCK_SIZE
+from bench.ingest_split import measure_split
 from bench.ingest_zmq import measure_over_zmq
 from bench.recorded_events import MODEL, Message, freeze, recorded_mix
 from bench.revision import add_against_options, side_by_side
@@ -132,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=100, help="recorded steps per engine (default 100)")
     p.add_argument("--quick", action="store_true", help="16 engines, cap 5000, 40 steps")
     p.add_argument("--repeat", type=int, default=3, help="timed passes of each kind, medians reported (default 3)")
+    p.add_argument("--process", action="store_true",
+                   help="each side's cost with ingest_process: the serving loop and the ingest process")
     p.add_argument("--zmq", type=float, metavar="RATE",
                    help="through the replica's subscribers over ZeroMQ, RATE messages/s (bench/ingest_zmq.py)")
     add_against_options(p, "code (one engine count)")
@@ -149,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     for count in counts:
         if args.zmq:
             print(measure_over_zmq(count, cap, steps, args.zmq), flush=True)
+        elif args.process:
+            print(measure_split(count, cap, steps, passes=args.repeat).line(), flush=True)
         else:
             print(measure(count, cap, steps, passes=args.repeat).line(), flush=True)
     return 0

@@ -9,13 +9,87 @@ the same calls with the same arguments, so both indexes end the same.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from index.alias_table import AliasTable
+from index.compiled import compiled
+from index.paired_update import alias_home, pop_loop
 from index.tiers import source_of
+
+_KEY_LIMIT = 1 << 63
+
+
+@compiled
+def _put_loop(words, size, multiplier, engine_hashes, own_keys):
+    """``AliasTable.put_many`` over pairs already range-checked; returns (aliases that changed, added, newly used
+    slots). The same probes and placement as the table's Python loop, on the same words."""
+    end = 2 * size
+    one = np.uint64(1)
+    tombstone = np.uint64(0xFFFFFFFFFFFFFFFF)
+    usize = np.uint64(size)
+    changed = added = used = 0
+    for i in range(engine_hashes.shape[0]):
+        stored = engine_hashes[i] + one
+        value = own_keys[i]
+        at = alias_home(stored, multiplier, usize)
+        reusable = -1
+        current = words[at]
+        while current != stored and current != 0:
+            if current == tombstone and reusable < 0:
+                reusable = at
+            at = at + 2 if at + 2 < end else 0
+            current = words[at]
+        if current != 0:
+            if words[at + 1] != value:
+                changed += 1
+                words[at + 1] = value
+            continue
+        if reusable < 0:
+            reusable = at
+            used += 1
+        words[reusable] = stored
+        words[reusable + 1] = value
+        changed += 1
+        added += 1
+    return changed, added, used
+
+
+def _put(aliases: AliasTable, engine_hashes: Sequence[int], own_keys: Sequence[int]) -> int:
+    """``aliases.put_many`` compiled (0.9 us a pair in Python); returns how many aliases changed."""
+    hashes = np.asarray(engine_hashes, dtype=np.uint64)
+    keys = np.asarray(own_keys, dtype=np.uint64)
+    if len(hashes) != len(keys):
+        raise ValueError("one own key per engine hash")
+    if len(hashes) and int(hashes.max()) >= _KEY_LIMIT:
+        raise ValueError("alias out of range: keys in [0, 2**63)")
+    if aliases._used + len(hashes) > aliases.max_used():
+        aliases._rebuild(len(hashes))
+    changed, added, used = _put_loop(aliases.word_view(), aliases._size, np.uint64(aliases._multiplier), hashes, keys)
+    aliases._live += added
+    aliases._used += used
+    return changed
+
+
+def _pop(aliases: AliasTable, engine_hashes: Sequence[int]) -> int:
+    """``aliases.pop_many`` compiled; returns how many were held."""
+    keys = np.array([key for key in engine_hashes if 0 <= key < _KEY_LIMIT], dtype=np.uint64)
+    popped = pop_loop(aliases.word_view(), aliases._size, np.uint64(aliases._multiplier), keys,
+                      np.empty(len(keys), dtype=np.uint64))
+    aliases._live -= popped
+    aliases.shrink_if_sparse()
+    return popped
+
+
+@functools.cache
+def load_ledger_loops() -> None:
+    """Run the ledger's compiled loops once, so the ingest process's first events do not load or compile them."""
+    aliases = AliasTable()
+    _put(aliases, [1, 2], [3, 4])
+    _pop(aliases, [1, 2])
 
 
 class KeyLedger:
@@ -25,6 +99,7 @@ class KeyLedger:
     ``remove`` and ``clear`` blocks that were held."""
 
     def __init__(self) -> None:
+        load_ledger_loops()
         self._aliases: dict[str, AliasTable] = {}
         self.notes: list[tuple[Any, ...]] = []
         self.noted_ops = 0
@@ -33,15 +108,15 @@ class KeyLedger:
     def load(self, holder: str, engine_hashes: Sequence[int], own_keys: Sequence[int]) -> None:
         """Pairs the serving index already holds (a warm start, a restarted worker): not noted."""
         if len(engine_hashes):
-            self._aliases.setdefault(holder, AliasTable()).put_many(engine_hashes, own_keys)
+            _put(self._aliases.setdefault(holder, AliasTable()), engine_hashes, own_keys)
 
     def store_many(self, holder: str, engine_hashes: Sequence[int], own_keys: Sequence[int]) -> int:
         if not engine_hashes:
             return 0
-        previous = self._aliases.setdefault(holder, AliasTable()).put_many(engine_hashes, own_keys)
+        changed = _put(self._aliases.setdefault(holder, AliasTable()), engine_hashes, own_keys)
         self.notes.append(("s", holder, engine_hashes, own_keys))
         self.noted_ops += len(engine_hashes)
-        return sum(before != key for before, key in zip(previous, own_keys, strict=True))
+        return changed
 
     def store(self, holder: str, pairs: Sequence[tuple[int, int]]) -> int:
         return self.store_many(holder, [h for h, _ in pairs], [k for _, k in pairs])
@@ -51,7 +126,7 @@ class KeyLedger:
         if not aliases:
             return 0
         hashes = list(engine_hashes)
-        removed = len(hashes) - aliases.pop_many(hashes).count(None)
+        removed = _pop(aliases, hashes)
         if not aliases:
             del self._aliases[holder]
         self.notes.append(("r", holder, hashes))

@@ -27,7 +27,7 @@ _NO_SKIP = np.zeros(0, dtype=np.uint8)
 
 
 @compiled
-def _alias_home(stored: np.uint64, multiplier: np.uint64, size: np.uint64) -> int:
+def alias_home(stored: np.uint64, multiplier: np.uint64, size: np.uint64) -> int:
     """The word of the home slot: the top 32 bits of the scrambled key scaled to the table's size."""
     return 2 * np.int64((((stored * multiplier) >> np.uint64(32)) * size) >> np.uint64(32))
 
@@ -45,7 +45,7 @@ def _store_loop(words, size, multiplier, table, values, shift, engine_hashes, co
     for i in range(engine_hashes.shape[0]):
         stored = engine_hashes[i] + one
         code = codes[i]
-        at = _alias_home(stored, multiplier, usize)
+        at = alias_home(stored, multiplier, usize)
         reusable = -1
         current = words[at]
         while current != stored and current != 0:
@@ -79,7 +79,7 @@ def _store_loop(words, size, multiplier, table, values, shift, engine_hashes, co
 
 
 @compiled
-def _pop_loop(words, size, multiplier, engine_hashes, codes):
+def pop_loop(words, size, multiplier, engine_hashes, codes):
     """``AliasTable.pop_many`` over hashes already range-checked, keeping only the popped codes: fills
     ``codes`` in order and returns how many."""
     end = 2 * size
@@ -89,7 +89,7 @@ def _pop_loop(words, size, multiplier, engine_hashes, codes):
     popped = 0
     for i in range(engine_hashes.shape[0]):
         stored = engine_hashes[i] + one
-        at = _alias_home(stored, multiplier, usize)
+        at = alias_home(stored, multiplier, usize)
         current = words[at]
         while current != stored and current != 0:
             at = at + 2 if at + 2 < end else 0
@@ -174,7 +174,7 @@ def remove_sole(aliases: AliasTable, masks: MaskTable, engine_hashes: Iterable[i
     another alias too). Returns how many aliases were popped and the other popped codes, in order."""
     keys = np.array([key for key in engine_hashes if 0 <= key < _KEY_LIMIT], dtype=np.uint64)
     codes = np.empty(len(keys), dtype=np.uint64)
-    popped = _pop_loop(aliases.word_view(), aliases._size, np.uint64(aliases._multiplier), keys, codes)
+    popped = pop_loop(aliases.word_view(), aliases._size, np.uint64(aliases._multiplier), keys, codes)
     codes = codes[:popped]
     skip = np.array([(holder_slot, code) in extra for code in codes.tolist()], dtype=np.uint8) if extra else _NO_SKIP
     others = np.empty(popped, dtype=np.uint64)

@@ -43,3 +43,14 @@ def test_building_an_index_loads_every_compiled_loop_before_the_first_event_or_l
     )
     printed = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)
     assert all(count > 0 for count in ast.literal_eval(printed.stdout.strip().splitlines()[-1]))
+
+
+def test_building_a_key_ledger_loads_its_compiled_loops() -> None:
+    """The ingest process's ledger (index/key_ledger.py): its first events do not pay numba's load either."""
+    probe = (
+        "from index import key_ledger, paired_update\n"
+        "key_ledger.KeyLedger()\n"
+        "print([len(loop.signatures) for loop in (key_ledger._put_loop, paired_update.pop_loop)])\n"
+    )
+    printed = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)
+    assert all(count > 0 for count in ast.literal_eval(printed.stdout.strip().splitlines()[-1]))
