@@ -82,6 +82,21 @@ def encode_notes(notes: Iterable[tuple[Any, ...]]) -> list[bytes]:
     return [msgpack.packb(header, use_bin_type=True), *arrays]
 
 
+def split_notes(notes: Sequence[tuple[Any, ...]], ops: int) -> Iterable[list[tuple[Any, ...]]]:
+    """The notes in order, cut into parts of about ``ops`` block ops (hashes and keys carried) each."""
+    part: list[tuple[Any, ...]] = []
+    carried = 0
+    for note in notes:
+        part.append(note)
+        if note[0] in ("s", "r", "i"):
+            carried += len(note[2])
+            if carried >= ops:
+                yield part
+                part, carried = [], 0
+    if part:
+        yield part
+
+
 @dataclass(frozen=True, slots=True)
 class Note:
     kind: str

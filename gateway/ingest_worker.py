@@ -42,7 +42,7 @@ from events.feed import EngineFeed
 from events.ingest_budget import IngestBudget
 from events.socket_drain import readable
 from events.subscriber import SubscriberConfig
-from events.worker_notes import CounterDeltas, NotedFreshness, NotedView, encode_notes
+from events.worker_notes import CounterDeltas, NotedFreshness, NotedView, encode_notes, split_notes
 from gateway.event_ingest import supervised
 from gateway.logs import setup_logging
 from gateway.startup_objects import freeze_startup_objects
@@ -53,6 +53,12 @@ log = logging.getLogger("kvmesh.ingest_worker")
 READY = b"ready"
 MAX_NOTED_OPS = 65_536
 """Block ops noted and not yet sent before ingest waits (about 1 MB of notes; 0.2-0.4 s at fleet rates)."""
+MESSAGE_OPS = 2_048
+"""Block ops per message at most (one note may carry more): the serving loop applies a message at once, about
+1 us per op, so a backlog sent whole (65k ops) held it 70 ms and requests waited behind it."""
+NOTES_HWM = 16
+"""Messages queued on each side of the notes socket: with ``MAX_NOTED_OPS`` the most a lagging serving side
+leaves between the processes is about 32 messages of ``MESSAGE_OPS`` plus the notes not yet sent."""
 COUNTERS_EVERY_S = 1.0
 PARENT_CHECK_S = 1.0
 UNKNOWN_BLOCK_SIZE = 16
@@ -173,10 +179,11 @@ class IngestWorker:
                 self.notes.extend(self.counters.notes())
             if not self.notes:
                 continue
-            frames = encode_notes(self.notes)
+            notes = list(self.notes)
             self.notes.clear()
             self.ledger.noted_ops = 0
-            await self._send(frames)
+            for part in split_notes(notes, MESSAGE_OPS):
+                await self._send(encode_notes(part))
 
     async def _send(self, frames: list[bytes]) -> None:
         await send(self.out, frames)
@@ -199,6 +206,8 @@ async def _watch_parent(parent_pid: int) -> None:
 def pair_socket(context: zmq.Context) -> zmq.Socket:
     sock = context.socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, NOTES_HWM)
+    sock.setsockopt(zmq.RCVHWM, NOTES_HWM)
     return sock
 
 

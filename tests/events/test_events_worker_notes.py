@@ -17,6 +17,7 @@ from events.worker_notes import (
     apply_notes,
     decode_notes,
     encode_notes,
+    split_notes,
 )
 from index.key_ledger import KeyLedger
 from index.prefix_index import PrefixIndex
@@ -152,3 +153,16 @@ def test_notes_of_an_engine_no_longer_ingested_change_nothing():
 def test_a_malformed_message_is_refused_whole(frames):
     with pytest.raises(NotesError):
         decode_notes(frames)
+
+
+@given(st.lists(st.tuples(st.sampled_from(["s", "r", "i", "e", "g"]), st.integers(0, 700)), max_size=40),
+       st.integers(1, 1000))
+def test_notes_cut_into_parts_keep_their_order_and_a_bounded_size(shapes, ops):
+    """The serving loop applies a message at once: parts stay near ``ops`` block ops, none lost or reordered."""
+    notes = [(kind, "h", list(range(n)), list(range(n))) if kind == "s" else (kind, "h", list(range(n)), 0)
+             for kind, n in shapes]
+    parts = list(split_notes(notes, ops))
+    assert [note for part in parts for note in part] == notes
+    for part in parts:
+        carried = [len(note[2]) for note in part if note[0] in ("s", "r", "i")]
+        assert sum(carried[:-1]) < ops  # only the note that crossed the line may carry past it
