@@ -27,8 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.event_mix import BLOCK_SIZE
-from bench.ingest_split import measure_split
+from bench.ingest_split import measure_split, warmed_fleet
 from bench.ingest_zmq import measure_over_zmq
 from bench.recorded_events import MODEL, Message, freeze, recorded_mix
 from bench.revision import add_against_options, side_by_side
@@ -37,7 +36,6 @@ from events.feed import EngineFeed
 from index.block_hash import chain_from, root_seed
 from index.events import BlockStored, EventBatch
 from index.ingest import EngineIngest
-from index.prefix_index import PrefixIndex
 from index.view import CacheView
 
 
@@ -83,13 +81,7 @@ def measure(engines: int = 16, cap: int = 20_000, steps: int = 100, seed: int = 
     warm, messages, ops = mix.fill, mix.steady, mix.steady_ops
 
     def fresh() -> tuple[CacheView, list[EngineFeed]]:
-        view = CacheView(PrefixIndex())
-        for i in range(engines):
-            view.register(f"e{i}", block_size=BLOCK_SIZE, has_events=True)
-        feeds = [EngineFeed(f"e{i}", MODEL, view) for i in range(engines)]
-        for i, frames in warm:
-            feeds[i].on_live(frames, 0.0)
-        return view, feeds
+        return warmed_fleet(engines, warm)
 
     freeze()
     batches: list[tuple[int, EventBatch]] = [(i, decode_live(frames)) for i, frames in messages]

@@ -48,7 +48,8 @@ def _cpu(work: Callable[[], object]) -> float:
     return time.thread_time() - started
 
 
-def _serving(engines: int, warm: list[Message]) -> tuple[CacheView, list[EngineFeed]]:
+def warmed_fleet(engines: int, warm: list[Message]) -> tuple[CacheView, list[EngineFeed]]:
+    """A serving side's index of ``engines`` engines, each feed fed the ``warm`` messages on the loop."""
     view = CacheView(PrefixIndex())
     for i in range(engines):
         view.register(f"e{i}", block_size=BLOCK_SIZE, has_events=True)
@@ -74,7 +75,7 @@ def _worker(engines: int, warm: list[Message]) -> tuple[KeyLedger, list[EngineFe
 
 
 def _loop_pass(engines: int, mix: RecordedMix) -> float:
-    _, feeds = _serving(engines, mix.fill)
+    _, feeds = warmed_fleet(engines, mix.fill)
     return _cpu(lambda: [feeds[i].on_live(frames, 1.0) for i, frames in mix.steady])
 
 
@@ -94,7 +95,7 @@ def _worker_pass(engines: int, mix: RecordedMix) -> tuple[float, list[list[bytes
 
 
 def _serving_pass(engines: int, mix: RecordedMix, messages: list[list[bytes]]) -> float:
-    view, _ = _serving(engines, mix.fill)
+    view, _ = warmed_fleet(engines, mix.fill)
     names = {f"e{i}" for i in range(engines)}
     applied: dict[str, int] = {}
     return _cpu(lambda: [apply_notes(decode_notes(m), view, names.__contains__, applied, 1.0) for m in messages])

@@ -17,7 +17,7 @@ import numpy as np
 
 from index.alias_table import AliasTable
 from index.compiled import compiled
-from index.paired_update import alias_home, pop_loop
+from index.paired_update import alias_put, pop_loop
 from index.tiers import source_of
 
 _KEY_LIMIT = 1 << 63
@@ -26,35 +26,16 @@ _KEY_LIMIT = 1 << 63
 @compiled
 def _put_loop(words, size, multiplier, engine_hashes, own_keys):
     """``AliasTable.put_many`` over pairs already range-checked; returns (aliases that changed, added, newly used
-    slots). The same probes and placement as the table's Python loop, on the same words."""
-    end = 2 * size
-    one = np.uint64(1)
-    tombstone = np.uint64(0xFFFFFFFFFFFFFFFF)
-    usize = np.uint64(size)
+    slots)."""
     changed = added = used = 0
     for i in range(engine_hashes.shape[0]):
-        stored = engine_hashes[i] + one
-        value = own_keys[i]
-        at = alias_home(stored, multiplier, usize)
-        reusable = -1
-        current = words[at]
-        while current != stored and current != 0:
-            if current == tombstone and reusable < 0:
-                reusable = at
-            at = at + 2 if at + 2 < end else 0
-            current = words[at]
-        if current != 0:
-            if words[at + 1] != value:
-                changed += 1
-                words[at + 1] = value
-            continue
-        if reusable < 0:
-            reusable = at
-            used += 1
-        words[reusable] = stored
-        words[reusable + 1] = value
-        changed += 1
-        added += 1
+        existed, before, taken = alias_put(words, size, multiplier, engine_hashes[i], own_keys[i])
+        if not existed:
+            added += 1
+            used += taken
+            changed += 1
+        elif before != own_keys[i]:
+            changed += 1
     return changed, added, used
 
 

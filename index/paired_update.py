@@ -33,37 +33,48 @@ def alias_home(stored: np.uint64, multiplier: np.uint64, size: np.uint64) -> int
 
 
 @compiled
+def alias_put(words, size, multiplier, engine_hash, value):
+    """Set one alias in an alias table's words (``AliasTable.put_many``'s probe and placement, for one pair):
+    returns (whether the hash had an alias, its previous value, 1 if a never-used slot was taken)."""
+    end = 2 * size
+    stored = engine_hash + np.uint64(1)
+    tombstone = np.uint64(0xFFFFFFFFFFFFFFFF)
+    at = alias_home(stored, multiplier, np.uint64(size))
+    reusable = -1
+    current = words[at]
+    while current != stored and current != 0:
+        if current == tombstone and reusable < 0:
+            reusable = at
+        at = at + 2 if at + 2 < end else 0
+        current = words[at]
+    if current != 0:
+        before = words[at + 1]
+        words[at + 1] = value
+        return True, before, 0
+    used = 0
+    if reusable < 0:
+        reusable = at
+        used = 1
+    words[reusable] = stored
+    words[reusable + 1] = value
+    return False, np.uint64(0), used
+
+
+@compiled
 def _store_loop(words, size, multiplier, table, values, shift, engine_hashes, codes, value, held, replaced):
     """The loop of ``store_new``; returns (held blocks, replaced aliases, newly used alias slots) and fills
     ``held`` and ``replaced`` (rows of code, previous code) in order."""
-    end = 2 * size
     last = np.int64(table.shape[0] - 1)
-    one = np.uint64(1)
-    tombstone = np.uint64(0xFFFFFFFFFFFFFFFF)
-    usize = np.uint64(size)
     n_held = n_replaced = used = 0
     for i in range(engine_hashes.shape[0]):
-        stored = engine_hashes[i] + one
         code = codes[i]
-        at = alias_home(stored, multiplier, usize)
-        reusable = -1
-        current = words[at]
-        while current != stored and current != 0:
-            if current == tombstone and reusable < 0:
-                reusable = at
-            at = at + 2 if at + 2 < end else 0
-            current = words[at]
-        if current != 0:
+        existed, before, taken = alias_put(words, size, multiplier, engine_hashes[i], code)
+        if existed:
             replaced[n_replaced, 0] = code
-            replaced[n_replaced, 1] = words[at + 1]
+            replaced[n_replaced, 1] = before
             n_replaced += 1
-            words[at + 1] = code
             continue
-        if reusable < 0:
-            reusable = at
-            used += 1
-        words[reusable] = stored
-        words[reusable + 1] = code
+        used += taken
         slot = np.int64(code >> shift)
         current = table[slot]
         while current != code and current != 0:
