@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 
+import msgpack
 import pytest
 import trio
 import zmq
@@ -13,7 +14,8 @@ from prometheus_client import REGISTRY
 from test_events_zmq import BLOCK, MODEL, FakeEngine
 
 from events.ingest_budget import IngestBudget
-from gateway.process_ingest import ProcessIngest
+from events.worker_notes import encode_notes
+from gateway.process_ingest import ProcessIngest, WorkerFailed
 from index.prefix_index import PrefixIndex
 from index.view import CacheView
 
@@ -84,4 +86,30 @@ async def test_the_serving_index_follows_every_engine_through_the_worker_and_its
     finally:
         for engine in engines:
             engine.close()
+        context.term()
+
+
+async def test_a_message_that_does_not_decode_ends_the_worker_and_changes_nothing():
+    """The worker is a process outside this one: a malformed message is refused whole (the supervisor then starts
+    a new worker), and the notes of the well-formed message before it are applied."""
+    context = zmq.Context()
+    receiver, sender = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
+    view = CacheView(PrefixIndex())
+    view.register("e0", block_size=BLOCK, has_events=True)
+    ingest = ProcessIngest(view, budget=IngestBudget(serving=lambda: False))
+    ingest._sources["e0"] = "e0"  # noqa: SLF001 - an engine the worker was handed
+    try:
+        receiver.bind("inproc://notes")
+        sender.connect("inproc://notes")
+        sender.send_multipart(encode_notes([("s", "e0", [7, 8], [70, 80]), ("e", "e0", "e0", 3)]))
+        sender.send_multipart([msgpack.packb([["s", "e0", 1, 2]]), b"\x01" * 8])  # unequal arrays
+        sender.send_multipart(encode_notes([("s", "e0", [9], [90])]))
+        with trio.fail_after(10), pytest.raises(WorkerFailed):
+            await ingest._apply(receiver)  # noqa: SLF001
+        assert view.store.block_count("e0") == 2
+        assert ingest.applied == {"e0": 3}
+        assert view.info("e0").freshness.last_seq == 3
+    finally:
+        receiver.close(0)
+        sender.close(0)
         context.term()
