@@ -25,6 +25,7 @@ decode is refused whole, and notes about engines it does not ingest are skipped.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -255,7 +256,7 @@ def apply_notes(notes: Sequence[Note], view: CacheView, sources: Callable[[str],
     touched: set[str] = set()
     for note in notes:
         kind = note.kind
-        if kind in "src":
+        if kind in ("s", "r", "c"):
             if not sources(source_of(note.name)):
                 continue
             if kind == "s":
@@ -266,11 +267,8 @@ def apply_notes(notes: Sequence[Note], view: CacheView, sources: Callable[[str],
                 store.clear(note.name)
             continue
         if kind == "n":
-            counter = FORWARDED_COUNTERS[note.name]
-            try:
-                counter.labels(*note.labels).inc(note.number)
-            except ValueError:  # the wrong number of labels for that counter
-                continue
+            with contextlib.suppress(ValueError):  # the wrong number of labels for that counter
+                FORWARDED_COUNTERS[note.name].labels(*note.labels).inc(note.number)
             continue
         info = view.info(note.name)
         if info is None:

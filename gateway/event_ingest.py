@@ -97,10 +97,14 @@ class EventIngest:
         if self.mesh is not None:
             self.mesh.serve_state(index_transfer.NAMESPACE, self._snapshot)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self.poller.run)
+            nursery.start_soon(self._carry)
             task_status.started()
             async for engine, stream in self._started:
                 nursery.start_soon(self._ingest, engine, stream)
+
+    async def _carry(self) -> None:
+        """What carries every engine's events while the streams run: here the live poller."""
+        await self.poller.run()
 
     def add(self, engine: str, model: str, sources: list[EventSource],
             before_ingest: Callable[[], Awaitable[None]] = go_ahead,
@@ -134,13 +138,17 @@ class EventIngest:
             holders = holder_keys(engine, [source.rank for source in stream.sources])
             self.cache.set_holders(engine, holders)
             resume = await self._warm(engine, holders, stream.capacity_blocks() or MAX_WARM_BLOCKS)
-            stream.feeds = [EngineFeed(engine, stream.model, self.cache, resume_seq=seq, holder=holder)
-                            for seq, holder in zip(resume, holders, strict=True)]
             log.info("ingesting events", extra={"engine": engine, "resume_seq": list(resume)})
-            async with trio.open_nursery() as nursery:
-                for feed, source in zip(stream.feeds, stream.sources, strict=True):
-                    nursery.start_soon(supervised, feed, source, self.poller, self.subscriber,
-                                       stream.before_ingest)
+            await self._follow(engine, stream, holders, resume)
+
+    async def _follow(self, engine: str, stream: EngineStream, holders: tuple[str, ...],
+                      resume: tuple[int | None, ...]) -> None:
+        """Ingest the engine's sources (one per holder, each from its ``resume`` seq) until cancelled."""
+        stream.feeds = [EngineFeed(engine, stream.model, self.cache, resume_seq=seq, holder=holder)
+                        for seq, holder in zip(resume, holders, strict=True)]
+        async with trio.open_nursery() as nursery:
+            for feed, source in zip(stream.feeds, stream.sources, strict=True):
+                nursery.start_soon(supervised, feed, source, self.poller, self.subscriber, stream.before_ingest)
 
     async def _warm(self, engine: str, holders: tuple[str, ...], capacity: int) -> tuple[int | None, ...]:
         """Load the freshest peer's index of ``engine`` (each source's blocks into its holder) unless it holds

@@ -29,16 +29,14 @@ import numpy as np
 import trio
 import zmq
 
-from events.counters import INGEST_DEFERRED, INGEST_PROCESS_FAILURES
+from events.counters import INGEST_PROCESS_FAILURES
 from events.ingest_budget import IngestBudget
-from events.socket_drain import readable
+from events.socket_drain import readable, wait_for_budget
 from events.subscriber import SubscriberConfig
 from events.worker_notes import Note, NotesError, apply_notes, decode_notes
-from gateway import index_transfer
-from gateway.event_ingest import MAX_WARM_BLOCKS, EngineStream, EventIngest
+from gateway.event_ingest import EngineStream, EventIngest
 from gateway.ingest_worker import READY, WorkerSettings, control_endpoint, notes_endpoint, pair_socket, send
 from index.freshness import EngineFreshness
-from index.holders import holder_keys
 from index.tiers import TIER_MEDIA, tier_holder
 from index.view import CacheView
 from mesh.node import MeshNode
@@ -98,41 +96,31 @@ class ProcessIngest(EventIngest):
         return {"process": True, "worker_pid": self.worker_pid, "worker_starts": self.stats["worker_starts"],
                 "worker_failures": self.stats["worker_failures"]}
 
-    async def run(self, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
-        if self.mesh is not None:
-            self.mesh.serve_state(index_transfer.NAMESPACE, self._snapshot)
+    async def _carry(self) -> None:
+        """The worker, supervised, and the engines' capacities it bounds their blocks by."""
         async with trio.open_nursery() as nursery:
-            task_status.started()
-            nursery.start_soon(self._start_streams, nursery)
             nursery.start_soon(self._follow_capacity)
             await self._supervise()
 
-    async def _start_streams(self, nursery: trio.Nursery) -> None:
-        async for engine, stream in self._started:
-            nursery.start_soon(self._ingest, engine, stream)
-
-    async def _ingest(self, engine: str, stream: EngineStream) -> None:
-        holders = holder_keys(engine, [source.rank for source in stream.sources])
-        with stream.scope:
-            self.cache.set_holders(engine, holders)
-            resume = await self._warm(engine, holders, stream.capacity_blocks() or MAX_WARM_BLOCKS)
-            for holder, seq in zip(holders, resume, strict=True):
-                self.applied.pop(holder, None)
-                if seq is not None:
-                    self.applied[holder] = seq
-                self._sources[holder] = engine
-            stream.feeds = [RemoteFeed(engine, holder, self.applied, self.cache) for holder in holders]
-            log.info("ingesting events in the ingest process", extra={"engine": engine, "resume_seq": list(resume)})
-            try:
-                await self._hand_over(engine, stream)
-                await trio.sleep_forever()
-            finally:
-                for holder in holders:
-                    if self._sources.get(holder) == engine:
-                        del self._sources[holder]
-                        self.applied.pop(holder, None)
-                with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-                    await self._tell({"remove": engine})
+    async def _follow(self, engine: str, stream: EngineStream, holders: tuple[str, ...],
+                      resume: tuple[int | None, ...]) -> None:
+        """Hand the engine to the worker; until cancelled, this process applies what the worker notes of it."""
+        for holder, seq in zip(holders, resume, strict=True):
+            self.applied.pop(holder, None)
+            if seq is not None:
+                self.applied[holder] = seq
+            self._sources[holder] = engine
+        stream.feeds = [RemoteFeed(engine, holder, self.applied, self.cache) for holder in holders]
+        try:
+            await self._hand_over(engine, stream)
+            await trio.sleep_forever()
+        finally:
+            for holder in holders:
+                if self._sources.get(holder) == engine:
+                    del self._sources[holder]
+                    self.applied.pop(holder, None)
+            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                await self._tell({"remove": engine})
 
     async def _hand_over(self, engine: str, stream: EngineStream) -> None:
         """Give the worker the engine, with the blocks of each of its sources this index already holds."""
@@ -237,11 +225,12 @@ class ProcessIngest(EventIngest):
         while True:
             await readable(notes)
             while True:
-                await self._wait_for_budget()
+                await wait_for_budget(budget, ((feed, trio.current_time) for feed in self._feeds()))
                 try:
                     frames = notes.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
-                    self._caught_up()
+                    for feed in self._feeds():
+                        feed.freshness.on_caught_up()
                     break
                 try:
                     decoded = decode_notes(frames)
@@ -259,32 +248,9 @@ class ProcessIngest(EventIngest):
             if stream is not None:
                 await stream.before_ingest()
 
-    async def _wait_for_budget(self) -> None:
-        wait = self.budget.wait_s(trio.current_time())
-        if wait <= 0:
-            return
-        behind = self._freshness()
-        for freshness in behind.values():
-            freshness.on_deferred(trio.current_time())
-        began = trio.current_time()
-        while wait > 0:
-            await trio.sleep(wait)
-            wait = self.budget.wait_s(trio.current_time())
-        waited = trio.current_time() - began
-        for engine in behind:
-            INGEST_DEFERRED.labels(engine=engine).inc(waited)
-
-    def _caught_up(self) -> None:
-        for freshness in self._freshness().values():
-            freshness.on_caught_up()
-
-    def _freshness(self) -> dict[str, EngineFreshness]:
-        found = {}
-        for engine in set(self._sources.values()):
-            info = self.cache.info(engine)
-            if info is not None:
-                found[engine] = info.freshness
-        return found
+    def _feeds(self) -> list[RemoteFeed]:
+        """Every source handed to the worker: while its notes wait, each of their indexes lags."""
+        return [feed for stream in self._streams.values() for feed in stream.feeds]
 
 
 async def _watch(process: trio.Process) -> None:

@@ -99,9 +99,6 @@ class KeyLedger:
         self.noted_ops += len(engine_hashes)
         return changed
 
-    def store(self, holder: str, pairs: Sequence[tuple[int, int]]) -> int:
-        return self.store_many(holder, [h for h, _ in pairs], [k for _, k in pairs])
-
     def remove(self, holder: str, engine_hashes: Iterable[int]) -> int:
         aliases = self._aliases.get(holder)
         if not aliases:
@@ -134,12 +131,3 @@ class KeyLedger:
     def block_count(self, holder: str) -> int:
         aliases = self._aliases.get(holder)
         return len(aliases) if aliases is not None else 0
-
-    def engines(self) -> list[str]:
-        return list(self._aliases)
-
-    def export(self, holder: str) -> tuple[np.ndarray, np.ndarray]:
-        aliases = self._aliases.get(holder)
-        if aliases is None:
-            return np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint64)
-        return aliases.arrays()
