@@ -67,6 +67,10 @@ class Faults:
     fail_status: int = 500
     """What a failed request is answered with (429 comes with a Retry-After)."""
     stall_s: float = 0.0
+    """The scheduler sleeps this long before its next step, as a hung GPU (then clears)."""
+    stall_after: int = 0
+    """Once a request has generated this many tokens, the engine stalls for ``stall_after_s`` (once; 0: never)."""
+    stall_after_s: float = 0.0
     error_after: int = 0
     """Streams end with vLLM's mid-stream SSE error event (then ``[DONE]``) after this many tokens (0: never)."""
     die_after: int = 0
@@ -313,6 +317,10 @@ class SimEngine:
             if "stall" in body:
                 f.stall_s = max(float(body["stall"]), 0.0)
                 self._wakeup()
+            if "stall_after" in body:
+                if type(body["stall_after"]) is not int or body["stall_after"] < 0:
+                    raise ValueError("stall_after must be a token count >= 0")
+                f.stall_after, f.stall_after_s = body["stall_after"], max(float(body.get("stall_for", 0.0)), 0.0)
             if "drop_events" in body and self.publisher is not None:
                 self.publisher.drop = bool(body["drop_events"])
         except (TypeError, ValueError) as exc:
@@ -456,6 +464,8 @@ class SimEngine:
                 if sent == self.faults.die_after:
                     assert self._cancel is not None
                     self._cancel.cancel()
+                if sent == self.faults.stall_after:
+                    self.faults.stall_s, self.faults.stall_after = self.faults.stall_after_s, 0
                 if out.finish_reason is not None:
                     finished = True
                     self.success[out.finish_reason] = self.success.get(out.finish_reason, 0) + 1

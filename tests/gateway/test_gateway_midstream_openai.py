@@ -101,10 +101,12 @@ def test_every_stream_survives_sigkill_of_its_engine_after_20_chunks(engines, ro
 
 
 def test_a_stream_stalled_after_20_chunks_is_finished_by_another_engine(engines, router):
-    client = api(router)
-    finish, usage, _, _ = read_whole(client, lambda i, headers: i == 20 and fault(serving(engines, headers),
-                                                                                  {"stall": 30}))
-    assert finish == ["length"] and usage.completion_tokens == 300
+    """Every engine hangs for 30 s once a request of its own reaches 20 tokens: the first engine's hang ends the
+    stream there and the continuation, 10 tokens long, never reaches the fault on the engine it goes to."""
+    for fleet in engines:
+        fault(fleet, {"stall_after": 20, "stall_for": 30})
+    finish, usage, _, _ = read_whole(api(router), max_tokens=30)
+    assert finish == ["length"] and usage.completion_tokens == 30
     assert continuations(router) == 1
     [line] = [json.loads(x) for x in router.stderr().splitlines() if '"msg": "continued"' in x]
     assert line["continued_from"] != line["continued_to"] and line["sent_tokens"][0] >= 20
@@ -112,11 +114,12 @@ def test_a_stream_stalled_after_20_chunks_is_finished_by_another_engine(engines,
 
 
 def test_an_sse_error_event_after_20_chunks_is_continued(engines, router):
-    client = api(router)
-    fault(engines[0], {"error_after": 20})
-    for _ in range(3):  # round robin: one of these starts on the failing engine
-        finish, usage, _, _ = read_whole(client, max_tokens=60)
-        assert finish == ["length"] and usage.completion_tokens == 60
+    """Every engine ends its streams with vLLM's SSE error event after 20 tokens: a 30-token answer is finished
+    by one continuation (10 tokens, under the fault) wherever it started."""
+    for fleet in engines:
+        fault(fleet, {"error_after": 20})
+    finish, usage, _, _ = read_whole(api(router), max_tokens=30)
+    assert finish == ["length"] and usage.completion_tokens == 30
     assert continuations(router) == 1
 
 
