@@ -2,6 +2,7 @@
 
 run_replica
  +- loop-lag watch        (how late the loop wakes tasks: a metric, and ingest's headroom; gateway/loop_lag.py)
+ +- collector pauses      (each garbage collection's hold on the process: a metric; gateway/gc_pauses.py)
  +- event ingest          (one subscriber scope per engine; gateway/event_ingest.py)
  +- mesh                  (gossip, replication; with a mesh only)
  |   +- dispatch sweep    (the leader drops expired dispatch entries)
@@ -37,6 +38,7 @@ from gateway.engines import EngineRegistry
 from gateway.event_ingest import EventIngest
 from gateway.fleet import Fleet, Watch
 from gateway.gatekeeper import Gatekeeper
+from gateway.gc_pauses import timing_gc
 from gateway.loop_lag import watch_loop_lag
 from gateway.mesh_link import (
     build_mesh_node,
@@ -73,6 +75,9 @@ class Replica:
     gate: Gatekeeper
     router: Router
     autoscaler: AutoscaleLoop | None
+
+    def observe_gc_pause(self, generation: int, pause_s: float) -> None:
+        self.metrics.gc_pause.labels(generation=str(generation)).observe(pause_s)
 
     def observe_loop_lag(self, lag_s: float) -> None:
         """The loop's lag is both a metric and ingest's headroom signal (events/ingest_budget.py)."""
@@ -123,18 +128,19 @@ def build_replica(config: RouterConfig, *, forward: Forward = forward, watch: Wa
 
 async def run_replica(replica: Replica, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
     """Start every long-lived task of the replica, in order, in one nursery; cancelling it stops them all."""
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(watch_loop_lag, replica.observe_loop_lag)
-        await nursery.start(replica.ingest.run)
-        if replica.mesh is not None and replica.mesh_state is not None:
-            await nursery.start(replica.mesh.run)
-            follow_mesh(replica.fleet, replica.mesh_state)
-            nursery.start_soon(sweep_dispatches, replica.mesh_state)
-            nursery.start_soon(sweep_tombstones, replica.mesh_state)
-            if replica.gate.has_limits:
-                nursery.start_soon(replica.gate.share_limits, replica.mesh_state)
-        await nursery.start(replica.planner.run)
-        await nursery.start(replica.fleet.run)
-        if replica.autoscaler is not None:
-            await nursery.start(replica.autoscaler.run)
-        task_status.started()
+    with timing_gc(replica.observe_gc_pause):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch_loop_lag, replica.observe_loop_lag)
+            await nursery.start(replica.ingest.run)
+            if replica.mesh is not None and replica.mesh_state is not None:
+                await nursery.start(replica.mesh.run)
+                follow_mesh(replica.fleet, replica.mesh_state)
+                nursery.start_soon(sweep_dispatches, replica.mesh_state)
+                nursery.start_soon(sweep_tombstones, replica.mesh_state)
+                if replica.gate.has_limits:
+                    nursery.start_soon(replica.gate.share_limits, replica.mesh_state)
+            await nursery.start(replica.planner.run)
+            await nursery.start(replica.fleet.run)
+            if replica.autoscaler is not None:
+                await nursery.start(replica.autoscaler.run)
+            task_status.started()
