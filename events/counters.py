@@ -25,3 +25,6 @@ ENGINE_VALUES_REJECTED = Counter("kvmesh_engine_values_rejected_total",
 INGEST_PROCESS_FAILURES = Counter("kvmesh_ingest_process_failures_total",
                                   "Times the replica's ingest process ended or sent what does not decode, and was "
                                   "started again")
+INDEX_REGROWN = Counter("kvmesh_index_regrown_total",
+                        "Doublings of the index's mask table built ahead of ingest in a worker thread: adopted, "
+                        "stale (the index changed meanwhile; a store doubles it in place) or failed", ["outcome"])

@@ -39,6 +39,10 @@ def next_tick(now: float, tick_s: float) -> float:
     return count * tick_s
 
 
+async def go_ahead() -> None:
+    """Nothing to let pass before ingesting."""
+
+
 @dataclass(eq=False, slots=True)
 class _Handed:
     sock: zmq.Socket
@@ -55,10 +59,13 @@ class LivePoller:
     """Owned by the process's ingest (or by one subscriber, for a subscriber run alone); :meth:`run` is its
     task, :meth:`hand_over` what a subscriber awaits while its socket is busy."""
 
-    def __init__(self, budget: IngestBudget, tick_s: float = 0.005, quiet_ticks: int = 20) -> None:
+    def __init__(self, budget: IngestBudget, tick_s: float = 0.005, quiet_ticks: int = 20,
+                 room: Callable[[], Awaitable[None]] = go_ahead) -> None:
         if tick_s <= 0 or quiet_ticks < 1:
             raise ValueError("live poller: positive tick, at least one quiet tick")
         self.budget = budget
+        self.room = room
+        """Awaited before each slice: makes room in the index ahead of the slice's stores (events/index_room.py)."""
         self.tick_s = tick_s
         self.quiet_ticks = quiet_ticks
         self._handed: list[_Handed] = []
@@ -114,6 +121,7 @@ class LivePoller:
         while ready:
             for handed in ready:
                 await wait_for_budget(self.budget, ((h.feed, h.clock) for h in ready if h in self._handed))
+                await self.room()
                 if handed not in self._handed:  # its subscriber took it back meanwhile
                     continue
                 try:

@@ -22,7 +22,7 @@ from events.curve import CurveClient
 from events.discovery import EventSource
 from events.feed import DEFAULT_MAX_PAYLOAD, EngineFeed
 from events.ingest_budget import IngestBudget
-from events.live_poller import LivePoller
+from events.live_poller import LivePoller, go_ahead
 from events.socket_drain import drain, drain_slice, readable, wait_for_budget
 
 
@@ -51,9 +51,10 @@ class SubscriberConfig:
     quiet_ticks: int = 20
     """Ticks in a row without a message after which a socket goes back to waiting on its FD."""
 
-    def poller(self, budget: IngestBudget) -> LivePoller:
-        """The poller every subscriber of a process shares, drawing on ``budget``."""
-        return LivePoller(budget, self.tick_s, self.quiet_ticks)
+    def poller(self, budget: IngestBudget, room: Callable[[], Awaitable[None]] = go_ahead) -> LivePoller:
+        """The poller every subscriber of a process shares, drawing on ``budget`` (and awaiting ``room`` before
+        each slice)."""
+        return LivePoller(budget, self.tick_s, self.quiet_ticks, room)
 
 
 def _configure(sock: zmq.Socket, config: SubscriberConfig, source: EventSource) -> None:
@@ -65,10 +66,6 @@ def _configure(sock: zmq.Socket, config: SubscriberConfig, source: EventSource) 
             raise ValueError("the engine's events need CURVE (curve_server_key) but the router has no "
                              "events_curve_secret_file")
         config.curve_client.secure(sock, source.curve_server_key)
-
-
-async def go_ahead() -> None:
-    """Nothing to let pass before ingesting."""
 
 
 async def run_subscriber(feed: EngineFeed, source: EventSource, *, context: zmq.Context | None = None,

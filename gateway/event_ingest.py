@@ -24,11 +24,13 @@ import trio
 from events.counters import SUBSCRIBER_RESTARTS
 from events.discovery import EventSource
 from events.feed import EngineFeed
+from events.index_room import IndexRoom
 from events.ingest_budget import IngestBudget
 from events.live_poller import LivePoller
 from events.subscriber import SubscriberConfig, go_ahead, run_subscriber
 from gateway import index_transfer
 from index.holders import holder_keys
+from index.prefix_index import PrefixIndex
 from index.view import CacheView
 from mesh.node import MeshNode
 
@@ -85,7 +87,9 @@ class EventIngest:
         self.mesh = mesh
         self.budget = budget or IngestBudget()
         """The share of the event loop every engine's ingest together may take (events/ingest_budget.py)."""
-        self.poller = self.subscriber.poller(self.budget)
+        self.room = IndexRoom(cache.store) if isinstance(cache.store, PrefixIndex) else None
+        """Doubles the index's table ahead of ingest, off the loop (events/index_room.py)."""
+        self.poller = self.subscriber.poller(self.budget, self.room.make if self.room else go_ahead)
         """Drains every publishing engine's socket once per tick (events/live_poller.py); run by :meth:`run`."""
         self.warm_timeout_s = warm_timeout_s
         self.stats: Counter[str] = Counter()

@@ -226,6 +226,8 @@ class ProcessIngest(EventIngest):
             await readable(notes)
             while True:
                 await wait_for_budget(budget, ((feed, trio.current_time) for feed in self._feeds()))
+                if self.room is not None:
+                    await self.room.make()
                 try:
                     frames = notes.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:

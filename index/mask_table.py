@@ -21,6 +21,7 @@ from __future__ import annotations
 import secrets
 from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -73,6 +74,16 @@ def _walk_compiled(table, values, shift, multiplier, own_keys, start, alive, dep
             if alive == 0:
                 return rows, i + 1, alive
     return rows, own_keys.shape[0], alive
+
+
+@dataclass(frozen=True, slots=True)
+class Regrown:
+    """A mask table's slots rebuilt at another size (``MaskTable.regrown``), ready to be adopted."""
+
+    size: int
+    codes: array
+    values: array
+    live: int
 
 
 class MaskTable:
@@ -325,9 +336,14 @@ class MaskTable:
                     break
         return alive
 
-    def _rebuild(self, entries: int) -> None:
-        """Re-place the live entries in the smallest power-of-two table that ``entries`` fill to at most
-        ``_MAX_LOAD``, all at once with numpy (see ``alias_table.placements``)."""
+    def needs_room(self, blocks: int) -> bool:
+        """Whether ``blocks`` more would pass the load limit, so that an insert would double the table first."""
+        return self._live + blocks > self.max_live()
+
+    def regrown(self, entries: int) -> Regrown:
+        """The live entries re-placed in the smallest power-of-two table that ``entries`` fill to at most
+        ``_MAX_LOAD``, all at once with numpy (see ``alias_table.placements``). It only reads this table, so it
+        may run in a worker thread while the event loop reads the table too (never while it writes it)."""
         codes = np.frombuffer(self._codes, dtype=np.uint64)
         live = np.flatnonzero(codes)
         live_codes, live_values = codes[live], np.frombuffer(self._values, dtype=np.uint64)[live]
@@ -335,8 +351,19 @@ class MaskTable:
         size = _MIN_SIZE
         while entries > _MAX_LOAD * size:
             size *= 2
-        self._allocate(size)
-        self._live = len(live)
-        order, places = placements((live_codes >> np.uint64(self._shift)).astype(np.int64), size)
-        np.frombuffer(self._codes, dtype=np.uint64)[places] = live_codes[order]
-        np.frombuffer(self._values, dtype=np.uint64)[places] = live_values[order]
+        regrown = Regrown(size, array("Q", (0,)) * size, array("Q", (0,)) * size, len(live))
+        order, places = placements((live_codes >> np.uint64(65 - size.bit_length())).astype(np.int64), size)
+        np.frombuffer(regrown.codes, dtype=np.uint64)[places] = live_codes[order]
+        np.frombuffer(regrown.values, dtype=np.uint64)[places] = live_values[order]
+        return regrown
+
+    def adopt(self, regrown: Regrown) -> None:
+        """Take a table ``regrown`` built from this one's current entries."""
+        self._codes, self._values = regrown.codes, regrown.values
+        self._size = regrown.size
+        self._shift = 65 - regrown.size.bit_length()
+        self._np_shift = np.uint64(self._shift)
+        self._live = regrown.live
+
+    def _rebuild(self, entries: int) -> None:
+        self.adopt(self.regrown(entries))

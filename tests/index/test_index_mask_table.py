@@ -201,3 +201,42 @@ def test_an_index_of_more_holders_than_a_word_answers_as_a_model(sequence: list[
         if len(names) == 1:
             unique[names[0]] = unique.get(names[0], 0) + 1
     assert index.unique_blocks() == unique
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops, st.integers(1, 5000))
+def test_a_regrown_table_adopted_holds_the_same_blocks_with_room_for_more(
+        sequence: list[tuple[str, object, int]], room: int) -> None:
+    """Built from a table (as a worker thread would, reading it only), then adopted: the same masks for every
+    key, unbroken probe paths, and room for ``room`` more blocks without another doubling."""
+    table, reference = MaskTable(), {}
+    for op, arg, mask in sequence:
+        _apply(table, reference, op, arg, mask)
+    before = (list(table._codes), list(table._values))
+    regrown = table.regrown(len(table) + room)
+    assert (list(table._codes), list(table._values)) == before  # building it changed nothing
+    table.adopt(regrown)
+    assert len(table) == len(reference) and not table.needs_room(room)
+    assert _probe_paths_unbroken(table)
+    probe = list(reference) + list(range(300, 360))
+    assert [table.get(table.code(k)) for k in probe] == [reference.get(k, 0) for k in probe]
+    for op, arg, mask in sequence:  # and it goes on behaving as a dict
+        _apply(table, reference, op, arg, mask)
+    assert [table.get(table.code(k)) for k in probe] == [reference.get(k, 0) for k in probe]
+
+
+def test_an_index_adopts_a_regrown_table_only_if_nothing_was_written_since() -> None:
+    index = PrefixIndex()
+    index.store_many("a", list(range(1, 41)), list(range(101, 141)))
+    assert index.needs_room(1000)
+    writes = index.writes
+    stale = index.regrown(1000)
+    index.store_many("b", [7, 8], [101, 500])  # written while the copy was built
+    assert not index.adopt(stale, writes)
+    assert index.needs_room(1000)
+    writes = index.writes
+    assert index.adopt(index.regrown(1000), writes) and not index.needs_room(1000)
+    assert index.overlap(list(range(101, 141))) == {"a": 40, "b": 1}
+    assert index.overlap([500]) == {"b": 1}
+    index.remove("a", range(1, 41))
+    assert index.overlap(list(range(101, 141))) == {"b": 1}

@@ -1,0 +1,111 @@
+"""Room in the index is made ahead of ingest, in a worker thread, and adopted only over an index nobody wrote
+meanwhile; the live poller asks for it before every slice it drains."""
+
+from __future__ import annotations
+
+import threading
+
+import trio
+import zmq
+
+from events.counters import INDEX_REGROWN
+from events.index_room import RETRY_S, IndexRoom
+from events.ingest_budget import IngestBudget
+from events.live_poller import LivePoller
+from index.prefix_index import PrefixIndex
+from tests.events.test_events_live_poller import Pair, feed, go_ahead, until
+
+
+def regrown(outcome: str) -> float:
+    return INDEX_REGROWN.labels(outcome=outcome)._value.get()
+
+
+def filled(blocks: int) -> PrefixIndex:
+    index = PrefixIndex()
+    index.store_many("a", list(range(1, blocks + 1)), list(range(10_001, 10_001 + blocks)))
+    return index
+
+
+async def test_an_index_short_of_room_gets_a_doubled_table_with_every_block():
+    index, adopted = filled(3000), regrown("adopted")
+    room = IndexRoom(index, blocks=5000)
+    assert index.needs_room(5000)
+    await room.make()
+    assert not index.needs_room(5000) and regrown("adopted") == adopted + 1
+    assert index.overlap(list(range(10_001, 13_001))) == {"a": 3000}
+    await room.make()  # room enough: nothing built
+    assert regrown("adopted") == adopted + 1
+
+
+async def test_a_write_while_the_table_is_built_leaves_it_stale_and_the_next_try_adopts():
+    index, stale = filled(3000), regrown("stale")
+    room = IndexRoom(index, blocks=5000)
+    building, written = threading.Event(), threading.Event()
+    build = index.regrown
+
+    def held_build(blocks: int):
+        building.set()
+        written.wait(5)
+        return build(blocks)
+
+    async def write_meanwhile() -> None:
+        await trio.to_thread.run_sync(building.wait, 5)
+        index.store_many("b", [1, 2], [10_001, 99])
+        written.set()
+
+    index.regrown = held_build
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(room.make)
+        nursery.start_soon(write_meanwhile)
+    del index.regrown
+    assert regrown("stale") == stale + 1 and index.needs_room(5000)
+    assert index.overlap([10_001, 10_002]) == {"a": 2, "b": 1} and index.overlap([99]) == {"b": 1}
+    await room.make()
+    assert not index.needs_room(5000) and index.overlap([99]) == {"b": 1}
+
+
+async def test_a_failed_build_is_counted_and_tried_again_only_after_a_wait(monkeypatch, autojump_clock):
+    index, failed = filled(3000), regrown("failed")
+    room = IndexRoom(index, blocks=5000)
+
+    def no_memory(blocks: int):
+        raise MemoryError("no room for the copy")
+
+    monkeypatch.setattr(index, "regrown", no_memory)
+    await room.make()
+    await room.make()
+    assert regrown("failed") == failed + 1
+    await trio.sleep(RETRY_S)
+    await room.make()
+    assert regrown("failed") == failed + 2
+    index.store_many("a", [90_000], [90_000])  # stores still double the table themselves
+    assert index.overlap([90_000]) == {"a": 1}
+
+
+async def test_the_poller_makes_room_before_it_drains_a_slice():
+    context = zmq.Context()
+    pair = Pair(context)
+    order: list[str] = []
+
+    async def room() -> None:
+        order.append("room")
+
+    def handle(frames: list[bytes]) -> None:
+        order.append("slice")
+
+    poller = LivePoller(IngestBudget(), tick_s=0.005, quiet_ticks=4, room=room)
+    try:
+        await pair.settle()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(poller.run)
+            nursery.start_soon(poller.hand_over, pair.sub, handle, feed(), trio.current_time, go_ahead)
+            await until(lambda: poller.handed() == 1)
+            for n in range(3):
+                pair.pub.send(b"m%d" % n)
+            await until(lambda: order.count("slice") >= 1)
+            nursery.cancel_scope.cancel()
+    finally:
+        pair.close()
+        context.term()
+    assert order[0] == "room" and "slice" in order
