@@ -136,12 +136,6 @@ def _extend(timeline: dict[str, list[float]], answer: dict) -> None:
 
 def _lag_ms(scrapes: Scrapes, timeline: dict[str, list[float]], q: float) -> float:
     samples = [lag for at, gauges in scrapes for lag in staleness(at, gauges.batches, timeline)]
-    if os.environ.get("LAGDUMP"):
-        with open(os.environ["LAGDUMP"], "a") as f:
-            t0 = scrapes[0][0] if scrapes else 0
-            for at, gauges in scrapes:
-                lags = staleness(at, gauges.batches, timeline)
-                f.write(f"{q} {at - t0:.2f} max={1000*max(lags):.0f} n>100={sum(x > 0.1 for x in lags)}\n")
     return 1000 * percentile(samples, q)
 
 
