@@ -60,12 +60,13 @@ class LivePoller:
     task, :meth:`hand_over` what a subscriber awaits while its socket is busy."""
 
     def __init__(self, budget: IngestBudget, tick_s: float = 0.005, quiet_ticks: int = 20,
-                 room: Callable[[], Awaitable[None]] = go_ahead) -> None:
+                 room: Callable[[EngineFeed], Awaitable[None]] | None = None) -> None:
         if tick_s <= 0 or quiet_ticks < 1:
             raise ValueError("live poller: positive tick, at least one quiet tick")
         self.budget = budget
         self.room = room
-        """Awaited before each slice: makes room in the index ahead of the slice's stores (events/index_room.py)."""
+        """Awaited with the feed before each slice of its socket: makes room in the index ahead of the slice's
+        stores (events/index_room.py)."""
         self.tick_s = tick_s
         self.quiet_ticks = quiet_ticks
         self._handed: list[_Handed] = []
@@ -121,7 +122,8 @@ class LivePoller:
         while ready:
             for handed in ready:
                 await wait_for_budget(self.budget, ((h.feed, h.clock) for h in ready if h in self._handed))
-                await self.room()
+                if self.room is not None:
+                    await self.room(handed.feed)
                 if handed not in self._handed:  # its subscriber took it back meanwhile
                     continue
                 try:

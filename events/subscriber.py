@@ -51,7 +51,7 @@ class SubscriberConfig:
     quiet_ticks: int = 20
     """Ticks in a row without a message after which a socket goes back to waiting on its FD."""
 
-    def poller(self, budget: IngestBudget, room: Callable[[], Awaitable[None]] = go_ahead) -> LivePoller:
+    def poller(self, budget: IngestBudget, room: Callable[[EngineFeed], Awaitable[None]] | None = None) -> LivePoller:
         """The poller every subscriber of a process shares, drawing on ``budget`` (and awaiting ``room`` before
         each slice)."""
         return LivePoller(budget, self.tick_s, self.quiet_ticks, room)

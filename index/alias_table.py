@@ -16,6 +16,7 @@ import math
 import secrets
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -38,6 +39,15 @@ _KEY_LIMIT = 1 << 63
 def storable(key: int, value: int) -> bool:
     """Whether the table can hold this pair: keys below 2**63 (engine hashes are folded to 60 bits), u64 values."""
     return 0 <= key < _KEY_LIMIT and 0 <= value <= _U64
+
+
+@dataclass(frozen=True, slots=True)
+class RebuiltAliases:
+    """An alias table's words rebuilt without tombstones (``AliasTable.rebuilt``), ready to be adopted."""
+
+    size: int
+    words: array
+    live: int
 
 
 class AliasTable:
@@ -191,16 +201,30 @@ class AliasTable:
         home and its place occupied, as lookups expect. Placing rounds of pending entries (the previous
         way) cost ~0.4 us of CPU per block op on the realistic mix, where rebuilds sweep tombstones.
         """
+        self.adopt(self.rebuilt(incoming))
+
+    def needs_room(self, incoming: int) -> bool:
+        """Whether ``incoming`` more inserts could make one rebuild the table first."""
+        return self._used + incoming > self.max_used()
+
+    def rebuilt(self, incoming: int = 0) -> RebuiltAliases:
+        """The words of ``_rebuild(incoming)``, built without changing this table: it only reads it, so it may
+        run in a worker thread while the event loop reads the table too (never while it writes it)."""
         live = self._pairs()
         size = max(_MIN_SIZE, math.ceil((len(live) + incoming) / _REBUILT_LOAD))
-        self._allocate(size)
-        if not len(live):
-            return
-        with np.errstate(over="ignore"):
-            homes = ((live[:, 0] * np.uint64(self._multiplier)) >> np.uint64(32)) * np.uint64(size) >> np.uint64(32)
-        order, places = placements(homes.astype(np.int64), size)
-        np.frombuffer(self._words, dtype=np.uint64).reshape(-1, 2)[places] = live[order]
-        self._live = self._used = len(live)
+        words = array("Q", (0,)) * (2 * size)
+        if len(live):
+            with np.errstate(over="ignore"):
+                homes = (((live[:, 0] * np.uint64(self._multiplier)) >> np.uint64(32)) * np.uint64(size)
+                         >> np.uint64(32))
+            order, places = placements(homes.astype(np.int64), size)
+            np.frombuffer(words, dtype=np.uint64).reshape(-1, 2)[places] = live[order]
+        return RebuiltAliases(size, words, len(live))
+
+    def adopt(self, rebuilt: RebuiltAliases) -> None:
+        """Take the words ``rebuilt`` from this table's current entries."""
+        self._words, self._size = rebuilt.words, rebuilt.size
+        self._live = self._used = rebuilt.live
 
 
 def placements(homes: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:

@@ -9,15 +9,18 @@ slot): a block held by any number of engines costs one mask-table slot.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-from index.alias_table import AliasTable
+from index.alias_table import AliasTable, RebuiltAliases
 from index.holders import engine_of
 from index.mask_table import WIDE, MaskTable, Regrown
 from index.paired_update import remove_equal_sole, remove_sole, store_new
 
+LARGE_ALIASES = 65_536
+"""Alias tables of at least this many slots are rebuilt ahead of ingest; a smaller one's rebuild takes a few ms."""
 WARM_CHAIN_BLOCKS = 64
 """A chain long enough that ``MaskTable.prefix_drops`` walks a part of it in compiled code."""
 
@@ -36,6 +39,14 @@ def load_compiled_loops() -> None:
     store_new(aliases, masks, keys, masks.codes(keys), 1)
     masks.prefix_drops(keys, 1)
     remove_sole(aliases, masks, keys, 1, 0, {})
+
+
+@dataclass(frozen=True, slots=True)
+class Room:
+    """Tables of an index rebuilt with room (``PrefixIndex.regrown``), ready to be adopted together."""
+
+    masks: Regrown | None
+    aliases: dict[str, RebuiltAliases]
 
 
 class PrefixIndex:
@@ -265,21 +276,35 @@ class PrefixIndex:
             self._unique.pop(group, None)
         self._free_slots.append(slot)
 
-    def needs_room(self, blocks: int) -> bool:
-        """Whether storing ``blocks`` new blocks would double the mask table inside the store call: at a
-        million blocks that rebuild holds the caller 0.1-0.3 s (``events/index_room.py`` does it ahead, in a
-        worker thread)."""
-        return self._masks.needs_room(blocks)
+    def needs_room(self, blocks: int, holders: Iterable[str] = ()) -> bool:
+        """Whether storing ``blocks`` new blocks would double the mask table inside the store call, or the
+        next stores of ``holders`` could rebuild a large alias table of theirs (sweeping its tombstones): at
+        a million blocks the doubling held the caller 0.16-0.26 s, at 262k blocks an engine's sweep 66-97
+        ms (``events/index_room.py`` does both ahead, in a worker thread)."""
+        return self._masks.needs_room(blocks) or any(True for _ in self._crowded(holders))
 
-    def regrown(self, blocks: int) -> Regrown:
-        """The mask table rebuilt with room for ``blocks`` more; only reads the index (see ``MaskTable.regrown``)."""
-        return self._masks.regrown(len(self._masks) + blocks)
+    def _crowded(self, holders: Iterable[str]) -> Iterator[tuple[str, AliasTable]]:
+        """Large alias tables of ``holders`` that a sixteenth of their size in inserts could make rebuild."""
+        for holder in holders:
+            aliases = self._aliases.get(holder)
+            if aliases is not None and aliases._size >= LARGE_ALIASES and aliases.needs_room(aliases._size // 16):
+                yield holder, aliases
 
-    def adopt(self, regrown: Regrown, writes: int) -> bool:
-        """Take ``regrown`` if the index was not written since ``writes`` was read (before it was built)."""
+    def regrown(self, blocks: int, holders: Iterable[str] = ()) -> Room:
+        """The tables ``needs_room`` names, rebuilt with room; only reads the index (see ``MaskTable.regrown``
+        and ``AliasTable.rebuilt``), so it may run in a worker thread."""
+        masks = self._masks.regrown(len(self._masks) + blocks) if self._masks.needs_room(blocks) else None
+        return Room(masks, {holder: aliases.rebuilt(aliases._size // 16)
+                            for holder, aliases in list(self._crowded(holders))})
+
+    def adopt(self, room: Room, writes: int) -> bool:
+        """Take ``room`` if the index was not written since ``writes`` was read (before it was built)."""
         if writes != self.writes:
             return False
-        self._masks.adopt(regrown)
+        if room.masks is not None:
+            self._masks.adopt(room.masks)
+        for holder, rebuilt in room.aliases.items():
+            self._aliases[holder].adopt(rebuilt)
         return True
 
     def unique_blocks(self) -> dict[str, int]:

@@ -9,10 +9,12 @@ import trio
 import zmq
 
 from events.counters import INDEX_REGROWN
+from events.feed import EngineFeed
 from events.index_room import RETRY_S, IndexRoom
 from events.ingest_budget import IngestBudget
 from events.live_poller import LivePoller
-from index.prefix_index import PrefixIndex
+from index.prefix_index import LARGE_ALIASES, PrefixIndex
+from index.view import CacheView
 from tests.events.test_events_live_poller import Pair, feed, go_ahead, until
 
 
@@ -43,10 +45,10 @@ async def test_a_write_while_the_table_is_built_leaves_it_stale_and_the_next_try
     building, written = threading.Event(), threading.Event()
     build = index.regrown
 
-    def held_build(blocks: int):
+    def held_build(blocks: int, holders):
         building.set()
         written.wait(5)
-        return build(blocks)
+        return build(blocks, holders)
 
     async def write_meanwhile() -> None:
         await trio.to_thread.run_sync(building.wait, 5)
@@ -69,7 +71,7 @@ async def test_a_failed_build_is_counted_and_tried_again_only_after_a_wait(monke
     index, failed = filled(3000), regrown("failed")
     room = IndexRoom(index, blocks=5000)
 
-    def no_memory(blocks: int):
+    def no_memory(blocks: int, holders):
         raise MemoryError("no room for the copy")
 
     monkeypatch.setattr(index, "regrown", no_memory)
@@ -88,7 +90,7 @@ async def test_the_poller_makes_room_before_it_drains_a_slice():
     pair = Pair(context)
     order: list[str] = []
 
-    async def room() -> None:
+    async def room(feed) -> None:
         order.append("room")
 
     def handle(frames: list[bytes]) -> None:
@@ -109,3 +111,27 @@ async def test_the_poller_makes_room_before_it_drains_a_slice():
         pair.close()
         context.term()
     assert order[0] == "room" and "slice" in order
+
+
+async def test_a_large_alias_table_full_of_tombstones_is_swept_ahead_of_its_engines_slice():
+    """An engine's removals leave tombstones in its alias table; before a slice of that engine, the table is
+    rebuilt without them in a worker thread, and lookups and removals still see every block."""
+    index = PrefixIndex()
+    view = CacheView(index)
+    view.register("a", block_size=4, has_events=True)
+    blocks = 30_000
+    index.store_many("a", list(range(1, blocks + 1)), list(range(10**6, 10**6 + blocks)))
+    aliases = index._aliases["a"]
+    assert aliases._size >= LARGE_ALIASES
+    for start in range(1, blocks + 1, 2000):  # churn: removals leave tombstones, stores take fresh slots
+        index.remove("a", range(start, start + 1000))
+        index.store_many("a", list(range(start + 10**7, start + 10**7 + 1000)), list(range(start, start + 1000)))
+        if aliases.needs_room(aliases._size // 16):
+            break
+    assert index.needs_room(1, ["a"]) and not index.needs_room(1)
+    held = index.pairs("a")
+    await IndexRoom(index, blocks=1).make(EngineFeed("a", "tiny", view))
+    swept = index._aliases["a"]
+    assert swept._used == len(swept) == len(held) and not index.needs_room(1, ["a"])
+    assert index.pairs("a") == held
+    assert index.remove("a", list(held)[:10]) == 10
