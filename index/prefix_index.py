@@ -246,7 +246,9 @@ class PrefixIndex:
         # Blocks only this holder had leave in one table call: per block through ``set``, clearing an engine
         # of 246k blocks held the loop 1.2 s (0.42 s with the table's Python loop; compiled for slots 0-62).
         if bit < WIDE:
-            codes = np.unique(aliases.arrays()[1])
+            # A code the holder has under two aliases comes twice; its second copy is not found again and
+            # joins ``others`` with its mask unchanged, which the loop below leaves as it is.
+            codes = aliases.arrays()[1]
             others = remove_equal_sole(self._masks, codes, bit)
         else:
             codes = list(set(aliases.values()))
@@ -294,8 +296,7 @@ class PrefixIndex:
         """The tables ``needs_room`` names, rebuilt with room; only reads the index (see ``MaskTable.regrown``
         and ``AliasTable.rebuilt``), so it may run in a worker thread."""
         masks = self._masks.regrown(len(self._masks) + blocks) if self._masks.needs_room(blocks) else None
-        return Room(masks, {holder: aliases.rebuilt(aliases._size // 16)
-                            for holder, aliases in list(self._crowded(holders))})
+        return Room(masks, {holder: aliases.rebuilt() for holder, aliases in list(self._crowded(holders))})
 
     def adopt(self, room: Room, writes: int) -> bool:
         """Take ``room`` if the index was not written since ``writes`` was read (before it was built)."""
