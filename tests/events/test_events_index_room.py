@@ -123,11 +123,15 @@ async def test_a_large_alias_table_full_of_tombstones_is_swept_ahead_of_its_engi
     index.store_many("a", list(range(1, blocks + 1)), list(range(10**6, 10**6 + blocks)))
     aliases = index._aliases["a"]
     assert aliases._size >= LARGE_ALIASES
-    for start in range(1, blocks + 1, 2000):  # churn: removals leave tombstones, stores take fresh slots
-        index.remove("a", range(start, start + 1000))
-        index.store_many("a", list(range(start + 10**7, start + 10**7 + 1000)), list(range(start, start + 1000)))
+    live = list(range(1, blocks + 1))
+    for churn in range(200):  # removals leave tombstones, stores take fresh slots (or reuse some tombstones)
         if aliases.needs_room(aliases._size // 16):
             break
+        gone, live = live[:1000], live[1000:]
+        fresh = list(range(10**7 + 1000 * churn, 10**7 + 1000 * (churn + 1)))
+        index.remove("a", gone)
+        index.store_many("a", fresh, [2 * 10**6 + key for key in fresh])
+        live += fresh
     assert index.needs_room(1, ["a"]) and not index.needs_room(1)
     held = index.pairs("a")
     await IndexRoom(index, blocks=1).make(EngineFeed("a", "tiny", view))
