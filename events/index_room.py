@@ -8,7 +8,7 @@ if so, has the doubled table built in a worker thread from the current one while
 (lookups read the old table meanwhile). The loop adopts it only if nothing wrote the index in between;
 otherwise, or where a store outruns the room, the store call still doubles the table itself, as before.
 An engine's alias table is swept of the tombstones its removals leave the same way, ahead of the slice that
-drains that engine: at 262k blocks per engine each sweep held the loop 66-97 ms, every few seconds somewhere
+drains that engine: at 262k blocks per engine each sweep held the loop 70-97 ms, every few seconds somewhere
 in a fleet of 16 at 50k block ops/s.
 """
 

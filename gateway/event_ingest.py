@@ -88,7 +88,7 @@ class EventIngest:
         self.budget = budget or IngestBudget()
         """The share of the event loop every engine's ingest together may take (events/ingest_budget.py)."""
         self.room = IndexRoom(cache.store) if isinstance(cache.store, PrefixIndex) else None
-        """Doubles the index's table ahead of ingest, off the loop (events/index_room.py)."""
+        """Grows and sweeps the index's tables ahead of ingest, off the loop (events/index_room.py)."""
         self.poller = self.subscriber.poller(self.budget, self.room.make if self.room else None)
         """Drains every publishing engine's socket once per tick (events/live_poller.py); run by :meth:`run`."""
         self.warm_timeout_s = warm_timeout_s

@@ -12,10 +12,10 @@ from events.counters import INDEX_REGROWN
 from events.feed import EngineFeed
 from events.index_room import RETRY_S, IndexRoom
 from events.ingest_budget import IngestBudget
-from events.live_poller import LivePoller
+from events.live_poller import LivePoller, go_ahead
 from index.prefix_index import LARGE_ALIASES, PrefixIndex
 from index.view import CacheView
-from tests.events.test_events_live_poller import Pair, feed, go_ahead, until
+from tests.events.test_events_live_poller import Pair, feed, until
 
 
 def regrown(outcome: str) -> float:

@@ -12,7 +12,7 @@ import zmq
 
 from events.feed import EngineFeed
 from events.ingest_budget import IngestBudget
-from events.live_poller import LivePoller, next_tick
+from events.live_poller import LivePoller, go_ahead, next_tick
 from index.prefix_index import PrefixIndex
 from index.view import CacheView
 
@@ -54,10 +54,6 @@ def feed() -> EngineFeed:
     view = CacheView(PrefixIndex())
     view.register("e", block_size=4, has_events=True)
     return EngineFeed("e", "tiny", view)
-
-
-async def go_ahead() -> None:
-    pass
 
 
 async def until(condition) -> None:
