@@ -3,7 +3,7 @@
 This is the index's lookup side: routing reads it for a prompt's chain, ingest writes it once per block.
 As a Python dict it held a 32-byte int object per block besides ~42 bytes of dict entry and index: 74 of
 the index's 126 bytes of RSS per block at 4M blocks. Here a block costs one code word and one mask word at
-a load of 0.25-0.5 (32-64 bytes; 33.6 at 1M and at 4M blocks) and no Python object.
+a load of 0.3-0.6 (27-53 bytes; 32 at 1M and at 4M blocks) and no Python object.
 
 Masks that fit in 63 bits (holder slots 0-62) are stored as they are, so the common single-holder block
 needs no indirection; a wider mask is interned with a reference count and its slot holds ``WIDE | id``.
@@ -34,8 +34,10 @@ _U64 = (1 << 64) - 1
 WIDE = 1 << 63
 """Masks from this bit up are interned; smaller ones are stored as they are."""
 _MIN_SIZE = 8
-_MAX_LOAD = 0.5
-"""Double above this load: probes and back-shifts stay about one slot long."""
+_MAX_LOAD = 0.6
+"""Double above this load: probes and back-shifts stay one or two slots long. At 0.5 a fleet of a power of two
+of blocks sat just past the limit and paid 64 B per block (4M blocks: 124.6 B of RSS per block in
+``kvmesh bench scale``, 81-85 B at 0.6 with the alias tables' band)."""
 _FIRST_PART = 8
 _COMPILED_MIN = 16
 """Parts of a chain at least this long are walked by compiled code: a call costs about 5 us with its
