@@ -39,6 +39,10 @@ class HomeSettings:
     silence_slack: float = 0.5
     young_requests: int = 16
     """A prefix younger than this many placed requests has its heat scaled as if this old."""
+    sweep_every: int = 16
+    """Records between two sweeps of faded homes. A decision reads every engine's residents, so homes left
+    listed after they faded cost every decision: with one-off prompts (a new prefix per request) the listings
+    grew to ``max_prefixes`` and each decision re-read all of them."""
 
 
 @dataclass(slots=True)
@@ -174,7 +178,17 @@ class HomeBook:
             self._capacity[engine] = capacity_blocks
         for home in list(prefix.heat):
             self._fit(home, keep=key if home == engine else "")
+        if self._clock % self.settings.sweep_every == 0:
+            self._sweep_faded()
         self._forget_reads()  # reads made while the book changed (``_prune``'s, ``_fit``'s) are stale
+
+    def _sweep_faded(self) -> None:
+        """Unhome every home that faded below ``min_heat``: what the prefix's next record (or its engine's next
+        ``_fit``) would do, done before the listings grow with prefixes that may never come back. A faded
+        home's heat only falls until its prefix is recorded again, and that record unhomes it first."""
+        for engine, listed in list(self._residents.items()):
+            for key in self._faded_keys(engine, listed):
+                self._unhome(key, self._prefixes[key], engine)
 
     def _fit(self, engine: str, keep: str = "") -> None:
         """Unhome the coldest prefixes of ``engine`` until its homes fit ``fill`` of its blocks; ``keep``, the
@@ -196,13 +210,12 @@ class HomeBook:
 
     def _faded(self, engine: str) -> list[Resident]:
         """Residents listed on ``engine`` whose home there has faded below ``min_heat``."""
-        out = []
-        for key in self._residents.get(engine, {}):
-            prefix = self._prefixes[key]
-            heat = self._heat(prefix, engine)
-            if heat < self.settings.min_heat:
-                out.append(Resident(key, prefix.blocks, heat))
-        return out
+        listed = self._residents.get(engine, {})
+        return [Resident(key, self._prefixes[key].blocks, self._heat(self._prefixes[key], engine))
+                for key in self._faded_keys(engine, listed)]
+
+    def _faded_keys(self, engine: str, listed: dict[str, None]) -> list[str]:
+        return [key for key in listed if self._heat(self._prefixes[key], engine) < self.settings.min_heat]
 
     def _unhome(self, key: str, prefix: _Prefix, engine: str) -> None:
         self._forget_reads()

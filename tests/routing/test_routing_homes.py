@@ -352,3 +352,16 @@ def test_within_load_limit_only_moves_engines_far_deeper_than_the_pool_last(dept
     limit = LOAD_SLACK * sum(depths) / len(depths) + LOAD_SLACK_REQUESTS
     under = [e for e in ranked if scores[e].queue_depth <= limit]
     assert limited == (under + [e for e in ranked if e not in under] if under else ranked)
+
+
+def test_one_off_prefixes_leave_the_listings_once_faded_while_a_hot_one_stays_homed():
+    """A decision reads every engine's residents: with a new prefix per request, faded homes left listed made
+    each decision re-read thousands of them. The sweep keeps only the homes recent traffic keeps warm."""
+    book = HomeBook()
+    for i in range(2000):
+        key = "hot" if i % 4 == 0 else f"once{i}"
+        book.record(key, f"e{i % 4}", 10, BLOCKS)
+    listed = sum(len(keys) for keys in book._residents.values())
+    assert listed <= 4 * (48 + book.settings.sweep_every)  # one-offs fade within ~48 records of their one
+    assert book.homes("hot") and book.heat("hot") > book.settings.min_heat
+    assert all(r.heat >= book.settings.min_heat for e in range(4) for r in book.residents(f"e{e}"))
