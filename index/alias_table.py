@@ -205,9 +205,10 @@ class AliasTable:
         """
         self.adopt(self.rebuilt(incoming))
 
-    def needs_room(self, incoming: int) -> bool:
-        """Whether ``incoming`` more inserts could make one rebuild the table first."""
-        return self._used + incoming > self.max_used()
+    def rebuilds_soon(self, min_slots: int) -> bool:
+        """Whether this table has at least ``min_slots`` slots and a sixteenth of them in inserts could make
+        one rebuild it first (grow it, or sweep its tombstones)."""
+        return self._size >= min_slots and self._used + self._size // 16 > self.max_used()
 
     def rebuilt(self, incoming: int = 0) -> RebuiltAliases:
         """The words of ``_rebuild(incoming)``, built without changing this table: it only reads it, so it may

@@ -289,7 +289,7 @@ class PrefixIndex:
         """Large alias tables of ``holders`` that a sixteenth of their size in inserts could make rebuild."""
         for holder in holders:
             aliases = self._aliases.get(holder)
-            if aliases is not None and aliases._size >= LARGE_ALIASES and aliases.needs_room(aliases._size // 16):
+            if aliases is not None and aliases.rebuilds_soon(LARGE_ALIASES):
                 yield holder, aliases
 
     def regrown(self, blocks: int, holders: Iterable[str] = ()) -> Room:

@@ -186,9 +186,9 @@ class HomeBook:
         """Unhome every home that faded below ``min_heat``: what the prefix's next record (or its engine's next
         ``_fit``) would do, done before the listings grow with prefixes that may never come back. A faded
         home's heat only falls until its prefix is recorded again, and that record unhomes it first."""
-        for engine, listed in list(self._residents.items()):
-            for key in self._faded_keys(engine, listed):
-                self._unhome(key, self._prefixes[key], engine)
+        for engine in list(self._residents):
+            for faded in self._faded(engine):
+                self._unhome(faded.key, self._prefixes[faded.key], engine)
 
     def _fit(self, engine: str, keep: str = "") -> None:
         """Unhome the coldest prefixes of ``engine`` until its homes fit ``fill`` of its blocks; ``keep``, the
@@ -210,12 +210,13 @@ class HomeBook:
 
     def _faded(self, engine: str) -> list[Resident]:
         """Residents listed on ``engine`` whose home there has faded below ``min_heat``."""
-        listed = self._residents.get(engine, {})
-        return [Resident(key, self._prefixes[key].blocks, self._heat(self._prefixes[key], engine))
-                for key in self._faded_keys(engine, listed)]
-
-    def _faded_keys(self, engine: str, listed: dict[str, None]) -> list[str]:
-        return [key for key in listed if self._heat(self._prefixes[key], engine) < self.settings.min_heat]
+        out = []
+        for key in self._residents.get(engine, {}):
+            prefix = self._prefixes[key]
+            heat = self._heat(prefix, engine)
+            if heat < self.settings.min_heat:
+                out.append(Resident(key, prefix.blocks, heat))
+        return out
 
     def _unhome(self, key: str, prefix: _Prefix, engine: str) -> None:
         self._forget_reads()

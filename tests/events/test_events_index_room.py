@@ -125,7 +125,7 @@ async def test_a_large_alias_table_full_of_tombstones_is_swept_ahead_of_its_engi
     assert aliases._size >= LARGE_ALIASES
     live = list(range(1, blocks + 1))
     for churn in range(200):  # removals leave tombstones, stores take fresh slots (or reuse some tombstones)
-        if aliases.needs_room(aliases._size // 16):
+        if aliases.rebuilds_soon(LARGE_ALIASES):
             break
         gone, live = live[:1000], live[1000:]
         fresh = list(range(10**7 + 1000 * churn, 10**7 + 1000 * (churn + 1)))
