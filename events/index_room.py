@@ -29,7 +29,8 @@ log = logging.getLogger("kvmesh.events")
 
 ROOM_BLOCKS = 65_536
 """More new blocks than one slice of ingest stores (a slice is a few ms; the fastest ingest is about 1 us
-per block op), so the room is made before a slice could need it."""
+per block op), so the room is made before a slice could need it. A smaller index is given room for half as
+many blocks again as it holds (``IndexRoom.room``)."""
 
 RETRY_S = 5.0
 """After a failed build, the next try waits this long (stores meanwhile double the table in place)."""
@@ -44,8 +45,19 @@ class IndexRoom:
         self._building = False
         self._retry_at = -math.inf
 
+    def room(self) -> int:
+        """New blocks to have room for: ``blocks``, or half the index when that is less.
+
+        A table less than an eighth full shrinks after removals (``MaskTable.shrink_if_sparse``). With room for
+        a fixed 65,536 blocks, every index under about 17k blocks (a small fleet at its KV capacity) was
+        doubled in a worker thread before each slice and shrunk on the loop by the next removal: 11% of a
+        router's CPU under `kvmesh bench overhead`, and a loop held for each shrink. Room for half the index
+        grows a table to fewer than five slots per block, a shrink waits for eight, and a shrunk table (three
+        to seven) has that room. In-place doubling of a table that small costs about as much as one slice's stores."""
+        return min(self.blocks, len(self.index) // 2)
+
     async def make(self, feed: EngineFeed | None = None) -> None:
-        """Return at once when the index has room for ``blocks`` more and for the next stores of ``feed`` (of
+        """Return at once when the index has room for ``room()`` more blocks and for the next stores of ``feed`` (of
         every holder, without one); otherwise build the tables short of it in a worker thread and adopt them
         if the index was not written meanwhile."""
         index = self.index
@@ -53,14 +65,15 @@ class IndexRoom:
             return
         holders = index.engines() if feed is None else [feed.holder, *(tier_holder(feed.holder, medium)
                                                                        for medium in TIER_MEDIA)]
-        if not index.needs_room(self.blocks, holders):
+        blocks = self.room()
+        if not index.needs_room(blocks, holders):
             return
         self._building = True
         try:
             writes = index.writes
             began = time.perf_counter()
             try:
-                room = await trio.to_thread.run_sync(index.regrown, self.blocks, holders)
+                room = await trio.to_thread.run_sync(index.regrown, blocks, holders)
             except Exception as exc:  # noqa: BLE001 - e.g. no memory for the copy: a store still doubles in place
                 INDEX_REGROWN.labels(outcome="failed").inc()
                 if self._retry_at == -math.inf:

@@ -278,6 +278,10 @@ class PrefixIndex:
             self._unique.pop(group, None)
         self._free_slots.append(slot)
 
+    def __len__(self) -> int:
+        """Distinct blocks in the index (one however many holders have it)."""
+        return len(self._masks)
+
     def needs_room(self, blocks: int, holders: Iterable[str] = ()) -> bool:
         """Whether storing ``blocks`` new blocks would double the mask table inside the store call, or the
         next stores of ``holders`` could rebuild a large alias table of theirs (sweeping its tombstones): at

@@ -29,18 +29,37 @@ def filled(blocks: int) -> PrefixIndex:
 
 
 async def test_an_index_short_of_room_gets_a_doubled_table_with_every_block():
-    index, adopted = filled(3000), regrown("adopted")
+    index, adopted = filled(19_000), regrown("adopted")
     room = IndexRoom(index, blocks=5000)
     assert index.needs_room(5000)
     await room.make()
     assert not index.needs_room(5000) and regrown("adopted") == adopted + 1
-    assert index.overlap(list(range(10_001, 13_001))) == {"a": 3000}
+    assert index.overlap(list(range(10_001, 29_001))) == {"a": 19_000}
     await room.make()  # room enough: nothing built
     assert regrown("adopted") == adopted + 1
 
 
+async def test_a_small_index_at_its_cap_is_not_regrown_and_shrunk_over_and_over():
+    """An engine at its KV capacity stores and evicts every slice. Room for a fixed 65,536 blocks doubled a
+    4,000-block table before each slice and the next removals shrank it again, on the loop."""
+    index, adopted = filled(4000), regrown("adopted")
+    room = IndexRoom(index)
+    sizes = [index._masks._size]
+    oldest, newest = 1, 4000
+    for _ in range(20):
+        await room.make()
+        sizes.append(index._masks._size)
+        fresh = list(range(newest + 1, newest + 201))
+        index.store_many("a", fresh, [10**6 + key for key in fresh])
+        index.remove("a", list(range(oldest, oldest + 200)))
+        sizes.append(index._masks._size)
+        oldest, newest = oldest + 200, newest + 200
+    assert len({*sizes}) <= 2 and sizes == sorted(sizes) and regrown("adopted") <= adopted + 1
+    assert index.block_count("a") == 4000 and index.overlap([10**6 + newest]) == {"a": 1}
+
+
 async def test_a_write_while_the_table_is_built_leaves_it_stale_and_the_next_try_adopts():
-    index, stale = filled(3000), regrown("stale")
+    index, stale = filled(19_000), regrown("stale")
     room = IndexRoom(index, blocks=5000)
     building, written = threading.Event(), threading.Event()
     build = index.regrown
@@ -68,7 +87,7 @@ async def test_a_write_while_the_table_is_built_leaves_it_stale_and_the_next_try
 
 
 async def test_a_failed_build_is_counted_and_tried_again_only_after_a_wait(monkeypatch, autojump_clock):
-    index, failed = filled(3000), regrown("failed")
+    index, failed = filled(19_000), regrown("failed")
     room = IndexRoom(index, blocks=5000)
 
     def no_memory(blocks: int, holders):
