@@ -98,19 +98,24 @@ def split_notes(notes: Sequence[tuple[Any, ...]], ops: int) -> Iterable[list[tup
         yield part
 
 
+def _no_keys() -> np.ndarray:
+    return np.zeros(0, dtype=np.uint64)
+
+
 @dataclass(frozen=True, slots=True)
 class Note:
     kind: str
     name: str
     """The holder (s, r, c), the engine (i, z, e, g, l, x, p) or the counter (n)."""
-    hashes: list[int] = field(default_factory=list)
-    keys: list[int] = field(default_factory=list)
+    hashes: np.ndarray = field(default_factory=_no_keys)
+    """u64, read-only (a view of the message's frame): the index's compiled loops read it as it is."""
+    keys: np.ndarray = field(default_factory=_no_keys)
     holder: str = ""
     number: float = 0
     labels: tuple[str, ...] = ()
 
 
-def _keys(frames: Sequence[bytes], at: Any) -> list[int]:
+def _keys(frames: Sequence[bytes], at: Any) -> np.ndarray:
     if type(at) is not int or not 1 <= at < len(frames):
         raise NotesError("a note names a frame the message does not have")
     raw = frames[at]
@@ -119,7 +124,7 @@ def _keys(frames: Sequence[bytes], at: Any) -> list[int]:
     values = np.frombuffer(raw, dtype="<u8")
     if len(values) and int(values.max()) >= KEY_LIMIT:
         raise NotesError("a hash or own key out of the index's range")
-    return values.tolist()
+    return values
 
 
 def _text(value: Any) -> str:
@@ -163,7 +168,7 @@ def _note(item: Any, frames: Sequence[bytes]) -> Note:
     if kind == "r":
         return Note(kind, name, _keys(frames, args[1]))
     if kind == "i":
-        keys = [] if args[1] == -1 else _keys(frames, args[1])
+        keys = _no_keys() if args[1] == -1 else _keys(frames, args[1])
         return Note(kind, name, keys=keys, number=_count(args[2]))
     if kind == "e":
         return Note(kind, name, holder=_text(args[1]), number=_count(args[2]))
@@ -280,7 +285,7 @@ def apply_notes(notes: Sequence[Note], view: CacheView, sources: Callable[[str],
                 info.freshness.on_events(now, int(note.number))
                 EVENT_BATCHES.labels(engine=note.name).inc()
         elif kind == "i":
-            view.on_ingest(note.name, IngestStats(cleared=int(note.number), stored_keys=note.keys))
+            view.on_ingest(note.name, IngestStats(cleared=int(note.number), stored_keys=note.keys.tolist()))
         elif kind == "z":
             view.on_reset(note.name)
         elif kind == "g":

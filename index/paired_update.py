@@ -149,15 +149,25 @@ def _remove_loop(table, values, shift, codes, skip, value, others):
     return gone, n_others
 
 
-def store_new(aliases: AliasTable, masks: MaskTable, engine_hashes: Sequence[int], codes: Sequence[int],
-              value: int) -> tuple[list[int], list[tuple[int, int]]]:
+def _checked_hashes(engine_hashes: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Engine hashes as the u64 array the loops read, each checked to be in [0, 2**63) (an alias key)."""
+    if isinstance(engine_hashes, np.ndarray) and engine_hashes.dtype == np.uint64:
+        if len(engine_hashes) and int(engine_hashes.max()) >= _KEY_LIMIT:
+            raise ValueError("alias out of range: keys in [0, 2**63), values in [0, 2**64)")
+        return engine_hashes
+    if len(engine_hashes) and not (min(engine_hashes) >= 0 and max(engine_hashes) < _KEY_LIMIT):
+        raise ValueError("alias out of range: keys in [0, 2**63), values in [0, 2**64)")
+    return np.array(engine_hashes, dtype=np.uint64)
+
+
+def store_new(aliases: AliasTable, masks: MaskTable, engine_hashes: Sequence[int] | np.ndarray,
+              codes: Sequence[int] | np.ndarray, value: int) -> tuple[list[int], list[tuple[int, int]]]:
     """``aliases.put_many(engine_hashes, codes)``, and each block whose alias is new and that no holder has
     gets the mask word ``value`` (< 2**63). Returns the codes of blocks with a new alias that some holder had
     (or that got ``value`` earlier in this call), in order, and (code, previous code) of the aliases that
     existed, in order: the caller's general path."""
-    if engine_hashes and not (min(engine_hashes) >= 0 and max(engine_hashes) < _KEY_LIMIT):
-        raise ValueError("alias out of range: keys in [0, 2**63), values in [0, 2**64)")
-    count = len(engine_hashes)
+    hashes = _checked_hashes(engine_hashes)
+    count = len(hashes)
     if len(codes) != count:
         raise ValueError("one code per engine hash")
     if aliases._used + count > aliases.max_used():
@@ -168,7 +178,7 @@ def store_new(aliases: AliasTable, masks: MaskTable, engine_hashes: Sequence[int
     replaced = np.empty((count, 2), dtype=np.uint64)
     n_held, n_replaced, used = _store_loop(
         aliases.word_view(), aliases._size, np.uint64(aliases._multiplier), *masks.slot_views(),
-        np.uint64(masks._shift), np.array(engine_hashes, dtype=np.uint64), np.array(codes, dtype=np.uint64),
+        np.uint64(masks._shift), hashes, np.asarray(codes, dtype=np.uint64),
         np.uint64(value), held, replaced)
     added = count - n_replaced
     aliases._live += added
@@ -177,13 +187,16 @@ def store_new(aliases: AliasTable, masks: MaskTable, engine_hashes: Sequence[int
     return held[:n_held].tolist(), [(code, before) for code, before in replaced[:n_replaced].tolist()]
 
 
-def remove_sole(aliases: AliasTable, masks: MaskTable, engine_hashes: Iterable[int], value: int,
+def remove_sole(aliases: AliasTable, masks: MaskTable, engine_hashes: Iterable[int] | np.ndarray, value: int,
                 holder_slot: int, extra: Container[tuple[int, int]]) -> tuple[int, list[int]]:
     """``aliases.pop_many(engine_hashes)``, and each popped block whose mask word is exactly ``value``
     (< 2**63: its last copy, for a one-bit mask) leaves the mask table with the back-shift of
     ``MaskTable.remove_equal``, unless ``(holder_slot, code)`` is in ``extra`` (the holder has the block under
     another alias too). Returns how many aliases were popped and the other popped codes, in order."""
-    keys = np.array([key for key in engine_hashes if 0 <= key < _KEY_LIMIT], dtype=np.uint64)
+    if isinstance(engine_hashes, np.ndarray) and engine_hashes.dtype == np.uint64:
+        keys = engine_hashes[engine_hashes < _KEY_LIMIT]
+    else:
+        keys = np.array([key for key in engine_hashes if 0 <= key < _KEY_LIMIT], dtype=np.uint64)
     codes = np.empty(len(keys), dtype=np.uint64)
     popped = pop_loop(aliases.word_view(), aliases._size, np.uint64(aliases._multiplier), keys, codes)
     codes = codes[:popped]

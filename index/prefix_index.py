@@ -25,6 +25,11 @@ WARM_CHAIN_BLOCKS = 64
 """A chain long enough that ``MaskTable.prefix_drops`` walks a part of it in compiled code."""
 
 
+def _ints(values: Sequence[int] | np.ndarray) -> list[int]:
+    """Python ints for the general (interned-mask) paths, which compute with them."""
+    return values.tolist() if isinstance(values, np.ndarray) else list(values)
+
+
 @functools.cache
 def load_compiled_loops() -> None:
     """Run each compiled loop (index/paired_update.py, ``MaskTable.prefix_drops``) once on throwaway tables, so
@@ -121,13 +126,15 @@ class PrefixIndex:
             return 0
         return self.store_many(engine, [h for h, _ in pairs], [k for _, k in pairs])
 
-    def store_many(self, engine: str, engine_hashes: Sequence[int], own_keys: Sequence[int]) -> int:
-        """Record ``engine_hashes[i] -> own_keys[i]`` in order; returns how many aliases changed.
+    def store_many(self, engine: str, engine_hashes: Sequence[int] | np.ndarray,
+                   own_keys: Sequence[int] | np.ndarray) -> int:
+        """Record ``engine_hashes[i] -> own_keys[i]`` in order; returns how many aliases changed. Both may be
+        u64 arrays (an ingest process's notes), which the compiled loops read without a Python int per block.
 
         The common case (engine hashes new to the engine, blocks new to the index) enters the alias table and
         the mask table in one loop (``_store_paired``); only blocks other engines hold and replaced aliases
         take the general path."""
-        if not engine_hashes:
+        if not len(engine_hashes):
             return 0
         self.writes += 1
         codes = self._masks.codes(own_keys)
@@ -135,6 +142,7 @@ class PrefixIndex:
         bit = 1 << slot
         if bit < WIDE:
             return self._store_paired(engine, engine_hashes, codes, bit, slot)
+        engine_hashes, codes = _ints(engine_hashes), _ints(codes)
         group = self._slot_group[slot]
         previous = self._aliases[engine].put_many(engine_hashes, codes)
         if previous.count(None) == len(previous):
@@ -148,8 +156,8 @@ class PrefixIndex:
             self._unique[group] = self._unique.get(group, 0) + fresh
         return changed
 
-    def _store_paired(self, engine: str, engine_hashes: Sequence[int], codes: list[int], bit: int,
-                      slot: int) -> int:
+    def _store_paired(self, engine: str, engine_hashes: Sequence[int] | np.ndarray, codes: list[int] | np.ndarray,
+                      bit: int, slot: int) -> int:
         """``store_many`` for holder slots 0-62: aliases new to the engine and blocks new to the index take
         one loop over both tables (index/paired_update.py); blocks other holders had and replaced aliases
         follow. The general path's per-block order is not needed: a block's bit and extra aliases of one
@@ -199,7 +207,7 @@ class PrefixIndex:
         else:
             self._remask(code, mask, mask | bit)
 
-    def remove(self, engine: str, engine_hashes: Iterable[int]) -> int:
+    def remove(self, engine: str, engine_hashes: Iterable[int] | np.ndarray) -> int:
         aliases = self._aliases.get(engine)
         if not aliases:
             return 0
@@ -208,7 +216,7 @@ class PrefixIndex:
         bit = 1 << slot
         group = self._slot_group[slot]
         if bit >= WIDE:
-            removed, gone = self._remove_general(aliases, engine_hashes, slot)
+            removed, gone = self._remove_general(aliases, _ints(engine_hashes), slot)
         else:
             # The common case, the last copy of a block, leaves both tables in one loop; a block the holder
             # also has under another alias loses that alias instead, in ``_drop_bit``.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -90,3 +91,32 @@ def test_unknown_engines_and_empty_chain():
     assert index.overlap([10], ["nobody"]) == {}
     assert index.remove("nobody", [1]) == 0
     assert index.clear("nobody") == 0
+
+
+WIDE_HOLDERS = [f"h{i}" for i in range(66)]
+"""More holders than a mask word's bits: the last ones take the interned-mask paths."""
+array_ops = st.lists(st.one_of(
+    st.tuples(st.just("store"), st.sampled_from(WIDE_HOLDERS), st.lists(st.tuples(hashes, keys), max_size=6)),
+    st.tuples(st.just("remove"), st.sampled_from(WIDE_HOLDERS), st.lists(hashes, max_size=6)),
+), max_size=60)
+
+
+@settings(max_examples=60, deadline=None)
+@given(array_ops)
+def test_an_index_fed_u64_arrays_holds_what_one_fed_lists_holds(sequence):
+    """An ingest process's notes reach the serving index as u64 arrays (events/worker_notes.py)."""
+    lists, arrays = PrefixIndex(), PrefixIndex()
+    for holder in WIDE_HOLDERS:  # every holder gets its slot first, so the last ones are past the word
+        lists.store_many(holder, [99], [99])
+        arrays.store_many(holder, np.array([99], dtype=np.uint64), np.array([99], dtype=np.uint64))
+    for op, holder, arg in sequence:
+        if op == "store":
+            engine_hashes, own_keys = [h for h, _ in arg], [k for _, k in arg]
+            assert lists.store_many(holder, engine_hashes, own_keys) == arrays.store_many(
+                holder, np.array(engine_hashes, dtype=np.uint64), np.array(own_keys, dtype=np.uint64))
+        else:
+            assert lists.remove(holder, arg) == arrays.remove(holder, np.array(arg, dtype=np.uint64))
+    for holder in WIDE_HOLDERS:
+        assert arrays.pairs(holder) == lists.pairs(holder)
+    assert arrays.unique_blocks() == lists.unique_blocks()
+    assert arrays.overlap(list(range(12)) + [99]) == lists.overlap(list(range(12)) + [99])
