@@ -5,7 +5,11 @@ requests are served first (decode 1 token, or the next prefill chunk), then wait
 admitted FCFS while there are free sequence slots, token budget and KV blocks; a running request
 that needs a block when none is free preempts the most recently admitted one (its blocks are
 freed, it goes back to the head of the queue and is recomputed later, usually from cache).
-Blocks are cached as soon as they are full, including blocks completed by generated tokens.
+Blocks are cached when the step that computes them is scheduled, as vLLM's ``KVCacheManager.allocate_slots``
+caches every block the step will fill: a request admitted later in the same step already hits the blocks an
+earlier one is computing (both are computed in one forward pass, each layer's KV written before attention reads
+it). Blocks completed by generated tokens are cached the same way. Their BlockStored events are published after
+the step, with the batch (vLLM publishes the events it queued when it processes the step's output).
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ class SimRequest:
     num_computed: int = 0
     blocks: list[Block] = field(default_factory=list)
     num_cached_blocks: int = 0
+    """Leading blocks registered in the prefix cache (hits, and blocks whose computation was scheduled)."""
+    num_tiered_blocks: int = 0
+    """Leading blocks offered to the CPU tier: computed ones only, after their step."""
     cached_tokens: int | None = None
     hasher: BlockHasher | None = None
     aborted: bool = False
@@ -180,6 +187,7 @@ class EngineCore:
         victim.blocks = []
         victim.num_computed = 0
         victim.num_cached_blocks = 0
+        victim.num_tiered_blocks = 0
         self.waiting.appendleft(victim)
         self.stats.preemptions += 1
 
@@ -203,6 +211,7 @@ class EngineCore:
                 got = self.cache.allocate(need)
                 assert got is not None
                 req.blocks.extend(got)
+            self._commit(req, num_new)
             scheduled.append((req, num_new))
             budget -= num_new
             i += 1
@@ -225,7 +234,7 @@ class EngineCore:
         assert got is not None
         req.blocks = hit + got
         req.num_computed = hit_tokens + loaded
-        req.num_cached_blocks = len(hit) + tier_blocks
+        req.num_cached_blocks = req.num_tiered_blocks = len(hit) + tier_blocks
         if tier_blocks:
             self._load(req, hashes, len(hit), len(hit) + tier_blocks)
         if req.cached_tokens is None:
@@ -286,24 +295,29 @@ class EngineCore:
                 break
             self.waiting.popleft()
             self._use_lora(req)
+            self._commit(req, num_new)
             self.running.append(req)
             scheduled.append((req, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return scheduled
 
+    def _commit(self, req: SimRequest, num_new: int) -> None:
+        """Cache the blocks this step's ``num_new`` tokens of ``req`` will fill (see the module's docstring)."""
+        num_full = (req.num_computed + num_new) // self.block_size
+        if num_full > req.num_cached_blocks:
+            self.cache.cache_blocks(req.blocks, self._hashes(req), req.num_cached_blocks, num_full,
+                                    req.all_token_ids(), self._extra_keys(req, num_full), req.lora)
+            req.num_cached_blocks = num_full
+
     def _advance(self, req: SimRequest, num_new: int, outputs: list[TokenOutput]) -> None:
         req.num_computed += num_new
         num_full = req.num_computed // self.block_size
-        if num_full > req.num_cached_blocks:
-            hashes = self._hashes(req)
-            tokens = req.all_token_ids()
-            extra_keys = self._extra_keys(req, num_full)
-            self.cache.cache_blocks(req.blocks, hashes, req.num_cached_blocks, num_full, tokens, extra_keys, req.lora)
-            if self.tier is not None:
-                self.cache.extend_events(self.tier.store(hashes, req.num_cached_blocks, num_full, tokens,
-                                                         self.block_size, extra_keys, req.lora))
-            req.num_cached_blocks = num_full
+        if self.tier is not None and num_full > req.num_tiered_blocks:
+            self.cache.extend_events(self.tier.store(self._hashes(req), req.num_tiered_blocks, num_full,
+                                                     req.all_token_ids(), self.block_size,
+                                                     self._extra_keys(req, num_full), req.lora))
+            req.num_tiered_blocks = num_full
         if req.num_computed < req.num_tokens:
             return
         token = self.vocab[req.rng.randrange(len(self.vocab))]

@@ -51,6 +51,21 @@ def test_second_identical_prompt_hits_all_but_the_last_block():
     assert core.stats.prefix_hits == 16 and core.stats.prefix_queries == 34
 
 
+def test_a_request_admitted_in_the_same_step_hits_the_blocks_an_earlier_one_is_computing():
+    """vLLM caches the blocks a step will fill when it schedules the step (``allocate_slots``): the second of two
+    identical prompts admitted together computes only its last token, and the blocks are announced once."""
+    core = make_core()
+    prompt = list(range(1, 18))
+    core.add(req("a", prompt))
+    core.add(req("b", prompt))
+    step = core.step()
+    assert {out.request_id: out.cached_tokens for out in step.outputs} == {"a": 0, "b": 16}
+    assert stored(step.events) == block_hashes(prompt, 4, seed="seed")
+    alone = make_core()
+    alone.add(req("a", prompt))
+    assert step.duration < 1.5 * alone.step().duration
+
+
 def test_prompt_ending_on_block_boundary_recomputes_the_last_block():
     core = make_core()
     core.add(req("a", range(1, 17)))
