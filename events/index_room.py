@@ -50,8 +50,8 @@ class IndexRoom:
 
         A table less than an eighth full shrinks after removals (``MaskTable.shrink_if_sparse``). With room for
         a fixed 65,536 blocks, every index under about 17k blocks (a small fleet at its KV capacity) was
-        doubled in a worker thread before each slice and shrunk on the loop by the next removal: 11% of a
-        router's CPU under `kvmesh bench overhead`, and a loop held for each shrink. Room for half the index
+        doubled in a worker thread before each slice and shrunk on the loop by the next removal: 11.5% of a
+        router's py-spy samples under `kvmesh bench overhead`, and a loop held for each shrink. Room for half the index
         grows a table to fewer than five slots per block, a shrink waits for eight, and a shrunk table (three
         to seven) has that room. Doubling a table that small in place is cheap: the room is for the 0.16-0.26 s
         doublings near a million blocks."""
