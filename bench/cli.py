@@ -12,7 +12,9 @@ import trio
 
 from bench import mesh, overhead_sweep, scale, suite, suite_report
 from bench.overhead import (
+    ANSWER_TOKENS,
     PEERS,
+    format_answer_cost,
     format_engine_view,
     format_overhead,
     format_revision_comparison,
@@ -20,6 +22,8 @@ from bench.overhead import (
     known_peer,
     measure_overhead,
     measure_system_prompt,
+    system_prompt_cases,
+    with_answer_lengths,
 )
 from bench.peers import smg_binary
 from bench.processes import StartFailed
@@ -128,6 +132,9 @@ def parser() -> argparse.ArgumentParser:
                           help="with --pin: requests per c=1 block (default 40, 20 with --short)")
     overhead.add_argument("--plot", type=Path,
                           help="with --pin: PNG path (default: overhead-sweep.png in the log folder)")
+    overhead.add_argument("--answer-tokens", type=_int_list, default=[ANSWER_TOKENS],
+                          help=f"comma-separated answer lengths (system workload, default {ANSWER_TOKENS}): every "
+                               "case runs once per length, and each router's CPU per relayed token is printed")
     _fleet_args(overhead, "fast")
     mesh_bench = sub.add_parser("mesh", help="1..8 replicas behind HAProxy: hit rate, TTFT, lag, ingest, CPU")
     mesh.add_arguments(mesh_bench)
@@ -215,21 +222,25 @@ def _overhead(args: argparse.Namespace, log_dir: Path) -> int:
         raise SystemExit(f"kvmesh bench overhead: unknown peers {sorted(unknown)}; known: {', '.join(PEERS)}, "
                          "kvmesh@REV, passthrough@REV")
     if not args.pin:
-        blocks = trio.run(measure_system_prompt, spec, log_dir, args.rounds, args.policy, peer_names)
+        cases = with_answer_lengths(system_prompt_cases(), args.answer_tokens)
+        blocks = trio.run(measure_system_prompt, spec, log_dir, args.rounds, args.policy, peer_names, cases)
         print(format_system_prompt(blocks))
         print(format_engine_view(blocks))
         print(format_revision_comparison(blocks))
+        print(format_answer_cost(blocks, cases))
         return 0
     pinning = overhead_sweep.pin_this_process()
     spec = overhead_sweep.fleet_for_sweep(spec, args.sweep)
     print(f"router under test on CPU {sorted(pinning.router)}, engine and load on CPU {sorted(pinning.rest)}; "
           f"engine profile {spec.profile}, max_num_seqs {spec.max_num_seqs}; {overhead_sweep.load_average()}")
-    cases = overhead_sweep.sweep_cases(args.sweep, args.short, args.c1_requests)
+    cases = with_answer_lengths(overhead_sweep.sweep_cases(args.sweep, args.short, args.c1_requests),
+                                args.answer_tokens)
     blocks = trio.run(measure_system_prompt, spec, log_dir, args.rounds, args.policy, peer_names, cases,
                       pinning.router)
     print(format_system_prompt(blocks))
     print(format_engine_view(blocks))
     print(format_revision_comparison(blocks))
+    print(format_answer_cost(blocks, cases))
     print(overhead_sweep.load_average())
     for line in overhead_sweep.verdicts(blocks, args.sweep):
         print(line)

@@ -14,7 +14,7 @@ import random
 import statistics
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench.client import HttpClient, model_name, run_closed_loop
@@ -108,6 +108,7 @@ class Case:
     concurrency: int
     user_words: int
     requests: int
+    answer_tokens: int = ANSWER_TOKENS
 
 
 def system_prompt_cases(c1_requests: int = 40, c64_requests: int = 256) -> list[Case]:
@@ -118,12 +119,20 @@ def system_prompt_cases(c1_requests: int = 40, c64_requests: int = 256) -> list[
     ]
 
 
-def system_prompt_requests(seed: int, count: int, user_words: int) -> list[Conversation]:
+def system_prompt_requests(seed: int, count: int, user_words: int,
+                           answer_tokens: int = ANSWER_TOKENS) -> list[Conversation]:
     """``count`` requests sharing one fixed system prompt, each with a user turn no other request has."""
     system = text(random.Random("overhead-system"), SYSTEM_WORDS)
     rng = random.Random(f"overhead-user-{seed}")
-    return [Conversation(f"s{seed}-{i}", [f"Question {seed}-{i}:" + text(rng, user_words)], ANSWER_TOKENS, system)
+    return [Conversation(f"s{seed}-{i}", [f"Question {seed}-{i}:" + text(rng, user_words)], answer_tokens, system)
             for i in range(count)]
+
+
+def with_answer_lengths(cases: list[Case], lengths: list[int]) -> list[Case]:
+    """Each case once per answer length, the default length under the case's own name and any other as
+    ``NAME aN`` (N tokens): the same streams with longer answers show what a router pays per relayed token."""
+    return [case if n == ANSWER_TOKENS else replace(case, name=f"{case.name} a{n}", answer_tokens=n)
+            for case in cases for n in dict.fromkeys(lengths)]
 
 
 def rotated(paths: list[str], round_index: int) -> list[str]:
@@ -241,7 +250,7 @@ async def measure_system_prompt(spec: FleetSpec, log_dir: Path, rounds: int = 5,
                 for case in cases:
                     for path in rotated(list(urls), rnd):
                         seed += 1
-                        convs = system_prompt_requests(seed, case.requests, case.user_words)
+                        convs = system_prompt_requests(seed, case.requests, case.user_words, case.answer_tokens)
                         pid, engine_pid = pids.get(urls[path]), engine_pids[engine_url]
                         seen_before = await scrape(client, [engine_url], names=ENGINE_TTFT)
                         before = _process_times(pid), _process_times(engine_pid)
@@ -296,19 +305,24 @@ def _path_width(blocks: list[Block]) -> int:
     return max([11, *(len(b.path) for b in blocks)])
 
 
+def _case_width(blocks: list[Block]) -> int:
+    """The case column fits the longest case name (a longer answer's is ``c=16 a256``)."""
+    return max([8, *(len(b.case) for b in blocks)])
+
+
 def format_system_prompt(blocks: list[Block]) -> str:
     """Per case and path: pooled TTFT p50/p90/mean and req/s, then the medians over rounds of what each router
     adds to the engine's TTFT p50/p90 and of its req/s ratio to the engine's (both from the same round),
     and the router process's CPU time per answered request."""
-    w = _path_width(blocks)
-    lines = [f"{'case':<8} {'path':<{w}} {'reqs':>5} {'errs':>4} {'TTFT p50':>9} {'p90':>7} {'mean':>9} {'req/s':>7} "
-             f"{'added p50':>10} {'added p90':>10} {'req/s x':>8} {'spread p50':>11} {'CPU/req':>8}"]
+    w, cw = _path_width(blocks), _case_width(blocks)
+    lines = [f"{'case':<{cw}} {'path':<{w}} {'reqs':>5} {'errs':>4} {'TTFT p50':>9} {'p90':>7} {'mean':>9} "
+             f"{'req/s':>7} {'added p50':>10} {'added p90':>10} {'req/s x':>8} {'spread p50':>11} {'CPU/req':>8}"]
     for case in dict.fromkeys(b.case for b in blocks):
         for path in dict.fromkeys(b.path for b in blocks):
             mine = path_blocks(blocks, case, path)
             pooled = _pooled(mine)
             errors = len(pooled.results) - len(pooled.ok)
-            row = (f"{case:<8} {path:<{w}} {len(pooled.results):>5} {errors:>4} {pooled.ttft(50) * 1e3:>7.2f}ms "
+            row = (f"{case:<{cw}} {path:<{w}} {len(pooled.results):>5} {errors:>4} {pooled.ttft(50) * 1e3:>7.2f}ms "
                    f"{pooled.ttft(90) * 1e3:>5.2f}ms {pooled.mean_ttft() * 1e3:>7.2f}ms "
                    f"{statistics.median(b.req_per_s for b in mine):>7.1f}")
             if path != "engine":
@@ -316,14 +330,52 @@ def format_system_prompt(blocks: list[Block]) -> str:
                 row += (f" {statistics.median(added50):>+8.2f}ms {statistics.median(added90):>+8.2f}ms "
                         f"{statistics.median(speed_ratios(blocks, case, path)):>8.2f} "
                         f"{min(added50):>+5.1f}..{max(added50):<+5.1f}")
-                timed = [b for b in mine if b.cpu_s is not None]
-                answered = sum(len(b.ok) for b in timed)
-                if answered:
-                    row += f" {sum(b.cpu_s or 0.0 for b in timed) / answered * 1e3:>6.2f}ms"
+                cpu = _cpu_per_answer(mine)
+                if cpu is not None:
+                    row += f" {cpu * 1e3:>6.2f}ms"
             lines.append(row)
     lines.append("added = median over rounds of (path - engine, same round); req/s x = median of per-round ratios;"
                  " spread = per-round range of added p50 (noise); CPU/req = the router process's CPU time per"
                  " answered request (its background work included)")
+    return "\n".join(lines)
+
+
+def _cpu_per_answer(blocks: list[Block]) -> float | None:
+    """The path process's CPU time per answered request over the blocks that timed it."""
+    timed = [b for b in blocks if b.cpu_s is not None]
+    answered = sum(len(b.ok) for b in timed)
+    return sum(b.cpu_s or 0.0 for b in timed) / answered if answered else None
+
+
+def _mean_output_tokens(blocks: list[Block]) -> float | None:
+    counts = [r.output_tokens for b in blocks for r in b.ok if r.output_tokens]
+    return statistics.fmean(counts) if counts else None
+
+
+def format_answer_cost(blocks: list[Block], cases: list[Case]) -> str:
+    """For each case run with longer answers (``with_answer_lengths``): each router's CPU per relayed answer
+    token, from the difference in CPU per request between the longer and the default answers over the
+    difference in tokens the engine reported, and each router's over smg's; empty without such cases."""
+    lines = []
+    for case in cases:
+        if case.answer_tokens == ANSWER_TOKENS:
+            continue
+        base = case.name.removesuffix(f" a{case.answer_tokens}")
+        per_token: dict[str, float] = {}
+        for path in dict.fromkeys(b.path for b in blocks if b.path != "engine"):
+            long, short = path_blocks(blocks, case.name, path), path_blocks(blocks, base, path)
+            cpus = (_cpu_per_answer(long), _cpu_per_answer(short))
+            tokens = (_mean_output_tokens(long), _mean_output_tokens(short))
+            if None in cpus or None in tokens or tokens[0] <= tokens[1]:  # type: ignore[operator]
+                continue
+            per_token[path] = (cpus[0] - cpus[1]) / (tokens[0] - tokens[1])  # type: ignore[operator]
+        if not per_token:
+            continue
+        smg = per_token.get("smg")
+        shown = [f"{path} {us * 1e6:.1f} us" + (f" ({us / smg:.2f}x smg)" if smg and path != "smg" else "")
+                 for path, us in per_token.items()]
+        lines.append(f"{base:<8} CPU per relayed answer token ({ANSWER_TOKENS} -> {case.answer_tokens} tokens): "
+                     + ", ".join(shown))
     return "\n".join(lines)
 
 
@@ -372,9 +424,9 @@ def format_engine_view(blocks: list[Block]) -> str:
     that made the engine slower (more work per request, polls, a worse arrival order) shows here, apart
     from its own added TTFT; an engine near 100% of its core is the bottleneck, and its TTFT is then
     mostly its own queueing."""
-    w = _path_width(blocks)
-    lines = [f"{'case':<8} {'path':<{w}} {'engine own TTFT mean':>21} {'engine CPU/req':>15} {'engine core busy':>17}"
-             f" {'engine no core':>15} {'router no core':>15}"]
+    w, cw = _path_width(blocks), _case_width(blocks)
+    lines = [f"{'case':<{cw}} {'path':<{w}} {'engine own TTFT mean':>21} {'engine CPU/req':>15} "
+             f"{'engine core busy':>17} {'engine no core':>15} {'router no core':>15}"]
     for case in dict.fromkeys(b.case for b in blocks):
         for path in dict.fromkeys(b.path for b in blocks):
             mine = [b for b in path_blocks(blocks, case, path) if b.engine_cpu_s is not None]
@@ -384,7 +436,7 @@ def format_engine_view(blocks: list[Block]) -> str:
                 continue
             busy = statistics.median((b.engine_cpu_s or 0.0) / b.wall for b in mine if b.wall > 0)
             own = f"{statistics.median(ttfts) * 1e3:>19.1f}ms" if ttfts else f"{'-':>21}"
-            lines.append(f"{case:<8} {path:<{w}} {own} "
+            lines.append(f"{case:<{cw}} {path:<{w}} {own} "
                          f"{sum(b.engine_cpu_s or 0.0 for b in mine) / answered * 1e3:>13.2f}ms {busy:>16.0%} "
                          f"{_share(mine, lambda b: b.engine_wait_s)} {_share(mine, lambda b: b.wait_s)}")
     lines.append("engine own TTFT = median over rounds of the engine's /metrics TTFT mean in the block (arrival in"

@@ -11,14 +11,18 @@ import pytest
 from bench.client import HttpClient
 from bench.engine_stats import ENGINE_TTFT, delta, mean_engine_ttft, parse_counters
 from bench.overhead import (
+    ANSWER_TOKENS,
     SYSTEM_WORDS,
     Block,
+    Case,
+    format_answer_cost,
     format_engine_view,
     format_revision_comparison,
     format_system_prompt,
     known_peer,
     rotated,
     system_prompt_requests,
+    with_answer_lengths,
 )
 from bench.overhead_sweep import fleet_for_sweep, plot, split_cores, sweep_cases, verdicts
 from bench.passthrough import passthrough_relay
@@ -34,6 +38,33 @@ def test_requests_share_the_system_prompt_and_nothing_else():
     users = [c.user_turns[0] for c in [*first, *second]]
     assert len(set(users)) == 3
     assert all(c.body("m", True)["stream"] for c in first)
+
+
+def test_each_case_runs_once_per_answer_length_and_the_default_keeps_its_name():
+    cases = with_answer_lengths([Case("c=1", 1, 30, 4), Case("c=16", 16, 30, 32)], [ANSWER_TOKENS, 256, 256])
+    assert [(c.name, c.answer_tokens) for c in cases] == [
+        ("c=1", ANSWER_TOKENS), ("c=1 a256", 256), ("c=16", ANSWER_TOKENS), ("c=16 a256", 256)]
+    requests = system_prompt_requests(1, 2, 30, cases[1].answer_tokens)
+    assert all(c.body("m", True)["max_tokens"] == 256 for c in requests)
+
+
+def _answered(path: str, case: str, tokens: int, cpu_s: float) -> Block:
+    block = Block(path, case, 0, [RequestResult(status=200, ttft=0.01, total=0.05, output_tokens=tokens)
+                                  for _ in range(10)], 1.0)
+    block.cpu_s = cpu_s
+    return block
+
+
+def test_cpu_per_relayed_token_is_the_cpu_difference_over_the_token_difference():
+    cases = with_answer_lengths([Case("c=16", 16, 30, 32)], [ANSWER_TOKENS, 216])
+    blocks = [_answered("engine", "c=16", 16, 0.0), _answered("engine", "c=16 a216", 216, 0.0),
+              _answered("kvmesh", "c=16", 16, 0.050), _answered("kvmesh", "c=16 a216", 216, 0.250),
+              _answered("smg", "c=16", 16, 0.020), _answered("smg", "c=16 a216", 216, 0.120)]
+    line = format_answer_cost(blocks, cases)
+    # kvmesh: (25 - 5 ms) / 200 tokens = 100 us; smg: (12 - 2 ms) / 200 = 50 us
+    assert line == ("c=16     CPU per relayed answer token (16 -> 216 tokens): kvmesh 100.0 us (2.00x smg), "
+                    "smg 50.0 us")
+    assert format_answer_cost(blocks[:4], with_answer_lengths([Case("c=16", 16, 30, 32)], [ANSWER_TOKENS])) == ""
 
 
 def test_each_path_leads_a_round_in_turn():
