@@ -115,6 +115,33 @@ async def test_one_task_drains_every_busy_socket_and_gives_quiet_ones_back(pairs
         nursery.cancel_scope.cancel()
 
 
+async def test_a_poller_with_nothing_to_drain_waits_for_a_socket_to_signal(pairs):
+    """A handed-over socket stays with the poller while its engine publishes now and then (a batch every 16
+    tokens of one answer): ticks that find nothing are not repeated, a message wakes the poller."""
+    poller = LivePoller(IngestBudget(), tick_s=0.005, quiet_ticks=100_000, idle_ticks=100_000)
+    checks: list[float] = []
+    waiting = poller._waiting
+
+    def counted(handed):
+        checks.append(trio.current_time())
+        return waiting(handed)
+
+    poller._waiting = counted  # type: ignore[method-assign]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(poller.run)
+        for pair in pairs[:2]:
+            nursery.start_soon(poller.hand_over, pair.sub, pair.handle, feed(), trio.current_time, go_ahead)
+        await until(lambda: poller.handed() == 2)
+        await trio.sleep(0.1)  # twenty ticks
+        assert len(checks) < 10  # ticking through them checked the sockets twenty times
+        pairs[1].pub.send(b"wake")
+        await until(lambda: pairs[1].received == [b"wake"])  # only its signal can end the wait (500 s)
+        pairs[0].pub.send(b"and again")
+        await until(lambda: pairs[0].received == [b"and again"])
+        assert poller.handed() == 2
+        nursery.cancel_scope.cancel()
+
+
 def explode(frames: list[bytes]) -> None:
     raise KeyError("a frame found a bug")
 
