@@ -146,6 +146,7 @@ class LivePoller:
                 handed.fd = None
             self._watch = None
             if watch is not None:
+                trio.lowlevel.notify_closing(watch.fileno())
                 watch.close()
 
     async def _run(self) -> None:
