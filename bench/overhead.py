@@ -131,8 +131,12 @@ def system_prompt_requests(seed: int, count: int, user_words: int,
 def with_answer_lengths(cases: list[Case], lengths: list[int]) -> list[Case]:
     """Each case once per answer length, the default length under the case's own name and any other as
     ``NAME aN`` (N tokens): the same streams with longer answers show what a router pays per relayed token."""
-    return [case if n == ANSWER_TOKENS else replace(case, name=f"{case.name} a{n}", answer_tokens=n)
+    return [case if n == ANSWER_TOKENS else replace(case, name=case.name + _answer_suffix(n), answer_tokens=n)
             for case in cases for n in dict.fromkeys(lengths)]
+
+
+def _answer_suffix(tokens: int) -> str:
+    return f" a{tokens}"
 
 
 def rotated(paths: list[str], round_index: int) -> list[str]:
@@ -342,9 +346,9 @@ def format_system_prompt(blocks: list[Block]) -> str:
 
 def _cpu_per_answer(blocks: list[Block]) -> float | None:
     """The path process's CPU time per answered request over the blocks that timed it."""
-    timed = [b for b in blocks if b.cpu_s is not None]
-    answered = sum(len(b.ok) for b in timed)
-    return sum(b.cpu_s or 0.0 for b in timed) / answered if answered else None
+    timed = [(b.cpu_s, len(b.ok)) for b in blocks if b.cpu_s is not None]
+    answered = sum(n for _, n in timed)
+    return sum(cpu for cpu, _ in timed) / answered if answered else None
 
 
 def _mean_output_tokens(blocks: list[Block]) -> float | None:
@@ -360,15 +364,16 @@ def format_answer_cost(blocks: list[Block], cases: list[Case]) -> str:
     for case in cases:
         if case.answer_tokens == ANSWER_TOKENS:
             continue
-        base = case.name.removesuffix(f" a{case.answer_tokens}")
+        base = case.name.removesuffix(_answer_suffix(case.answer_tokens))
         per_token: dict[str, float] = {}
         for path in dict.fromkeys(b.path for b in blocks if b.path != "engine"):
             long, short = path_blocks(blocks, case.name, path), path_blocks(blocks, base, path)
-            cpus = (_cpu_per_answer(long), _cpu_per_answer(short))
-            tokens = (_mean_output_tokens(long), _mean_output_tokens(short))
-            if None in cpus or None in tokens or tokens[0] <= tokens[1]:  # type: ignore[operator]
+            long_cpu, short_cpu = _cpu_per_answer(long), _cpu_per_answer(short)
+            long_tokens, short_tokens = _mean_output_tokens(long), _mean_output_tokens(short)
+            if long_cpu is None or short_cpu is None or long_tokens is None or short_tokens is None:
                 continue
-            per_token[path] = (cpus[0] - cpus[1]) / (tokens[0] - tokens[1])  # type: ignore[operator]
+            if long_tokens > short_tokens:
+                per_token[path] = (long_cpu - short_cpu) / (long_tokens - short_tokens)
         if not per_token:
             continue
         smg = per_token.get("smg")

@@ -156,6 +156,7 @@ class LivePoller:
                 self._arrived = trio.Event()
                 continue
             await trio.sleep_until(next_tick(trio.current_time(), self.tick_s))
+            self._forget_signals()
             ready = self._ready_at_tick()
             if not ready:
                 await self._until_a_message()
@@ -207,15 +208,18 @@ class LivePoller:
     def quiet_s(self) -> float:
         return self.quiet_ticks * self.tick_s
 
+    def _forget_signals(self) -> None:
+        """Empty the epoll set's ready list before a tick checks every socket: what a signal announced so far,
+        the check sees; a signal after it ends the wait that follows a tick that found nothing."""
+        if self._watch is not None:
+            with contextlib.suppress(OSError):
+                self._watch.poll(0)
+
     async def _until_a_message(self) -> None:
-        """After a tick that found nothing: wait until a socket signals, one is handed over, or the quietest is
-        due back; the next tick then checks them. Without epoll, until the next tick."""
+        """After a tick that found nothing: wait until a socket signals, one is handed over, the quietest is due
+        back or ``idle_ticks`` ticks pass; the next tick then checks them. Without epoll, until the next tick."""
         watch = self._watch
         if watch is None or not self._handed or any(h.fd is None for h in self._handed):
-            return
-        with contextlib.suppress(OSError):
-            watch.poll(0)  # edges from before this wait: every socket is checked below
-        if any(self._waiting(list(self._handed))):  # a message that came before its edge could be waited for
             return
         now = trio.current_time()
         due = min(min(h.last_seen for h in self._handed) + self.quiet_s, now + self.idle_ticks * self.tick_s)
