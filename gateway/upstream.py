@@ -16,6 +16,7 @@ of their own: a stale request connection must not make a healthy engine look dow
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ import h11
 import trio
 
 from gateway.chunked_body import ChunkedBody, ChunkedBodyError
+from gateway.stall_watch import stall_watch
 
 READ_SIZE = 65536
 IDLE_LIMIT_S = 4.0
@@ -43,6 +45,9 @@ requests failed on connect timeouts to the engine."""
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _VALUE = re.compile(r"[^\x00\r\n]*")
 _HOST = re.compile(r"[A-Za-z0-9.\-_~!$&'()*+,;=%:\[\]]+")
+
+
+STALLED = "engine stalled mid-response"
 
 
 class UpstreamError(Exception):
@@ -75,6 +80,43 @@ class _Connection:
     idle_since: float = 0.0
     received: bool = False
     """Some byte of the current response arrived (so a failure is no longer a stale connection)."""
+    fd: int | None = None
+    """The socket's descriptor when the stream is a plain TCP socket (``receive_within`` reads it directly)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stream, trio.SocketStream):
+            self.fd = self.stream.socket.fileno()
+
+    async def receive_within(self, idle_timeout: float) -> bytes:
+        """The next bytes of the answer (b"" once the engine closed); UpstreamError when none came within
+        ``idle_timeout``. Other errors are the stream's (``OSError``, ``trio.BrokenResourceError``...).
+
+        On a plain socket the wait comes before the read: a streamed answer's next chunk is almost never
+        there yet when the last one was relayed, and trio's ``receive_some`` first tries a read that fails (a
+        system call and an exception) and then waits; the idle timeout is the run's ``StallWatch``, not a
+        cancel scope. Measured on a socket pair (a script outside the repository): 29-31 us a message with
+        ``receive_some`` in a scope, 23-25 waiting first in a scope, 16-18 waiting first with no scope."""
+        fd = self.fd
+        if fd is None:  # TLS, or a stream the caller supplied: trio's read in a scope
+            with trio.CancelScope(deadline=trio.current_time() + idle_timeout):
+                return await self.stream.receive_some(READ_SIZE)
+            raise UpstreamError(STALLED)
+        watch = stall_watch()
+        wait = watch.begin(fd, trio.current_time() + idle_timeout)
+        try:
+            while True:
+                try:
+                    await trio.lowlevel.wait_readable(fd)
+                except trio.ClosedResourceError:
+                    if wait.stalled:
+                        raise UpstreamError(STALLED) from None
+                    raise
+                try:
+                    return os.read(fd, READ_SIZE)
+                except BlockingIOError:  # woken without data (rare): wait again
+                    continue
+        finally:
+            watch.end(wait)
 
     async def send_all(self, *events: h11.Event) -> None:
         """One write per request: headers, body and end together, to save syscalls on the hot path."""
@@ -187,12 +229,9 @@ class UpstreamResponse:
             data, self._unread = self._unread, b""
             if not data:
                 try:
-                    with trio.CancelScope(deadline=trio.current_time() + idle_timeout) as idle:
-                        data = await connection.stream.receive_some(READ_SIZE)
+                    data = await connection.receive_within(idle_timeout)
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
                     raise UpstreamError(f"engine broke the response: {e}") from None
-                if idle.cancelled_caught:
-                    raise UpstreamError("engine stalled mid-response")
                 if not data:
                     raise UpstreamError("engine closed the connection mid-response")
             try:
@@ -212,7 +251,7 @@ class UpstreamResponse:
             except (trio.BrokenResourceError, trio.ClosedResourceError, h11.RemoteProtocolError, OSError) as e:
                 raise UpstreamError(f"engine broke the response: {e}") from None
             if idle.cancelled_caught:  # a bare scope, not fail_after: one wrapper less per relayed chunk
-                raise UpstreamError("engine stalled mid-response")
+                raise UpstreamError(STALLED)
             if isinstance(event, h11.Data):
                 chunk, event = self._connection.buffered_data(bytes(event.data))
                 yield chunk
