@@ -253,3 +253,31 @@ async def test_a_broken_or_cut_chunked_answer_is_an_upstream_error(nursery, body
         await response.aclose()
     assert pool.idle_connections == 0
     await pool.aclose()
+
+
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc",
+    _CHUNKED_HEAD + b"3\r\nabc\r\n",
+])
+async def test_an_answer_that_stops_mid_body_is_a_stall_after_the_idle_timeout(nursery, answer):
+    """Each engine read waits on the socket with the run's stall watch as its timeout, framed by length or in
+    chunks: the first bytes come through, the silence after them is an error, and the connection is dropped."""
+    async def stall(stream: trio.SocketStream) -> None:
+        await stream.receive_some(65536)
+        await stream.send_all(answer)
+        await trio.sleep_forever()
+
+    pool = await _raw_pool(nursery, stall)
+    response = await pool.request("POST", "/v1/completions", b"{}", [])
+    body = response.iter_body(0.3)
+    started = trio.current_time()
+    with trio.fail_after(10):
+        if answer.startswith(_CHUNKED_HEAD):
+            assert await anext(body) == b"abc"
+        with pytest.raises(UpstreamError, match="stalled mid-response"):
+            async for _ in body:
+                pass
+    assert trio.current_time() - started >= 0.3
+    await response.aclose()
+    assert pool.idle_connections == 0
+    await pool.aclose()
