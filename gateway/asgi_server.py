@@ -35,6 +35,8 @@ from urllib.parse import unquote
 import h11
 import trio
 
+from gateway.socket_read import read_when_ready
+
 log = logging.getLogger("kvmesh.http")
 READ_SIZE = 65536
 STREAM_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
@@ -205,8 +207,7 @@ class _Connection:
                     if event is h11.NEED_DATA:
                         if self.stopping.stopping and not self.h11.trailing_data[0]:
                             return None
-                        data = await self.stream.receive_some(READ_SIZE)
-                        self.h11.receive_data(data)
+                        self.h11.receive_data(await read_when_ready(self.fd, READ_SIZE))
                         continue
                     return event if isinstance(event, h11.Request) else None
             finally:
@@ -330,7 +331,7 @@ class _Exchange:
     async def _read(self) -> bytes:
         """Bytes from the client; b"" (and the connection marked broken) once it is gone."""
         try:
-            data = await self.connection.stream.receive_some(READ_SIZE)
+            data = await read_when_ready(self.connection.fd, READ_SIZE)
         except STREAM_ERRORS:
             data = b""
         if not data:

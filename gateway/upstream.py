@@ -26,6 +26,7 @@ import h11
 import trio
 
 from gateway.chunked_body import ChunkedBody, ChunkedBodyError
+from gateway.socket_read import read_when_ready
 from gateway.stall_watch import stall_watch
 
 READ_SIZE = 65536
@@ -91,11 +92,9 @@ class _Connection:
         """The next bytes of the answer (b"" once the engine closed); UpstreamError when none came within
         ``idle_timeout``. Other errors are the stream's (``OSError``, ``trio.BrokenResourceError``...).
 
-        On a plain socket the wait comes before the read: a streamed answer's next chunk is almost never
-        there yet when the last one was relayed, and trio's ``receive_some`` first tries a read that fails (a
-        system call and an exception) and then waits; the idle timeout is the run's ``StallWatch``, not a
-        cancel scope. Measured on a socket pair (a script outside the repository): 29-31 us a message with
-        ``receive_some`` in a scope, 23-25 waiting first in a scope, 16-18 waiting first with no scope."""
+        On a plain socket the wait comes before the read (``gateway.socket_read``) and the idle timeout is the
+        run's ``StallWatch``, not a cancel scope: on a socket pair (a script outside the repository) a message cost
+        29-31 us with ``receive_some`` in a scope, 23-25 waiting first in a scope, 16-18 waiting first with none."""
         fd = self.fd
         if fd is None:  # TLS, or a stream the caller supplied: trio's read in a scope
             with trio.CancelScope(deadline=trio.current_time() + idle_timeout):
@@ -104,7 +103,7 @@ class _Connection:
         watch = stall_watch()
         wait = watch.begin(fd, trio.current_time() + idle_timeout)
         try:
-            return await _read_socket(fd)
+            return await read_when_ready(fd, READ_SIZE)
         except trio.ClosedResourceError:
             if wait.stalled:
                 raise UpstreamError(STALLED) from None
@@ -140,7 +139,8 @@ class _Connection:
         while True:
             event = self.conn.next_event()
             if event is h11.NEED_DATA:
-                data = await (self.stream.receive_some(READ_SIZE) if self.fd is None else _read_socket(self.fd))
+                fd = self.fd
+                data = await (self.stream.receive_some(READ_SIZE) if fd is None else read_when_ready(fd, READ_SIZE))
                 self.received = self.received or bool(data)
                 self.conn.receive_data(data)
                 continue
@@ -154,17 +154,6 @@ class _Connection:
                 self.conn.receive_data(await self.receive_within(idle_timeout))
                 continue
             return event
-
-
-async def _read_socket(fd: int) -> bytes:
-    """Wait until ``fd`` is readable, then read it (b"" once the engine closed). An answer is almost never there
-    before the wait, so this saves the read that fails first in trio's ``receive_some``."""
-    while True:
-        await trio.lowlevel.wait_readable(fd)
-        try:
-            return os.read(fd, READ_SIZE)
-        except BlockingIOError:  # woken without data (rare): wait again
-            continue
 
 
 async def _close_quietly(connection: _Connection) -> None:

@@ -1,0 +1,25 @@
+"""Reading a plain socket that is usually empty when read: wait first, then read.
+
+trio's ``receive_some`` tries a read before it waits, which on a socket with nothing in it yet is a failed
+system call and an exception each time. For the router that is the usual case on both sides: an engine's next
+token, the engine's answer to a request just sent, a client's next request after an answer. On a socket pair
+(a script outside the repository) a message cost 23-25 us read the trio way and 16-18 us waiting first (no
+timeout scope in either).
+"""
+
+from __future__ import annotations
+
+import os
+
+import trio
+
+
+async def read_when_ready(fd: int, size: int) -> bytes:
+    """Up to ``size`` bytes from ``fd`` once it is readable; b"" when the peer closed. Errors are the socket's
+    (``OSError``), or trio's ``ClosedResourceError`` when the descriptor is closed under the wait."""
+    while True:
+        await trio.lowlevel.wait_readable(fd)
+        try:
+            return os.read(fd, size)
+        except BlockingIOError:  # woken without data (rare): wait again
+            continue
