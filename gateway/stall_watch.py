@@ -19,8 +19,12 @@ import math
 from dataclasses import dataclass
 
 import trio
+from prometheus_client import Counter
 
 log = logging.getLogger("kvmesh.upstream")
+STALL_WATCH = Counter("kvmesh_upstream_stall_watch_total",
+                      "Engine reads the stall watch ended (no byte within the idle timeout: stalled) and wake-ups of "
+                      "such reads that raised (wake_failed)", ["outcome"])
 _WATCH: trio.lowlevel.RunVar[StallWatch] = trio.lowlevel.RunVar("kvmesh_stall_watch")
 
 
@@ -62,7 +66,9 @@ class StallWatch:
             wait.stalled = True
             try:
                 trio.lowlevel.notify_closing(wait.fd)
+                STALL_WATCH.labels(outcome="stalled").inc()
             except Exception:  # a read whose socket went away meanwhile has nothing left to wake
+                STALL_WATCH.labels(outcome="wake_failed").inc()
                 self.errors += 1
                 if self.errors == 1:
                     log.exception("could not wake a stalled engine read")

@@ -157,6 +157,7 @@ class _Connection:
 
 
 async def _close_quietly(connection: _Connection) -> None:
+    connection.fd = None  # its number may be reused once closed: no direct read or write may reach it
     with trio.CancelScope(shield=True):
         try:
             await connection.stream.aclose()

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import trio
+from prometheus_client import REGISTRY
 
 from gateway.stall_watch import stall_watch
-from gateway.upstream import STALLED, UpstreamError, _Connection
+from gateway.upstream import STALLED, UpstreamError, _close_quietly, _Connection
 
 
 async def _pair() -> tuple[_Connection, trio.SocketStream]:
@@ -80,3 +81,25 @@ async def test_a_stream_that_is_not_a_plain_socket_reads_in_a_scope(autojump_clo
         await connection.receive_within(3)
     await right.send_all(b"x")
     assert await connection.receive_within(3) == b"x"
+
+
+def _stalls() -> float:
+    return REGISTRY.get_sample_value("kvmesh_upstream_stall_watch_total", {"outcome": "stalled"}) or 0.0
+
+
+async def test_a_stall_is_counted(autojump_clock):
+    connection, _engine = await _pair()
+    before = _stalls()
+    with pytest.raises(UpstreamError, match=STALLED):
+        await connection.receive_within(1)
+    assert _stalls() == before + 1
+
+
+async def test_a_closed_connection_reads_and_writes_no_descriptor_again():
+    """Its descriptor number may belong to another socket by then: reads and writes go through the closed
+    stream, which refuses them."""
+    connection, _engine = await _pair()
+    await _close_quietly(connection)
+    assert connection.fd is None
+    with pytest.raises(trio.ClosedResourceError):
+        await connection.receive_within(1)
