@@ -24,7 +24,6 @@ import contextlib
 import email.utils
 import functools
 import logging
-import os
 import select
 import time
 from collections.abc import Awaitable, Callable
@@ -35,7 +34,7 @@ from urllib.parse import unquote
 import h11
 import trio
 
-from gateway.socket_read import read_when_ready
+from gateway.socket_io import read_when_ready, write_through
 
 log = logging.getLogger("kvmesh.http")
 READ_SIZE = 65536
@@ -239,17 +238,9 @@ class _Connection:
         if self.broken or not data:
             return
         try:
-            sent = os.write(self.fd, data)
-        except BlockingIOError:
-            sent = 0
-        except OSError:
+            await write_through(self.fd, self.stream, data)
+        except STREAM_ERRORS:
             self.broken = True
-            return
-        if sent < len(data):
-            try:
-                await self.stream.send_all(memoryview(data)[sent:])
-            except STREAM_ERRORS:
-                self.broken = True
 
     async def _close(self) -> None:
         self.broken = True  # the descriptor number may be reused once closed: no write may reach it

@@ -16,7 +16,6 @@ of their own: a stale request connection must not make a healthy engine look dow
 from __future__ import annotations
 
 import math
-import os
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ import h11
 import trio
 
 from gateway.chunked_body import ChunkedBody, ChunkedBodyError
-from gateway.socket_read import read_when_ready
+from gateway.socket_io import read_when_ready, write_through
 from gateway.stall_watch import stall_watch
 
 READ_SIZE = 65536
@@ -82,20 +81,24 @@ class _Connection:
     received: bool = False
     """Some byte of the current response arrived (so a failure is no longer a stale connection)."""
     fd: int | None = None
-    """The socket's descriptor when the stream is a plain TCP socket (``receive_within`` reads it directly)."""
+    """The socket's descriptor when the stream is a plain TCP socket (``receive`` reads it directly)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stream, trio.SocketStream):
             self.fd = self.stream.socket.fileno()
 
-    async def receive_within(self, idle_timeout: float) -> bytes:
-        """The next bytes of the answer (b"" once the engine closed); UpstreamError when none came within
-        ``idle_timeout``. Other errors are the stream's (``OSError``, ``trio.BrokenResourceError``...).
+    async def receive(self, idle_timeout: float | None = None) -> bytes:
+        """The next bytes of the answer (b"" once the engine closed); with ``idle_timeout``, UpstreamError when none
+        came within it (without, the caller's scope bounds the wait). Other errors are the stream's (``OSError``,
+        ``trio.BrokenResourceError``...).
 
-        On a plain socket the wait comes before the read (``gateway.socket_read``) and the idle timeout is the
-        run's ``StallWatch``, not a cancel scope: on a socket pair (a script outside the repository) a message cost
-        29-31 us with ``receive_some`` in a scope, 23-25 waiting first in a scope, 16-18 waiting first with none."""
+        On a plain socket the wait comes before the read (``gateway.socket_io``) and the idle timeout is the run's
+        ``StallWatch``, not a cancel scope: on a socket pair (a script outside the repository) a message cost
+        28.7-31.5 us with ``receive_some`` in a scope, 22.6-25.5 waiting first in a scope, 16.4-17.8 waiting first
+        with none."""
         fd = self.fd
+        if idle_timeout is None:
+            return await (self.stream.receive_some(READ_SIZE) if fd is None else read_when_ready(fd, READ_SIZE))
         if fd is None:  # TLS, or a stream the caller supplied: trio's read in a scope
             with trio.CancelScope(deadline=trio.current_time() + idle_timeout):
                 return await self.stream.receive_some(READ_SIZE)
@@ -116,16 +119,10 @@ class _Connection:
         socket the bytes go straight in when the kernel takes them all (no scheduler pass), as the server's
         answers do; the rest, if any, through trio."""
         data = b"".join(self.conn.send(e) or b"" for e in events if not (isinstance(e, h11.Data) and not e.data))
-        if self.fd is not None:
-            try:
-                sent = os.write(self.fd, data)
-            except BlockingIOError:
-                sent = 0
-            if sent == len(data):
-                return
-            await self.stream.send_all(memoryview(data)[sent:])
-            return
-        await self.stream.send_all(data)
+        if self.fd is None:
+            await self.stream.send_all(data)
+        else:
+            await write_through(self.fd, self.stream, data)
 
     def buffered_data(self, data: bytes) -> tuple[bytes, h11.Event | type[h11.NEED_DATA]]:
         """``data`` joined with the body chunks the last read already brought (no I/O), and the event after
@@ -135,23 +132,14 @@ class _Connection:
             parts.append(bytes(event.data))
         return (data if len(parts) == 1 else b"".join(parts)), event
 
-    async def next_event(self) -> h11.Event:
+    async def next_event(self, idle_timeout: float | None = None) -> h11.Event:
+        """h11's next event, reading as it needs (each read bounded by ``idle_timeout`` when given: ``receive``)."""
         while True:
             event = self.conn.next_event()
             if event is h11.NEED_DATA:
-                fd = self.fd
-                data = await (self.stream.receive_some(READ_SIZE) if fd is None else read_when_ready(fd, READ_SIZE))
+                data = await self.receive(idle_timeout)
                 self.received = self.received or bool(data)
                 self.conn.receive_data(data)
-                continue
-            return event
-
-    async def next_event_within(self, idle_timeout: float) -> h11.Event:
-        """h11's next event of a response body, each read bounded by ``idle_timeout`` (``receive_within``)."""
-        while True:
-            event = self.conn.next_event()
-            if event is h11.NEED_DATA:
-                self.conn.receive_data(await self.receive_within(idle_timeout))
                 continue
             return event
 
@@ -244,7 +232,7 @@ class UpstreamResponse:
             data, self._unread = self._unread, b""
             if not data:
                 try:
-                    data = await connection.receive_within(idle_timeout)
+                    data = await connection.receive(idle_timeout)
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
                     raise UpstreamError(f"engine broke the response: {e}") from None
                 if not data:
@@ -261,7 +249,7 @@ class UpstreamResponse:
         assert self._connection is not None
         while True:
             try:
-                event = await self._connection.next_event_within(idle_timeout)
+                event = await self._connection.next_event(idle_timeout)
             except (trio.BrokenResourceError, trio.ClosedResourceError, h11.RemoteProtocolError, OSError) as e:
                 raise UpstreamError(f"engine broke the response: {e}") from None
             if isinstance(event, h11.Data):

@@ -26,10 +26,10 @@ async def test_a_read_returns_what_the_engine_sent_and_leaves_no_wait_behind(aut
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(send_later)
-        assert await connection.receive_within(5) == b"data: 1\n\n"
+        assert await connection.receive(5) == b"data: 1\n\n"
     assert not stall_watch().waits
     await engine.aclose()
-    assert await connection.receive_within(5) == b""  # the engine closed: end of stream, not a stall
+    assert await connection.receive(5) == b""  # the engine closed: end of stream, not a stall
 
 
 async def test_a_read_with_nothing_sent_stalls_at_its_own_deadline(autojump_clock):
@@ -41,12 +41,12 @@ async def test_a_read_with_nothing_sent_stalls_at_its_own_deadline(autojump_cloc
     start = trio.current_time()
 
     async def read_slow() -> None:
-        assert await slow.receive_within(10) == b"late"
+        assert await slow.receive(10) == b"late"
         ended["slow"] = trio.current_time() - start
 
     async def read_quick() -> None:
         with pytest.raises(UpstreamError, match=STALLED):
-            await quick.receive_within(2)
+            await quick.receive(2)
         ended["quick"] = trio.current_time() - start
 
     async def send_late() -> None:
@@ -66,10 +66,10 @@ async def test_a_read_with_nothing_sent_stalls_at_its_own_deadline(autojump_cloc
 async def test_a_cancelled_read_leaves_no_wait_and_a_later_read_still_stalls(autojump_clock):
     connection, _engine = await _pair()
     with trio.move_on_after(1):
-        await connection.receive_within(100)
+        await connection.receive(100)
     assert not stall_watch().waits
     with pytest.raises(UpstreamError, match=STALLED):
-        await connection.receive_within(3)
+        await connection.receive(3)
 
 
 async def test_a_stream_that_is_not_a_plain_socket_reads_in_a_scope(autojump_clock):
@@ -78,9 +78,9 @@ async def test_a_stream_that_is_not_a_plain_socket_reads_in_a_scope(autojump_clo
     connection = _Connection(left)
     assert connection.fd is None
     with pytest.raises(UpstreamError, match=STALLED):
-        await connection.receive_within(3)
+        await connection.receive(3)
     await right.send_all(b"x")
-    assert await connection.receive_within(3) == b"x"
+    assert await connection.receive(3) == b"x"
 
 
 def _stalls() -> float:
@@ -91,7 +91,7 @@ async def test_a_stall_is_counted(autojump_clock):
     connection, _engine = await _pair()
     before = _stalls()
     with pytest.raises(UpstreamError, match=STALLED):
-        await connection.receive_within(1)
+        await connection.receive(1)
     assert _stalls() == before + 1
 
 
@@ -102,4 +102,6 @@ async def test_a_closed_connection_reads_and_writes_no_descriptor_again():
     await _close_quietly(connection)
     assert connection.fd is None
     with pytest.raises(trio.ClosedResourceError):
-        await connection.receive_within(1)
+        await connection.receive(1)
+    with pytest.raises(trio.ClosedResourceError):
+        await connection.send_all()
