@@ -42,13 +42,15 @@ BATCH_SLICE_PROMPTS = 4_096
 """Prompts of a batch per tokenizer call: the call returns its results under the GIL, and one call for half a
 million prompts held it (and the event loop) for seconds."""
 RENDER_INLINE_MAX_CHARS = 1 << 20
-FRESH_HEAD_CHARS = 4_096
-"""A segment the cache has never seen that is longer than this (a new system prompt or document, ~600-1,000
-tokens) is encoded only up to about here before routing: enough blocks to find the prefix's home and whether
-any engine holds its start, on the loop and in ~1.5 ms. Encoding the whole of such prompts (1,250-3,800
-tokens) before routing took 90-555 ms of a request's time to first token (9-47 ms of CPU, the rest waiting
-for a thread on a busy 2-core machine), and those first requests of each prefix made kv_aware's TTFT p90 1.7x
-round robin's on a multi-turn suite shape."""
+FRESH_HEAD_CHARS = 1_024
+"""A segment the cache has never seen that is longer than this (a new system prompt or document; 150-550
+tokens, 10-35 blocks of 16) is encoded only up to about here before routing: enough blocks to find the
+prefix's home (its first four) and whether any engine holds its start, on the loop. With 4 KB, a new
+8k-token prompt's tokenizing before routing took 1.5-1.7 ms (1.2-1.3 of them the head's encode) of a
+2.3-2.7 ms decision on a router in front of 15 simulated engines, one request at a time; with 1 KB, 0.7-1.1
+ms of 1.5. Encoding the whole of such prompts (1,250-3,800 tokens) before routing took 90-555 ms of a
+request's time to first token (9-47 ms of CPU, the rest waiting for a thread on a busy 2-core machine), and
+those first requests of each prefix made kv_aware's TTFT p90 1.7x round robin's on a multi-turn suite shape."""
 """Text beyond this (1 MiB renders in ~1 ms, 8 MiB in ~10 ms) also renders in a thread."""
 
 
