@@ -42,6 +42,7 @@ BATCH_SLICE_PROMPTS = 4_096
 """Prompts of a batch per tokenizer call: the call returns its results under the GIL, and one call for half a
 million prompts held it (and the event loop) for seconds."""
 RENDER_INLINE_MAX_CHARS = 1 << 20
+"""Text beyond this (1 MiB renders in ~1 ms, 8 MiB in ~10 ms) also renders in a thread."""
 FRESH_HEAD_CHARS = 1_024
 """A segment the cache has never seen that is longer than this (a new system prompt or document; 150-550
 tokens, 10-35 blocks of 16) is encoded only up to about here before routing: enough blocks to find the
@@ -51,7 +52,6 @@ prefix's home (its first four) and whether any engine holds its start, on the lo
 ms of 1.5. Encoding the whole of such prompts (1,250-3,800 tokens) before routing took 90-555 ms of a
 request's time to first token (9-47 ms of CPU, the rest waiting for a thread on a busy 2-core machine), and
 those first requests of each prefix made kv_aware's TTFT p90 1.7x round robin's on a multi-turn suite shape."""
-"""Text beyond this (1 MiB renders in ~1 ms, 8 MiB in ~10 ms) also renders in a thread."""
 
 
 @dataclass
