@@ -56,15 +56,20 @@ MAX_KEY_CHARS = 256
 STREAM_FRAMING_EVENTS = 2
 DEFER_CHARS = 16_384
 """A fresh part of the prompt at least this long (~4k tokens) is encoded after the request went out: from
-there its encode costs more than the 3 ms a router may add to the first token. It is encoded all the same
-(once the answer has begun; a never-seen system prompt's rest at dispatch, ``RoutePlanner.dispatched``), so
-that the conversation's next turn finds it cached: a turn that long is deferred whether or not its head decides."""
+there its encode costs more than the 3 ms a router may add to the first token. A turn that long is deferred
+whether or not its head decides."""
 DEFER_IF_DECIDED_CHARS = 1_024
-"""A shorter fresh part, down to this, is not encoded when the cached head already decides the engine
-(``head_decides``): encoding a 300-token turn took 0.8-0.9 ms between requests (cold caches) on the way to
-the first token, 0.25 ms when warm. Nor is it encoded later: a conversation's next turn on this replica
-finds its head decided again (only the engine that answered holds it past the system prompt) or, when
-several engines hold that head, encodes it then. Shorter fresh parts are encoded first."""
+"""A shorter fresh part, down to this, is not encoded before routing when the cached head already decides the
+engine (``head_decides``): encoding a 300-token turn took 0.8-0.9 ms between requests (cold caches) on the way
+to the first token, 0.25 ms when warm. Shorter fresh parts are encoded first.
+
+Every deferred part is encoded once the answer has begun (a never-seen system prompt's rest at dispatch,
+``RoutePlanner.dispatched``), so that the conversation's next turn finds it cached. Parts whose
+head decided used to be left unencoded: an agentic session's later turns then found only their first turn cached
+(1.8-1.9k tokens where the engine held 2.5-4.5k; seed 1 suite shape #2), until their uncached history outgrew
+``DEFER_CHARS`` and they were routed on that first turn alone, leaving their engine for an idle one (a full
+prefill: first tokens of 103-145 ms against 44-50 ms at home): hit 0.744-0.782 in 5 of 7 runs, 0.805 (smg's)
+in 4 of 4 since."""
 
 
 def _begins_with(chains: Mapping[int, Sequence[int]], head: Mapping[int, Sequence[int]]) -> bool:
@@ -123,7 +128,7 @@ class Plan:
     ``TokenizerService.token_ids_or_head``); ``chains`` cover the cached head only (a new prompt's whole once
     its rest is encoded after dispatch, ``Plan.rest_done``)."""
     unencoded: DeferredIds | None = None
-    """The fresh rest still to encode (``RoutePlanner.encode_rest`` starts it once)."""
+    """The deferred rest still to encode (``RoutePlanner.encode_rest`` starts it once)."""
     batch_tokens: int = 0
     """Tokens of a completions batch's other prompts: routing reads the first, the tenant pays for all."""
     decided_s: float = 0.0
@@ -434,7 +439,7 @@ class RoutePlanner:
         self.metrics.decisions.labels(decision.policy, decision.reason.split(" ")[0]).inc()
         decided_s = trio.current_time() - started
         self.metrics.decision_latency.observe(decided_s)
-        later = deferred if deferred is not None and (deferred.fresh or deferred.rest_chars >= DEFER_CHARS) else None
+        later = deferred
         return Plan(parsed, decision, ranked, chains, prompt_tokens, estimated=deferred is not None,
                     unencoded=later, batch_tokens=batch_tokens, decided_s=decided_s)
 
@@ -456,7 +461,7 @@ class RoutePlanner:
         return bool(sharing)
 
     def encode_rest(self, plan: Plan) -> None:
-        """Start encoding a deferred prompt's long fresh turn, once (a new system prompt's rest started at
+        """Start encoding a deferred prompt's fresh rest, once (a new system prompt's rest started at
         dispatch). The router calls this when the answer has begun (and again when the request ends):
         encoding 8k tokens takes ~9 ms of CPU, which, started with the request, competed with the engine's
         prefill and added it to the time to first token; a turn no other request shares gains nothing from

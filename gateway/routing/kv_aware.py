@@ -47,9 +47,12 @@ def agreed_order(ranked: list[str], scores: Scores, home_key: str, tolerance_s: 
     return sorted(near, key=lambda e: -rendezvous_weight(h, e)) + [e for e in ranked if e not in near]
 
 
-def held_order(ranked: list[str], scores: Scores, deviation: Callable[[str], float]) -> list[str]:
+def held_order(ranked: list[str], scores: Scores, deviation: Callable[[str], float],
+               decode_doubt: float = 0.0) -> list[str]:
     """``ranked`` with the engine holding most of the prompt first when the cheaper choice would beat it by less
-    than one deviation of the holder's learned TTFT (``TTFTLearner.deviation`` times its queue and prefill).
+    than one deviation of the holder's learned TTFT (``TTFTLearner.deviation`` times its queue and prefill) plus
+    the share of the decode it would save that the decode model's slope does not vouch for (``decode_doubt``,
+    ``DecodeModel.slope_doubt``).
 
     Leaving cached tokens behind is certain loss (the prefix is computed and stored twice, and under KV pressure
     the copy evicts what others would have read); the gain is an estimate. On the suite's pressure shapes the
@@ -69,7 +72,9 @@ def held_order(ranked: list[str], scores: Scores, deviation: Callable[[str], flo
     held = scores[holder]
     if held.cached_tokens <= best.cached_tokens or 2 * held.overlap_tokens <= held.cached_tokens + held.uncached_tokens:
         return ranked
-    if held.cost_s - best.cost_s > deviation(holder) * (held.queue_s + held.prefill_s):
+    tolerance = (deviation(holder) * (held.queue_s + held.prefill_s)
+                 + decode_doubt * max(0.0, held.decode_s - best.decode_s))
+    if held.cost_s - best.cost_s > tolerance:
         return ranked
     return [holder, *(e for e in ranked if e != holder)]
 
@@ -185,7 +190,8 @@ class KvAwarePolicy(Policy):
                 -rendezvous_weight(h, engine.id),
             )
 
-        ranked = held_order([e.id for e in sorted(pool, key=order)], scores, self.costs.learner.deviation)
+        ranked = held_order([e.id for e in sorted(pool, key=order)], scores, self.costs.learner.deviation,
+                            self.costs.decode.slope_doubt())
         if (self.agree_with_peers and request.home_key and not self.homes.homes(request.home_key)
                 and all(score.overlap_tokens <= 0 for score in scores.values())):
             ranked = agreed_order(ranked, scores, request.home_key, self._agreement_s(request, pool, scores[ranked[0]]))

@@ -166,13 +166,31 @@ async def test_a_short_fresh_rest_is_encoded_before_routing_when_two_engines_hol
     async with trio.open_nursery() as nursery:
         planner._background = nursery
         alone = await planner.plan(parsed, {})
-        assert alone.estimated and alone.unencoded is None and not log  # decided: never encoded
+        assert alone.estimated and alone.unencoded is not None and not log  # decided: encoded after, not before
         for engine in router.engines.all():
             planner.cache.record_dispatch(engine.id, alone.chains, trio.current_time())
         shared = await planner.plan(parsed, {})
     assert log == ["encoded"]
     assert (shared.estimated, shared.prompt_tokens, shared.unencoded) == (False, 400, None)
     assert all(len(blocks) == 400 // size for size, blocks in shared.chains.items())
+
+
+async def test_a_rest_its_head_decided_is_encoded_once_the_answer_has_begun(monkeypatch):
+    """A conversation's turn routed on its cached head still has its rest encoded after its first token, so the
+    next turn's head reaches the end of this one. Left unencoded, an agentic session's later turns saw only their
+    first turn cached (1.8-1.9k tokens where the engine held 2.5-4.5k), and once their uncached history outgrew
+    ``DEFER_CHARS`` were routed on that alone and left their engine for an idle one."""
+    router = make_router(policy="kv_aware")
+    planner = router.planner
+    log: list[str] = []
+    planner.tokenizers = HeadFirst(64, 400, 1500, log)
+    async with trio.open_nursery() as nursery:
+        planner._background = nursery
+        plan = await planner.plan(parse_request(STREAMED_CHAT, "chat", LimitsConfig()), {})
+        assert plan.estimated and plan.unencoded is not None and not log
+        planner.encode_rest(plan)
+        planner.encode_rest(plan)  # once only: the router calls it at the first token and again at the end
+    assert log == ["encoded"]
 
 
 class FreshHead(HeadFirst):

@@ -93,8 +93,10 @@ def test_kv_aware_picks_the_engine_the_reference_says_is_fastest(fleet, request,
     if 2 * chosen.overlap_tokens > chosen.cached_tokens + chosen.uncached_tokens and \
             chosen.cached_tokens >= max(row.cached_tokens for row in decision.table if row.engine in done):
         # ``held_order``: the holder of most of the prompt keeps it unless another engine is faster by more than
-        # one deviation of the holder's learned TTFT (its queue and prefill).
+        # one deviation of the holder's learned TTFT (its queue and prefill) plus the doubted share of the decode
+        # the faster engine would save (at most what the decode-fastest row saves).
         allowed += costs.learner.deviation(chosen.engine) * (chosen.queue_s + chosen.prefill_s)
+        allowed += costs.decode.slope_doubt() * max(0.0, chosen.decode_s - min(row.decode_s for row in decision.table))
     assert done[decision.chosen] <= min(done[e.id] for e in pool) + allowed + 1e-6
     for row in decision.table:
         assert math.isclose(row.ttft_s, reference[row.engine], rel_tol=1e-6, abs_tol=tolerance)

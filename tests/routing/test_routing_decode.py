@@ -144,3 +144,28 @@ def test_streams_that_decode_alone_teach_the_base_and_leave_the_slope_at_its_pri
     assert math.isclose(model.time_per_token_s("e0", 0), base, rel_tol=0.05)
     slope = (model.time_per_token_s("e0", 8) - model.time_per_token_s("e0", 0)) / 8
     assert math.isclose(slope, prior, rel_tol=0.05)
+
+
+def test_a_slope_taught_by_a_few_streams_is_doubted_and_one_taught_by_many_is_not():
+    """Nine streams (six short answers alone, three long ones beside one or two others: an agentic suite shape's
+    first seconds) teach a steep slope with a wide error; hundreds at every depth on one line, a narrow one."""
+    few = DecodeModel()
+    for i in range(6):
+        few.observe(f"e{i}", 0, 5, 4 * 0.0030)
+    for engine, depth, per_token in (("e6", 2, 0.00382), ("e6", 1, 0.00383), ("e7", 1, 0.00386)):
+        few.observe(engine, depth, 376, 375 * per_token)
+    many = DecodeModel()
+    rng = random.Random(1)
+    for k in range(400):
+        depth = rng.randint(0, 30)
+        many.observe(f"e{k % 4}", depth, 128, 127 * (0.012 + 0.0004 * depth) * (1 + rng.gauss(0, 0.05)))
+    assert few.slope_doubt() > 0.15 and many.slope_doubt() < 0.05
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 64), st.integers(1, 2000), st.floats(0.0, 5.0)), max_size=40))
+def test_the_slopes_doubt_is_a_share(streams):
+    model = DecodeModel()
+    for depth, tokens, seconds in streams:
+        model.observe("e", depth, tokens, seconds)
+    assert 0.0 <= model.slope_doubt() <= 1.0

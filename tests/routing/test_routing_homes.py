@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import random
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -296,6 +297,27 @@ def test_held_order_only_ever_puts_the_best_cached_engine_first_within_its_devia
         assert chosen.cached_tokens == max(s.cached_tokens for s in scores.values()) > best.cached_tokens
         assert 2 * chosen.overlap_tokens > prompt
         assert chosen.cost_s - best.cost_s <= deviation * (chosen.queue_s + chosen.prefill_s)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 4000), st.sampled_from([0.5, 1.0]), st.floats(0.0, 1.0),
+                          st.floats(0.0, 1.0), st.floats(0.0, 2.0)), min_size=1, max_size=6),
+       st.integers(1, 4000), st.floats(0.0, 1.0), st.floats(0.0, 1.0))
+def test_held_order_also_tolerates_the_doubted_share_of_a_decode_gain(rows, prompt, deviation, doubt):
+    """With a decode slope in doubt, the holder of most of the prompt keeps its place while the cheaper engine's
+    lead is within its TTFT deviation plus that share of the decode the cheaper engine would save, never beyond."""
+    scores = {f"e{i}": msgspec.structs.replace(_score(f"e{i}", prompt, *row[:4]), decode_s=row[4])
+              for i, row in enumerate(rows)}
+    ranked = sorted(scores, key=lambda e: (scores[e].cost_s, e))
+    held = held_order(ranked, scores, lambda _: deviation, doubt)
+    assert sorted(held) == sorted(ranked) and held[1:] == [e for e in ranked if e != held[0]]
+    if held[0] != ranked[0]:
+        chosen, best = scores[held[0]], scores[ranked[0]]
+        assert chosen.cached_tokens == max(s.cached_tokens for s in scores.values()) > best.cached_tokens
+        assert chosen.cost_s - best.cost_s <= (deviation * (chosen.queue_s + chosen.prefill_s)
+                                               + doubt * max(0.0, chosen.decode_s - best.decode_s))
+    less_doubt = held_order(ranked, scores, lambda _: deviation, doubt / 2)
+    assert less_doubt[0] in (held[0], ranked[0])  # doubting less can only give the holder up, never pick another
 
 
 def test_a_sibling_arriving_while_its_prompt_prefills_waits_for_it():
