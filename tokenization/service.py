@@ -43,6 +43,9 @@ BATCH_SLICE_PROMPTS = 4_096
 million prompts held it (and the event loop) for seconds."""
 RENDER_INLINE_MAX_CHARS = 1 << 20
 """Text beyond this (1 MiB renders in ~1 ms, 8 MiB in ~10 ms) also renders in a thread."""
+NOW_MAX_CHARS = 16_384
+"""A deferred rest this short (~4k tokens, 2-4 ms of CPU) may also be encoded on the loop when a request waits
+for it (``DeferredIds.complete_now``)."""
 FRESH_HEAD_CHARS = 1_024
 """A segment the cache has never seen that is longer than this (a new system prompt or document; 150-550
 tokens, 10-35 blocks of 16) is encoded only up to about here before routing: enough blocks to find the
@@ -71,6 +74,9 @@ class DeferredIds:
     """The head ends inside a segment the cache had never seen (``FRESH_HEAD_CHARS``): the rest must be encoded
     once the request is out, whatever its length, or the next request of the same prefix would see only its
     head cached again and be routed on that."""
+    complete_now: Callable[[], list[int]] | None = None
+    """``complete`` on the event loop, without a hop to a thread: for a rest of up to ``NOW_MAX_CHARS``
+    (None beyond)."""
 
 
 @dataclass
@@ -205,14 +211,21 @@ class TokenizerService:
         rest = len(prompt.text) - head_chars
         estimated = len(head) + len(affixes[1]) + round(rest * (len(head) or 1) / max(head_chars, 1))
 
-        async def complete() -> list[int]:
-            ids = (await self._ids_of(tok, found))[0]
+        def checked(ids: list[int]) -> list[int]:
             if fresh_text and ids[:len(head)] != head:
                 self.stats.fresh_head_mismatches += 1
                 self._fresh_heads[tok.spec] = False
             return ids
 
-        return DeferredIds(head, estimated, complete, rest_chars - len(fresh_text), fresh=bool(fresh_text))
+        async def complete() -> list[int]:
+            return checked((await self._ids_of(tok, found))[0])
+
+        def complete_now() -> list[int]:
+            ids = [*affixes[0], *self._plain_ids_now(tok, prompt.text), *affixes[1]]
+            return checked(finish(truncated(ids, prompt.truncate, prompt.keep_left)))
+
+        return DeferredIds(head, estimated, complete, rest_chars - len(fresh_text), fresh=bool(fresh_text),
+                           complete_now=complete_now if rest_chars <= NOW_MAX_CHARS else None)
 
     def _fresh_head_text(self, spec: str, segment: str) -> str:
         """The start of a never-seen segment longer than ``FRESH_HEAD_CHARS`` whose ids begin the whole segment's:
@@ -234,17 +247,33 @@ class TokenizerService:
         return [*prefix, *await self._plain_ids(tok, prompt.text), *suffix]
 
     async def _plain_ids(self, tok: LoadedTokenizer, text: str) -> list[int]:
-        spec = tok.spec
-        pieces = tok.plan.split(text) if self._segmented[spec] else [text]
-        found = {piece: self.cache.get(spec, piece) for piece in pieces}
-        misses = [piece for piece, ids in found.items() if ids is None]
-        for piece, ids in zip(misses, await self._encode(tok, misses), strict=True):
-            found[piece] = tuple(ids)
-            self.cache.put(spec, piece, found[piece])
-        joined = [t for piece in pieces for t in found[piece] or ()]
-        if len(pieces) > 1 and self._due_for_check(spec):
+        pieces, found, misses = self._looked_up(tok, text)
+        joined = self._joined(tok, pieces, found, misses, await self._encode(tok, misses))
+        if len(pieces) > 1 and self._due_for_check(tok.spec):
             return await self._verified(tok, text, joined)
         return joined
+
+    def _plain_ids_now(self, tok: LoadedTokenizer, text: str) -> list[int]:
+        """``_plain_ids`` with the misses encoded on the loop whatever their length (the caller bounds it), and
+        no whole-text check (the other path makes those)."""
+        pieces, found, misses = self._looked_up(tok, text)
+        self.stats.inline_encodes += bool(misses)
+        return self._joined(tok, pieces, found, misses, encode_plain(tok.hf, misses))
+
+    def _looked_up(self, tok: LoadedTokenizer, text: str
+                   ) -> tuple[list[str], dict[str, tuple[int, ...] | None], list[str]]:
+        """The text's segments, their cached ids (None: a miss), and the misses."""
+        pieces = tok.plan.split(text) if self._segmented[tok.spec] else [text]
+        found = {piece: self.cache.get(tok.spec, piece) for piece in pieces}
+        return pieces, found, [piece for piece, ids in found.items() if ids is None]
+
+    def _joined(self, tok: LoadedTokenizer, pieces: list[str], found: dict[str, tuple[int, ...] | None],
+                misses: list[str], encoded: list[list[int]]) -> list[int]:
+        """Cache the misses' ids and join every segment's."""
+        for piece, ids in zip(misses, encoded, strict=True):
+            found[piece] = tuple(ids)
+            self.cache.put(tok.spec, piece, found[piece])
+        return [t for piece in pieces for t in found[piece] or ()]
 
     def _due_for_check(self, spec: str) -> bool:
         self._until_verify[spec] -= 1

@@ -285,6 +285,37 @@ async def test_a_sibling_arriving_while_a_new_prefix_is_encoded_waits_for_its_wh
     assert {s.engine: s.approx_tokens for s in sibling_plan.decision.table} == _only_on(router, chosen, 400)
 
 
+class StalledFreshHeadEncodableNow(SlowFreshHead):
+    """Its rest's encode in the background never finishes (``go`` is never set), but it can be encoded at once on
+    the loop (``DeferredIds.complete_now``, logged as ``now``)."""
+
+    async def token_ids_or_head(self, model, body, kind, defer_chars):
+        found = await super().token_ids_or_head(model, body, kind, defer_chars)
+
+        def complete_now():
+            self.log.append("now")
+            return self.ids
+        return dataclasses.replace(found, complete_now=complete_now)
+
+
+async def test_a_sibling_encodes_a_new_prefixs_short_rest_on_the_loop_instead_of_waiting(monkeypatch):
+    """The first sibling of a new prompt does not wait for the thread's encode and the task recording it: it
+    encodes the rest on the loop, the prompt is recorded whole where it went, and the sibling routes on that."""
+    router, planner, log = _new_prefix_router(StalledFreshHeadEncodableNow)
+    async with trio.open_nursery() as nursery:
+        planner._background = nursery
+        first = await planner.plan(parse_request(STREAMED_CHAT, "chat", LimitsConfig()), {})
+        planner.dispatched(first)
+        with trio.fail_after(5):
+            sibling = await planner.plan(parse_request(STREAMED_CHAT, "chat", LimitsConfig()), {})
+        assert log == ["now", "now"] and not planner._computing and first.fresh_rest is None  # its own: cached
+        nursery.cancel_scope.cancel()  # the stalled background encode
+    assert (sibling.estimated, sibling.prompt_tokens) == (False, 400)
+    chosen = first.engines[0].id
+    assert sibling.decision.chosen == chosen
+    assert {s.engine: s.approx_tokens for s in sibling.decision.table} == _only_on(router, chosen, 400)
+
+
 async def test_a_long_new_prefix_whose_head_two_engines_hold_is_encoded_before_routing(monkeypatch):
     """A prompt new to this router but not to the fleet (another replica sent it): its head alone would credit
     its holders a fraction of what they hold, so it is encoded first, however long."""

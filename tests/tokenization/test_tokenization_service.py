@@ -22,7 +22,7 @@ from tokenization.build_default import CHATML_TEMPLATE
 from tokenization.messages import RenderError
 from tokenization.registry import DEFAULT_TOKENIZER_DIR, LoadedTokenizer, TokenizerRegistry, load_tokenizer
 from tokenization.render import all_prompt_token_ids_sync, render_chat
-from tokenization.service import FRESH_HEAD_CHARS, DeferredIds, TokenizerService
+from tokenization.service import FRESH_HEAD_CHARS, NOW_MAX_CHARS, DeferredIds, TokenizerService
 from tokenization.worker import WorkerPool
 
 pytestmark = pytest.mark.integration
@@ -290,6 +290,25 @@ async def test_a_new_long_system_prompt_is_routed_on_its_head_encoded_on_the_loo
                               {"role": "user", "content": "hi"}]}
         assert await svc.token_ids_or_head(None, short, "chat", defer_chars=1_024) == \
             all_prompt_token_ids_sync(HF, short, "chat")[0]
+
+
+async def test_a_short_deferred_rest_encodes_on_the_loop_to_the_same_ids_and_a_long_one_does_not() -> None:
+    """``complete_now`` (for a request that waits for the rest) gives the ids ``complete`` gives and fills the
+    cache the same way; beyond ``NOW_MAX_CHARS`` there is none."""
+    rnd = random.Random(21)
+    async with TokenizerService.open(TokenizerRegistry(default=SPEC)) as svc:
+        body = {"messages": [{"role": "system", "content": excerpt(rnd, NOW_MAX_CHARS // 2)},
+                             {"role": "user", "content": "hi"}]}
+        exact = all_prompt_token_ids_sync(HF, body, "chat")[0]
+        found = await svc.token_ids_or_head(None, body, "chat", defer_chars=1_024)
+        assert isinstance(found, DeferredIds) and found.fresh and found.complete_now is not None
+        assert found.complete_now() == exact
+        assert await svc.token_ids_or_head(None, body, "chat", defer_chars=1_024) == exact  # cached by it
+        assert await found.complete() == exact
+        long_body = {"messages": [{"role": "system", "content": excerpt(rnd, NOW_MAX_CHARS * 2)},
+                                  {"role": "user", "content": "hi"}]}
+        long_found = await svc.token_ids_or_head(None, long_body, "chat", defer_chars=1_024)
+        assert isinstance(long_found, DeferredIds) and long_found.complete_now is None
 
 
 async def test_fresh_head_ids_begin_the_whole_segments_ids_wherever_the_text_is_cut() -> None:
