@@ -175,24 +175,6 @@ async def test_a_short_fresh_rest_is_encoded_before_routing_when_two_engines_hol
     assert all(len(blocks) == 400 // size for size, blocks in shared.chains.items())
 
 
-async def test_a_rest_its_head_decided_is_encoded_once_the_answer_has_begun(monkeypatch):
-    """A conversation's turn routed on its cached head still has its rest encoded after its first token, so the
-    next turn's head reaches the end of this one. Left unencoded, an agentic session's later turns saw only their
-    first turn cached (1.8-1.9k tokens where the engine held 2.5-4.5k), and once their uncached history outgrew
-    ``DEFER_CHARS`` were routed on that alone and left their engine for an idle one."""
-    router = make_router(policy="kv_aware")
-    planner = router.planner
-    log: list[str] = []
-    planner.tokenizers = HeadFirst(64, 400, 1500, log)
-    async with trio.open_nursery() as nursery:
-        planner._background = nursery
-        plan = await planner.plan(parse_request(STREAMED_CHAT, "chat", LimitsConfig()), {})
-        assert plan.estimated and plan.unencoded is not None and not log
-        planner.encode_rest(plan)
-        planner.encode_rest(plan)  # once only: the router calls it at the first token and again at the end
-    assert log == ["encoded"]
-
-
 class FreshHead(HeadFirst):
     """Defers every prompt as one whose first segment was never seen (``DeferredIds.fresh``)."""
 
@@ -201,18 +183,24 @@ class FreshHead(HeadFirst):
         return dataclasses.replace(found, fresh=True)
 
 
-async def test_a_new_prefix_is_routed_on_its_head_and_encoded_after_even_when_short(monkeypatch):
-    """A new system prompt's first request goes out on its head's blocks; its rest is encoded once the answer
-    has begun, so the prefix's next request is routed on all its blocks."""
+@pytest.mark.parametrize("tokenizers", [HeadFirst, FreshHead])
+async def test_a_prompt_routed_on_its_head_has_its_rest_encoded_once_asked_for(tokenizers, monkeypatch):
+    """A new system prompt's first request (``FreshHead``) goes out on its head's blocks, and so does a turn whose
+    cached head decided its engine (``HeadFirst``); either's rest is encoded once the answer has begun (and only
+    once), so the next request of the prefix or conversation is routed on all its blocks. Left unencoded, an
+    agentic session's later turns saw only their first turn cached (1.8-1.9k tokens where the engine held
+    2.5-4.5k), and once their uncached history outgrew ``DEFER_CHARS`` were routed on that alone and left their
+    engine for an idle one."""
     router = make_router(policy="kv_aware")
     planner = router.planner
     log: list[str] = []
-    planner.tokenizers = FreshHead(64, 400, 1500, log)
+    planner.tokenizers = tokenizers(64, 400, 1500, log)
     async with trio.open_nursery() as nursery:
         planner._background = nursery
         plan = await planner.plan(parse_request(STREAMED_CHAT, "chat", LimitsConfig()), {})
         assert plan.estimated and plan.unencoded is not None and not log
         planner.encode_rest(plan)
+        planner.encode_rest(plan)  # once only: the router calls it at the first token and again at the end
     assert log == ["encoded"]
 
 
