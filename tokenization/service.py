@@ -46,15 +46,18 @@ RENDER_INLINE_MAX_CHARS = 1 << 20
 NOW_MAX_CHARS = 16_384
 """A deferred rest this short (~4k tokens, 2-4 ms of CPU) may also be encoded on the loop when a request waits
 for it (``DeferredIds.complete_now``)."""
+FRESH_SEGMENT_MIN_CHARS = 4_096
+"""A segment the cache has never seen that is longer than this (a new system prompt or document of more than
+~1,000 tokens) is encoded only up to ``FRESH_HEAD_CHARS`` before routing. Shorter ones are encoded whole (about a
+millisecond), so the router's token count of a new prompt stays exact where that is cheap. Encoding the whole of
+longer prompts (1,250-3,800 tokens) before routing took 90-555 ms of a request's time to first token (9-47 ms of
+CPU, the rest waiting for a thread on a busy 2-core machine), and those first requests of each prefix made
+kv_aware's TTFT p90 1.7x round robin's on a multi-turn suite shape."""
 FRESH_HEAD_CHARS = 1_024
-"""A segment the cache has never seen that is longer than this (a new system prompt or document; 150-550
-tokens, 10-35 blocks of 16) is encoded only up to about here before routing: enough blocks to find the
-prefix's home (its first four) and whether any engine holds its start, on the loop. With 4 KB, a new
-8k-token prompt's tokenizing before routing took 1.5-1.7 ms (1.2-1.3 of them the head's encode) of a
-2.3-2.7 ms decision on a router in front of 15 simulated engines, one request at a time; with 1 KB, 0.7-1.1
-ms of 1.5. Encoding the whole of such prompts (1,250-3,800 tokens) before routing took 90-555 ms of a
-request's time to first token (9-47 ms of CPU, the rest waiting for a thread on a busy 2-core machine), and
-those first requests of each prefix made kv_aware's TTFT p90 1.7x round robin's on a multi-turn suite shape."""
+"""How much of such a segment routes it (150-550 tokens, 10-35 blocks of 16): enough blocks to find the prefix's
+home (its first four) and whether any engine holds its start, encoded on the loop. With a 4 KB head, a new
+8k-token prompt's tokenizing before routing took 1.5-1.7 ms (1.2-1.3 of them the head's encode) of a 2.3-2.7 ms
+decision on a router in front of 15 simulated engines, one request at a time; with 1 KB, 0.7-1.1 ms of 1.5."""
 
 
 @dataclass
@@ -228,11 +231,11 @@ class TokenizerService:
                            complete_now=complete_now if rest_chars <= NOW_MAX_CHARS else None)
 
     def _fresh_head_text(self, spec: str, segment: str) -> str:
-        """The start of a never-seen segment longer than ``FRESH_HEAD_CHARS`` whose ids begin the whole segment's:
-        cut before a space that follows a non-space within the first ``FRESH_HEAD_CHARS``, so the last word is
-        whole (pre-tokenizers split words at spaces; a run of spaces is not cut). Checked when the whole prompt is
-        encoded: one mismatch turns fresh heads off for the tokenizer. Empty when there is none to take."""
-        if not self._fresh_heads[spec] or len(segment) <= FRESH_HEAD_CHARS:
+        """The start of a never-seen segment longer than ``FRESH_SEGMENT_MIN_CHARS`` whose ids begin the whole
+        segment's: cut before a space that follows a non-space within the first ``FRESH_HEAD_CHARS``, so the last
+        word is whole (pre-tokenizers split words at spaces; a run of spaces is not cut). Checked when the whole
+        prompt is encoded: one mismatch turns fresh heads off for the tokenizer. Empty when there is none to take."""
+        if not self._fresh_heads[spec] or len(segment) <= FRESH_SEGMENT_MIN_CHARS:
             return ""
         cut = segment.rfind(" ", 1, FRESH_HEAD_CHARS)
         while cut > 0 and segment[cut - 1].isspace():

@@ -22,7 +22,7 @@ from tokenization.build_default import CHATML_TEMPLATE
 from tokenization.messages import RenderError
 from tokenization.registry import DEFAULT_TOKENIZER_DIR, LoadedTokenizer, TokenizerRegistry, load_tokenizer
 from tokenization.render import all_prompt_token_ids_sync, render_chat
-from tokenization.service import FRESH_HEAD_CHARS, NOW_MAX_CHARS, DeferredIds, TokenizerService
+from tokenization.service import FRESH_SEGMENT_MIN_CHARS, NOW_MAX_CHARS, DeferredIds, TokenizerService
 from tokenization.worker import WorkerPool
 
 pytestmark = pytest.mark.integration
@@ -272,8 +272,8 @@ async def test_a_prompt_is_rendered_once_whether_or_not_it_is_deferred(monkeypat
 
 async def test_a_new_long_system_prompt_is_routed_on_its_head_encoded_on_the_loop() -> None:
     """The first request of a new 1-4k-token system prompt waited 90-555 ms for its whole encode on a busy
-    machine; its head (the first ~1 KB) finds its home and any engine holding its start. A prompt no longer
-    than the head is encoded whole."""
+    machine; its head (the first ~1 KB) finds its home and any engine holding its start. A new segment of up
+    to 4 KB is encoded whole."""
     rnd = random.Random(8)
     async with TokenizerService.open(TokenizerRegistry(default=SPEC)) as svc:
         body = {"messages": [{"role": "system", "content": excerpt(rnd, 20_000)}, {"role": "user", "content": "hi"}]}
@@ -286,7 +286,7 @@ async def test_a_new_long_system_prompt_is_routed_on_its_head_encoded_on_the_loo
         assert await found.complete() == exact
         assert svc.stats.fresh_head_mismatches == 0
         assert await svc.token_ids_or_head(None, body, "chat", defer_chars=1_024) == exact  # now cached
-        short = {"messages": [{"role": "system", "content": excerpt(rnd, FRESH_HEAD_CHARS - 200)},
+        short = {"messages": [{"role": "system", "content": excerpt(rnd, FRESH_SEGMENT_MIN_CHARS - 200)},
                               {"role": "user", "content": "hi"}]}
         assert await svc.token_ids_or_head(None, short, "chat", defer_chars=1_024) == \
             all_prompt_token_ids_sync(HF, short, "chat")[0]
