@@ -456,9 +456,8 @@ class RoutePlanner:
         self.metrics.decisions.labels(decision.policy, decision.reason.split(" ")[0]).inc()
         decided_s = trio.current_time() - started
         self.metrics.decision_latency.observe(decided_s)
-        later = deferred
         return Plan(parsed, decision, ranked, chains, prompt_tokens, estimated=deferred is not None,
-                    unencoded=later, batch_tokens=batch_tokens, decided_s=decided_s)
+                    unencoded=deferred, batch_tokens=batch_tokens, decided_s=decided_s)
 
     async def await_computing(self, chains: Mapping[int, Sequence[int]]) -> bool:
         """Whether the prompt begins with the whole head of a new prompt dispatched before it, after waiting for
