@@ -44,8 +44,8 @@ million prompts held it (and the event loop) for seconds."""
 RENDER_INLINE_MAX_CHARS = 1 << 20
 """Text beyond this (1 MiB renders in ~1 ms, 8 MiB in ~10 ms) also renders in a thread."""
 NOW_MAX_CHARS = 16_384
-"""A deferred rest this short (~4k tokens, 2-4 ms of CPU) may also be encoded on the loop when a request waits
-for it (``DeferredIds.complete_now``)."""
+"""A deferred rest this short (16 KB of dense text was 9k tokens, 3.9 ms of CPU to encode) may also be encoded on
+the loop when a request waits for it (``DeferredIds.complete_now``)."""
 FRESH_SEGMENT_MIN_CHARS = 4_096
 """A segment the cache has never seen that is longer than this (a new system prompt or document of more than
 ~1,000 tokens) is encoded only up to ``FRESH_HEAD_CHARS`` before routing. Shorter ones are encoded whole (about a

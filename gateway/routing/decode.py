@@ -131,14 +131,18 @@ class DecodeModel:
     def _line(self, engine_id: str) -> tuple[float, float]:
         line = self._lines.get(engine_id)
         if line is None:
-            p = self.prior
-            if self._fleet is None:
-                fleet = self._fleet_stats()
-                self._fleet = fleet.line_around(p.base_s, p.per_request_s, p.weight)
-                self._fleet_fit_weight = fleet.n
             own = self._stats.get(engine_id, _Stats())
-            line = self._lines[engine_id] = own.line_around(*self._fleet, self.engine_weight())
+            line = self._lines[engine_id] = own.line_around(*self._fleet_line(), self.engine_weight())
         return line
+
+    def _fleet_line(self) -> tuple[float, float]:
+        """(base, slope) of every engine's streams together, pulled toward the prior (fitted once per refit)."""
+        if self._fleet is None:
+            p = self.prior
+            fleet = self._fleet_stats()
+            self._fleet = fleet.line_around(p.base_s, p.per_request_s, p.weight)
+            self._fleet_fit_weight = fleet.n
+        return self._fleet
 
     def _fleet_stats(self) -> _Stats:
         fleet = _Stats()
@@ -183,7 +187,7 @@ class DecodeModel:
         if self._doubt is None:
             p = self.prior
             fleet = self._fleet_stats()
-            base, slope = fleet.line_around(p.base_s, p.per_request_s, p.weight)
+            base, slope = self._fleet_line()
             noise = max(fleet.squared_residuals(base, slope) / max(fleet.n - 2, 1.0), p.min_noise_s ** 2)
             error = math.sqrt(noise * fleet.variances_around(p.weight)[1])
             self._doubt = min(1.0, error / slope) if slope > 0 else 0.0
