@@ -39,13 +39,31 @@ def splits_at_whitespace(tokenizer: PreTrainedTokenizerBase) -> bool:
     return all(sum(word in piece for word in _PROBE_WORDS) <= 1 for piece in pieces)
 
 
+_ASCII_SEPARATORS = bytes(c for c in range(128) if chr(c).isspace())
+"""Everything ``str.split`` separates ASCII words at."""
+
+
+def most_words(text: str) -> int:
+    """At most how many words ``str.split`` finds in ``text``, without splitting it: in ASCII text one more than
+    its separators (counted in one pass in C: 7.5 us for 15k characters where splitting took 57), otherwise one
+    per two characters."""
+    if text.isascii():
+        data = text.encode("ascii")
+        return 1 + len(data) - len(data.translate(None, _ASCII_SEPARATORS))
+    return (len(text) + 1) // 2
+
+
 def fewest_tokens(texts: Sequence[str], longest_token: int, split_words: bool, above: int) -> int:
     """At least how many tokens ``texts`` take once joined into one prompt (a template may glue the last
-    word of one to the first of the next, hence one word less per join). Word counting stops once the
-    count passes ``above``, so a huge prompt costs a scan of its first ``above`` words only."""
+    word of one to the first of the next, hence one word less per join). Words are counted only when they
+    could pass ``above`` (``most_words``), and counting stops once they do, so a huge prompt costs a scan of
+    its first ``above`` words only; below ``above`` the bound may be the characters' alone (the word scan took
+    0.07-0.15 ms of every 15k-character conversation's decision where the context was shorter)."""
     chars = sum(map(len, texts))
     by_chars = -(-chars // max(longest_token, 1))
     if by_chars > above or chars <= above or not split_words:
+        return by_chars
+    if 1 - len(texts) + sum(map(most_words, texts)) <= above:
         return by_chars
     words = 1 - len(texts)
     for text in texts:

@@ -41,3 +41,21 @@ def test_a_megabyte_of_words_passes_any_context_even_with_long_tokens():
     assert fewest > 32_768
     assert fewest_tokens([text], longest_token=256, split_words=False, above=32_768) == -(-len(text) // 256)
     assert fewest_tokens(["=" * 1_000_000], longest_token=64, split_words=True, above=32_768) == 15_625
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(ALPHABET, max_size=80))
+def test_most_words_is_never_below_what_split_finds(text):
+    from tokenization.bounds import most_words
+
+    assert most_words(text) >= len(text.split())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.text(ALPHABET, max_size=60), min_size=1, max_size=4), st.integers(0, 120))
+def test_skipping_the_word_scan_never_changes_whether_a_prompt_passes_the_context(texts, above):
+    """The refusal compares the bound with ``above``: skipping the scan below it must decide alike."""
+    fewest = fewest_tokens(texts, longest_token=4, split_words=True, above=above)
+    words = 1 - len(texts) + sum(1 if any(c in t for c in UNSPLIT_SEPARATORS) else len(t.split()) for t in texts)
+    by_chars = -(-sum(map(len, texts)) // 4)
+    assert (fewest > above) == (max(by_chars, words) > above)

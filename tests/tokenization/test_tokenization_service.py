@@ -246,6 +246,26 @@ async def test_a_long_fresh_turn_after_a_cached_head_is_deferred_and_completed_e
         assert svc.stats.deferred == 1
 
 
+async def test_a_deferred_rest_is_encoded_in_a_thread_once_the_request_is_out() -> None:
+    """A rest of a few KB is encoded inline when the request waits for it, but after the request went out
+    (``complete``) it goes to a thread: inline, it held the loop on the way to other streams' first tokens."""
+    rnd = random.Random(5)
+    system = CORPUS[:5000]
+    async with TokenizerService.open(TokenizerRegistry(default=SPEC)) as svc:
+        await svc.token_ids(None, {"messages": [{"role": "system", "content": system}]}, "chat")
+        turn = excerpt(rnd, 2_000)
+        assert service.BACKGROUND_INLINE_MAX_CHARS < len(turn) <= svc.inline_max_chars
+        body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": turn}]}
+        found = await svc.token_ids_or_head(None, body, "chat", defer_chars=1_024)
+        assert isinstance(found, DeferredIds)
+        inline, threads = svc.stats.inline_encodes, svc.stats.thread_encodes
+        assert await found.complete() == all_prompt_token_ids_sync(HF, body, "chat")[0]
+        assert (svc.stats.inline_encodes, svc.stats.thread_encodes) == (inline, threads + 1)
+        waited = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": excerpt(rnd, 2_000)}]}
+        assert await svc.token_ids(None, waited, "chat") == all_prompt_token_ids_sync(HF, waited, "chat")[0]
+        assert (svc.stats.inline_encodes, svc.stats.thread_encodes) == (inline + 1, threads + 1)
+
+
 async def test_a_prompt_is_rendered_once_whether_or_not_it_is_deferred(monkeypatch) -> None:
     """Rendering the chat template is the loop's largest cost on the path to the first byte."""
     from tokenization import service
