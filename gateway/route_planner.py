@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,7 @@ from gateway.routing import (
 from gateway.routing.cost import Knowledge
 from gateway.routing.homes import HOME_BLOCKS
 from index.block_hash import root_seed
+from index.in_flight_blocks import InFlightBlocks, InFlightClaim
 from index.media_keys import MediaSpan, media_chain
 from index.prefix_index import PrefixIndex
 from index.view import CacheOverlap, CacheView
@@ -140,6 +142,8 @@ class Plan:
     ``RoutePlanner.await_computing``)."""
     fresh_rest: DeferredIds | None = None
     """That new prompt's rest until it is recorded whole: a sibling waiting for it may encode it on the loop."""
+    busy_claim: InFlightClaim | None = None
+    """The blocks the request holds on its engine while in flight (``RoutePlanner.finished`` gives them back)."""
 
     @property
     def charged_tokens(self) -> int:
@@ -243,6 +247,7 @@ class RoutePlanner:
         self.metrics = metrics
         self.policy = make_policy(config.policy)
         self.cache = CacheView(PrefixIndex())
+        self.busy = InFlightBlocks()
         self.tokenizer_registry = TokenizerRegistry(config.tokenizers, config.tokenizer or str(DEFAULT_TOKENIZER_DIR))
         self.tokenizers: TokenizerService | None = None
         self.share_dispatch: Callable[[str, Sequence[int], float], None] | None = None
@@ -519,6 +524,8 @@ class RoutePlanner:
                 block_size=engine.block_size, exact_blocks=found.exact_blocks if found else 0,
                 approx_blocks=found.approx_blocks if found else 0, confidence=found.confidence if found else 0.0,
                 held_blocks=held, approx_held_blocks=recorded, reuse_ratio=engine.load.reuse.ratio,
+                busy_blocks=self.busy.held(engine.id),
+                busy_shared_blocks=self.busy.shared(engine.id, chains.get(engine.block_size, ())),
                 tier_runs=engine.config.tiers.priced_runs(found.tiers, engine.block_size) if found else (),
                 adapter_load_s=adapter_load_s, adapter_slots_full=slots_full,
             ))
@@ -548,12 +555,28 @@ class RoutePlanner:
         answer has begun, and is recorded whole where it went when that is done (``await_computing``)."""
         self.policy.dispatched(plan.decision, plan.engines[0].id)
         self._record_dispatch(plan, plan.engines[0].id)
+        self._claim_busy(plan, plan.engines[0])
         plan.dispatched_to.append(plan.engines[0].id)
         if plan.unencoded is not None and plan.unencoded.fresh and self._background is not None:
             plan.rest_done = trio.Event()
             plan.fresh_rest = plan.unencoded
             self._computing.append(plan)
             self.encode_rest(plan)
+
+    def _claim_busy(self, plan: Plan, engine: EngineState) -> None:
+        """Hold the request's prompt blocks and expected answer on its engine until it ends (``finished``)."""
+        if plan.busy_claim is None:
+            block = max(1, engine.block_size)
+            chain = plan.chains.get(engine.block_size, ())
+            answer = self.policy.costs.decode.expected_output_tokens(plan.parsed.max_tokens)
+            private = max(0, math.ceil(plan.prompt_tokens / block) - len(chain)) + math.ceil(answer / block)
+            plan.busy_claim = self.busy.add(engine.id, chain, private)
+
+    def finished(self, plan: Plan) -> None:
+        """The request ended (answered, failed or abandoned): its engine's blocks are no longer held for it."""
+        claim, plan.busy_claim = plan.busy_claim, None
+        if claim is not None:
+            self.busy.release(claim)
 
     def dispatched_prefill(self, plan: Plan, engines: list[EngineState]) -> None:
         """A prefill leg will compute the prompt there too: remember its blocks on that engine as well."""

@@ -222,6 +222,7 @@ class Router:
         tracing.name_request(span, kind, parsed.model, parsed.max_tokens, tenant.name)
         request_id = record.request_id
         self.active_requests += 1
+        plan: Plan | None = None
         try:
             self.gate.precheck(tenant, priority, self.engines.for_model(parsed.model))
             plan = await self.planner.plan(parsed, headers)
@@ -282,6 +283,8 @@ class Router:
             return result.status
         finally:
             self.active_requests -= 1
+            if plan is not None:
+                self.planner.finished(plan)
 
     def _pd_route(self, plan: Plan, dry_run: bool = False) -> PdRoute | None:
         """The request's prefill/decode route in a disaggregated fleet; None otherwise."""

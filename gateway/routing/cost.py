@@ -170,6 +170,27 @@ class CostModel:
         overflow = min(float(capacity), max(0.0, needed - free))
         return p.prefill_s(overflow)
 
+    def busy_wait_s(self, engine: EngineView, prompt: int, answer: float, depth: int, queue_s: float) -> float:
+        """Waiting for blocks the streams already running there hold: this router's requests in flight on the
+        engine (``EngineView.busy_blocks``) plus this one's prompt (less what they share with it) and expected
+        answer, beyond the engine's blocks. A cached block counts as free in the engine's KV usage until a request
+        references it again, and a turn's requests arrive together: six sessions whose histories fitted as cache
+        overflowed the engine as running requests, and the newest waited a whole answer (2.0 s where 59 ms was
+        expected; the engine preempts the newest request when blocks run out). The wait is about half a typical
+        answer at the engine's batch depth, charged by the share of this request's blocks that do not fit, beyond
+        the queueing the TTFT model already learned at that depth (``queue_s``): under steady load its waits for
+        blocks are in that term (charged again, they cost a high-concurrency suite shape a point of hit rate)."""
+        if not engine.num_blocks or engine.busy_blocks <= 0:
+            return 0.0
+        block = _block_size(engine)
+        prompt_blocks = -(-prompt // block)
+        own = prompt_blocks - min(_count(engine.busy_shared_blocks), prompt_blocks) + math.ceil(answer / block)
+        over = _count(engine.busy_blocks) + own - _count(engine.num_blocks)
+        if over <= 0 or own <= 0:
+            return 0.0
+        remaining = 0.5 * self.decode.tokens_after_first(None) * self.decode.time_per_token_s(engine.id, depth)
+        return min(1.0, over / own) * max(0.0, remaining - queue_s)
+
     @staticmethod
     def eviction_s(engine: EngineView, answer: float, uncached: int, p: TTFTParams, knowledge: Knowledge) -> float:
         """Recompute that later requests can expect because this placement evicts cached blocks.
@@ -237,6 +258,7 @@ class CostModel:
         depth = queue_depth(engine)
         load_s = tier_load_s(engine, prompt, knowledge)
         adapter_s = self.adapter_s(engine, depth)
+        queue_s = params.queue_s(depth, slots) + adapter_s
         return CandidateScore(
             engine=engine.id,
             exact_tokens=exact,
@@ -245,9 +267,10 @@ class CostModel:
             uncached_tokens=uncached,
             confidence=trust,
             queue_depth=depth,
-            queue_s=params.queue_s(depth, slots) + adapter_s,
+            queue_s=queue_s,
             prefill_s=params.overhead_s + params.prefill_s(uncached) + load_s,
-            pressure_penalty_s=self.pressure_penalty_s(engine, terms.max_tokens, uncached, params),
+            pressure_penalty_s=(self.pressure_penalty_s(engine, terms.max_tokens, uncached, params)
+                                + self.busy_wait_s(engine, prompt, terms.answer, depth, queue_s)),
             topology_penalty_s=self.topology_penalty_s(engine, request),
             live=engine.live,
             decode_s=terms.after_first * self.decode.time_per_token_s(engine.id, depth),

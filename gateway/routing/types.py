@@ -53,6 +53,11 @@ class EngineView(msgspec.Struct, frozen=True, gc=False):
     """Blocks the router's own record says the engine caches (what it sent there, bounded by capacity)."""
     reuse_ratio: float = 0.0
     """Share of recently queried prompt tokens the engine served from its prefix cache (its own counters)."""
+    busy_blocks: int = 0
+    """Blocks this router's requests in flight there will hold until they finish: their prompts' distinct blocks
+    and their expected answers' (index/in_flight_blocks.py)."""
+    busy_shared_blocks: int = 0
+    """Of the request's own prompt blocks, the leading ones those requests already hold."""
     max_num_seqs: int | None = None
     rejoining: bool = False
     """Back from being down and not yet served again by this router (see KvAwarePolicy's rejoin probe)."""

@@ -310,3 +310,20 @@ def test_the_blind_eviction_is_worked_out_only_for_policies_that_use_it():
     assert approximate.choose(homed, [sent_full]).table[0].eviction_s > 0.0
     assert kv_aware.choose(homed, [full]).table[0].eviction_s == 0.0
     assert make_policy("round_robin").prices_evictions(homed) is False
+
+
+def test_streams_running_on_a_full_engine_push_a_long_answer_to_an_idle_one():
+    """The holder's requests in flight already hold its blocks (``busy_blocks``): a long answer that does not fit
+    beside them waits for one of them to finish, so it goes where a prefill is cheaper; one that fits stays."""
+    costs = CostModel()
+    for _ in range(50):
+        costs.decode.observe("a", 5, 480, 480 * 0.004)
+    policy = make_policy("kv_aware", costs=costs)
+    request = RouteRequest("m", 4_400, 275, "k", max_tokens=480)
+    holder = {"exact_blocks": 250, "num_blocks": 830, "running": 5, "in_flight": 5, "busy_shared_blocks": 178}
+    full = [EngineView("a", "u", busy_blocks=880, **holder), EngineView("b", "u", num_blocks=830)]
+    decision = policy.choose(request, full)
+    assert decision.chosen == "b"
+    assert decision.table[1].pressure_penalty_s > 0.5
+    room = [EngineView("a", "u", busy_blocks=500, **holder), EngineView("b", "u", num_blocks=830)]
+    assert policy.choose(request, room).chosen == "a"
