@@ -58,7 +58,7 @@ def fewest_tokens(texts: Sequence[str], longest_token: int, split_words: bool, a
     word of one to the first of the next, hence one word less per join). Words are counted only when they
     could pass ``above`` (``most_words``), and counting stops once they do, so a huge prompt costs a scan of
     its first ``above`` words only; below ``above`` the bound may be the characters' alone (the word scan took
-    0.07-0.15 ms of every 15k-character conversation's decision where the context was shorter)."""
+    74 us of a 15k-character conversation's bound in a loop, where this check takes 12)."""
     chars = sum(map(len, texts))
     by_chars = -(-chars // max(longest_token, 1))
     if by_chars > above or chars <= above or not split_words:
