@@ -40,6 +40,12 @@ class Row:
     late_hit_rate: float = math.nan
     """Token hit rate, by the engines' usage reports, of the second half of the requests sent (where a killed
     replica's survivors route, in a run that kills one)."""
+    router_cpu_s: float = math.nan
+    """CPU seconds per request of the row's router processes (and their children) over the measured run, when
+    their pids are known: what each request cost the router, streaming included."""
+    busy_cores: float = math.nan
+    """Cores' worth of the machine's CPU busy over the measured run (everything on it: engines, routers, clients):
+    near the core count, the run measures who needs the least CPU more than where requests went."""
 
     @property
     def cell(self) -> tuple[str, int, int, int]:

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 import trio
 
-from bench import engine_stats, peers, workloads
+from bench import engine_stats, peers, run_cpu, workloads
 from bench.client import (
     ROUTE_HEADER,
     TRANSPORT_ERRORS,
@@ -173,12 +173,12 @@ async def routers(
     """``count`` router replicas with ``policy``; meshed when the policy shares an index (see
     ``MESHED_POLICIES``), independent otherwise; a peer router for ``smg:POLICY`` (bench/peers.py); kvmesh's
     code at git revision REV for ``POLICY@REV`` (bench/revision.py: a change's before and after in one run).
-    Yields their base URLs (and notes kvmesh replicas' pids in ``pids``, by URL)."""
+    Yields their base URLs (and notes each router's pid in ``pids``, by URL)."""
     base, revision = split_peer(policy)
     root = exported(revision, log_dir) if revision else None
     meshed = count > 1 and base in MESHED_POLICIES
     if peers.is_peer(policy):
-        starts = [peers.smg_router(client, engine_urls, policy, log_dir) for _ in range(count)]
+        starts = [peers.smg_router(client, engine_urls, policy, log_dir, pids) for _ in range(count)]
     else:
         extra = _mesh_args(log_dir, count) if meshed else [[] for _ in range(count)]
         starts = [router(client, engine_urls, base, log_dir, tokenizer, args, pids, root=root) for args in extra]
@@ -280,13 +280,15 @@ async def measure_sent(
     bounded: bool = False,
     balancer: Balancer | None = None,
     request_log: Path | None = None,
+    router_pids: Sequence[int] = (),
 ) -> Row:
     """Warm up (and send ``primed`` first), then send ``convs`` between two metric scrapes.
 
     Several router URLs share the requests in turn (through ``balancer`` when given: one that kills a
     replica partway). With the ``fleet`` that serves them, the row also carries the cost model's
     perfect-cache TTFT for the same prompts, and when ``bounded`` the offline planner's bound for the trace
-    as it was sent. ``request_log`` gets one JSON line per request, in the order they were sent.
+    as it was sent. ``request_log`` gets one JSON line per request, in the order they were sent. The CPU of
+    ``router_pids`` and of the machine is read around the measured requests alone.
     """
     urls = [url] if isinstance(url, str) else list(url)
     model = await model_name(client, urls[0])
@@ -294,6 +296,7 @@ async def measure_sent(
     await run_closed_loop(client, urls, warm, max(1, len(engine_urls)), model, True, options.timeout)
     before = await engine_stats.scrape(client, engine_urls, names=engine_stats.RUN_SAMPLES)
     routers_before = await engine_stats.scrape(client, urls, names=engine_stats.ROUTER_COUNTERS)
+    cpu_before = run_cpu.mark(router_pids)
     if load.arrival_rate is None:
         results, wall = await run_closed_loop(
             client, balancer or urls, convs, load.concurrency, model, True, options.timeout, options.route_header
@@ -302,6 +305,7 @@ async def measure_sent(
         results, wall = await run_sessions(client, balancer or urls, convs, load.arrival_rate, model,
                                            random.Random(f"arrivals-{load.seed}"), True, options.timeout,
                                            options.route_header)
+    cpu_after = run_cpu.mark(router_pids)
     after = await engine_stats.scrape(client, engine_urls, names=engine_stats.RUN_SAMPLES)
     routers_after = await engine_stats.scrape(client, urls, names=engine_stats.ROUTER_COUNTERS)
     deltas = engine_stats.deltas(before, after)
@@ -339,6 +343,8 @@ async def measure_sent(
         decision_ms=engine_stats.mean_decision_ms(engine_stats.deltas(routers_before, routers_after)),
         late_hit_rate=late_hit_rate(results, total_requests(convs) // 2),
         outside_engines_s=statistics.fmean(ttfts) - engine_stats.fleet_engine_ttft(deltas) if ttfts else math.nan,
+        router_cpu_s=run_cpu.router_cpu_per_request(cpu_before, cpu_after, len(results)),
+        busy_cores=run_cpu.machine_busy_cores(cpu_before, cpu_after),
     )
 
 

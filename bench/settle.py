@@ -49,7 +49,8 @@ def busy_cores(before: tuple[int, int], after: tuple[int, int], cores: int) -> f
     return cores * (after[0] - before[0]) / total if total > 0 else 0.0
 
 
-def _sample() -> tuple[int, int] | None:
+def machine_cpu_times() -> tuple[int, int] | None:
+    """The machine's ``cpu_times`` now; None where ``/proc/stat`` cannot be read."""
     try:
         with open("/proc/stat") as f:
             return cpu_times(f.read())
@@ -59,7 +60,7 @@ def _sample() -> tuple[int, int] | None:
 
 async def until_quiet(max_busy_cores: float = QUIET_BUSY_CORES, window_s: float = QUIET_WINDOW_S,
                       timeout_s: float = QUIET_TIMEOUT_S,
-                      sample: Callable[[], tuple[int, int] | None] = _sample) -> tuple[float, float]:
+                      sample: Callable[[], tuple[int, int] | None] = machine_cpu_times) -> tuple[float, float]:
     """Wait until the windows' busy CPU is ``quiet`` (at most ``timeout_s``); returns the seconds waited and the
     last window's busy cores (0 where ``/proc/stat`` cannot be read: nothing is waited for). ``sample`` gives
     ``cpu_times`` (the machine's, by default)."""

@@ -135,7 +135,8 @@ async def run_shape(shape: Shape, todo: list[Entry], fleet: FleetSpec, options: 
                     if entry.kill else None
                 row = await measure_sent(client, entry.label, urls, engines, load, convs, options, spec,
                                          bounded=not rows, balancer=balancer,
-                                         request_log=log_dir / f"requests-{shape.index}-{entry.label}.jsonl")
+                                         request_log=log_dir / f"requests-{shape.index}-{entry.label}.jsonl",
+                                         router_pids=list(pids[i].values()))
                 if rows:
                     row.bound_hit_rate, row.bound_ttft_p50 = rows[0].bound_hit_rate, rows[0].bound_ttft_p50
                 row.workload = f"#{shape.index}"

@@ -77,11 +77,13 @@ def format_shapes(runs: list[ShapeRun]) -> str:
     """One block per shape: each entry's hit, bound, fraction, hit of the run's second half (``hit 2nd``: where
     the survivors route in a run that kills a replica), TTFT p50/p90/p99 (ms, and x round robin), its router's
     mean decision time (tokenize and score, ms), the mean time its requests spent outside the engines before
-    their first token (``out ms``: client TTFT minus the engines' own), how many engines served any and the
-    busiest one's share of the requests."""
+    their first token (``out ms``: client TTFT minus the engines' own), how many engines served any, the
+    busiest one's share of the requests, the router's CPU per request (``cpu ms``, streaming included) and the
+    cores' worth of the machine busy over the run (``busy``)."""
     head = (f"  {'policy':<18} {'reqs':>4} {'errs':>4} {'hit':>6} {'bound':>6} {'frac':>5} {'hit 2nd':>7} "
             f"{'p50':>6} {'p90':>6} "
-            f"{'p99':>6} {'p50 x':>6} {'p90 x':>6} {'p99 x':>6} {'dec ms':>6} {'out ms':>6} {'eng':>3} {'top':>4}")
+            f"{'p99':>6} {'p50 x':>6} {'p90 x':>6} {'p99 x':>6} {'dec ms':>6} {'out ms':>6} {'eng':>3} {'top':>4} "
+            f"{'cpu ms':>6} {'busy':>4}")
     lines = []
     for run in runs:
         lines += [f"{run.shape.label} (time scale {run.time_scale}, {run.num_blocks} blocks/engine)", head]
@@ -94,7 +96,7 @@ def format_shapes(runs: list[ShapeRun]) -> str:
                 f"{_ms(row.summary.ttft_p50):>6} "
                 f"{_ms(row.ttft_p90):>6} {_ms(row.ttft_p99):>6} {_num(x50):>6} {_num(x90):>6} {_num(x99):>6} "
                 f"{_num(row.decision_ms, 1):>6} {_ms(row.outside_engines_s, 1):>6} {engines_used(row):>3} "
-                f"{_num(busiest_share(row)):>4}"
+                f"{_num(busiest_share(row)):>4} {_ms(row.router_cpu_s, 1):>6} {_num(row.busy_cores, 1):>4}"
             )
     return "\n".join(lines)
 
@@ -116,6 +118,8 @@ class Overall:
     """Shapes where its TTFT p99 is worse than ``P99_SLACK`` times round robin's."""
     out_s: float = math.nan
     """Mean over shapes of the time its requests spent outside the engines before their first token."""
+    router_cpu_s: float = math.nan
+    """Mean over shapes of its routers' CPU per request."""
 
 
 def overall(runs: list[ShapeRun], label: str) -> Overall:
@@ -128,20 +132,20 @@ def overall(runs: list[ShapeRun], label: str) -> Overall:
         label, len(pairs), _mean(fractions), min(kept) if kept else math.nan, _mean([r.hit_rate for r, _ in pairs]),
         (_mean([x[0] for x in xs]), _mean([x[1] for x in xs]), _mean([x[2] for x in xs])),
         sum(1 for x in xs if x[1] > 1.0), sum(1 for x in xs if x[2] > P99_SLACK),
-        _mean([r.outside_engines_s for r, _ in pairs]),
+        _mean([r.outside_engines_s for r, _ in pairs]), _mean([r.router_cpu_s for r, _ in pairs]),
     )
 
 
 def format_overall(runs: list[ShapeRun]) -> str:
     head = (f"{'policy':<18} {'shapes':>6} {'frac mean':>9} {'frac min':>8} {'hit mean':>8} {'p50 x':>6} "
-            f"{'p90 x':>6} {'p99 x':>6} {'p90>rr':>6} {'p99>1.1rr':>9} {'out ms':>6}")
+            f"{'p90 x':>6} {'p99 x':>6} {'p90>rr':>6} {'p99>1.1rr':>9} {'out ms':>6} {'cpu ms':>6}")
     lines = [head, "-" * len(head)]
     for label in labels(runs):
         o = overall(runs, label)
         lines.append(
             f"{o.label:<18} {o.shapes:>6} {_num(o.mean_fraction, 3):>9} {_num(o.min_fraction, 3):>8} "
             f"{_num(o.mean_hit, 3):>8} {_num(o.ttft_x[0]):>6} {_num(o.ttft_x[1]):>6} {_num(o.ttft_x[2]):>6} "
-            f"{o.p90_worse:>6} {o.p99_worse:>9} {_ms(o.out_s, 1):>6}"
+            f"{o.p90_worse:>6} {o.p99_worse:>9} {_ms(o.out_s, 1):>6} {_ms(o.router_cpu_s, 1):>6}"
         )
     return "\n".join(lines)
 

@@ -213,10 +213,22 @@ def test_a_shape_line_splits_time_outside_the_engines_and_counts_engines_that_se
     kv.outside_engines_s, kv.engine_share = 0.0123, [0.5, 0.0, 0.5, 0.0]
     line = next(x for x in format_shapes([_run(1, [_row("round_robin", 0.3, 0.8, rr), kv])]).splitlines()
                 if x.split()[:1] == ["kv_aware"])
-    assert line.split()[-3:] == ["12.3", "2", "0.50"]
+    assert line.split()[-5:] == ["12.3", "2", "0.50", "-", "-"]
     assert overall([_run(1, [kv])], "kv_aware").out_s == pytest.approx(0.0123)
-    assert format_overall([_run(1, [kv])]).splitlines()[-1].split()[-1] == "12.3"
+    assert format_overall([_run(1, [kv])]).splitlines()[-1].split()[-2:] == ["12.3", "-"]
     assert engine_stats.fleet_engine_ttft([
         {engine_stats.TTFT_SUM: 0.3, engine_stats.TTFT_COUNT: 3.0},
         {engine_stats.TTFT_SUM: 0.5, engine_stats.TTFT_COUNT: 1.0}, {}]) == pytest.approx(0.2)
     assert math.isnan(engine_stats.fleet_engine_ttft([{}]))
+
+
+def test_a_shape_line_shows_the_routers_cpu_per_request_and_how_busy_the_machine_was():
+    rr = [0.1, 0.2, 0.3, 0.4]
+    kv, smg = _row("kv_aware", 0.8, 0.8, rr), _row("smg:cache_aware", 0.8, 0.8, rr)
+    kv.router_cpu_s, kv.busy_cores, smg.router_cpu_s = 0.0046, 1.83, 0.0021
+    text = format_shapes([_run(1, [_row("round_robin", 0.3, 0.8, rr), kv, smg])]).splitlines()
+    line = next(x for x in text if x.split()[:1] == ["kv_aware"])
+    assert line.split()[-2:] == ["4.6", "1.8"]
+    runs = [_run(1, [kv, smg]), _run(2, [_row("kv_aware", 0.8, 0.8, rr)])]
+    assert overall(runs, "kv_aware").router_cpu_s == pytest.approx(0.0046)  # a shape without it is left out
+    assert format_overall(runs).splitlines()[-1].split()[-1] == "2.1"
