@@ -37,6 +37,7 @@ from gateway.routing import (
 )
 from gateway.routing.cost import Knowledge
 from gateway.routing.homes import HOME_BLOCKS
+from gateway.routing.stream_ends import StreamEnd, StreamEnds
 from index.block_hash import root_seed
 from index.in_flight_blocks import InFlightBlocks, InFlightClaim
 from index.media_keys import MediaSpan, media_chain
@@ -144,6 +145,8 @@ class Plan:
     """That new prompt's rest until it is recorded whole: a sibling waiting for it may encode it on the loop."""
     busy_claim: InFlightClaim | None = None
     """The blocks the request holds on its engine while in flight (``RoutePlanner.finished`` gives them back)."""
+    end_claim: StreamEnd | None = None
+    """When the request is expected to end on its engine, while in flight (``RoutePlanner.finished`` drops it)."""
 
     @property
     def charged_tokens(self) -> int:
@@ -248,6 +251,7 @@ class RoutePlanner:
         self.policy = make_policy(config.policy)
         self.cache = CacheView(PrefixIndex())
         self.busy = InFlightBlocks()
+        self.ends = StreamEnds()
         self.tokenizer_registry = TokenizerRegistry(config.tokenizers, config.tokenizer or str(DEFAULT_TOKENIZER_DIR))
         self.tokenizers: TokenizerService | None = None
         self.share_dispatch: Callable[[str, Sequence[int], float], None] | None = None
@@ -509,6 +513,7 @@ class RoutePlanner:
     def _decide(self, parsed: ParsedRequest, headers: Mapping[str, str], candidates: list[EngineState],
                 prompt_tokens: int, chains: dict[int, list[int]], overlaps: Mapping[str, CacheOverlap]) -> Decision:
         peers = self.peer_in_flight()
+        now = trio.current_time()
         views = []
         _, adapter = chain_model(parsed.model, candidates)
         for engine in candidates:
@@ -526,6 +531,7 @@ class RoutePlanner:
                 held_blocks=held, approx_held_blocks=recorded, reuse_ratio=engine.load.reuse.ratio,
                 busy_blocks=self.busy.held(engine.id),
                 busy_shared_blocks=self.busy.shared(engine.id, chains.get(engine.block_size, ())),
+                stream_remaining_s=self.ends.remaining(engine.id, now),
                 tier_runs=engine.config.tiers.priced_runs(found.tiers, engine.block_size) if found else (),
                 adapter_load_s=adapter_load_s, adapter_slots_full=slots_full,
             ))
@@ -556,6 +562,7 @@ class RoutePlanner:
         self.policy.dispatched(plan.decision, plan.engines[0].id)
         self._record_dispatch(plan, plan.engines[0].id)
         self._claim_busy(plan, plan.engines[0])
+        self._claim_end(plan, plan.engines[0].id)
         plan.dispatched_to.append(plan.engines[0].id)
         if plan.unencoded is not None and plan.unencoded.fresh and self._background is not None:
             plan.rest_done = trio.Event()
@@ -572,11 +579,21 @@ class RoutePlanner:
             private = max(0, math.ceil(plan.prompt_tokens / block) - len(chain)) + math.ceil(answer / block)
             plan.busy_claim = self.busy.add(engine.id, chain, private)
 
+    def _claim_end(self, plan: Plan, engine_id: str) -> None:
+        """Note when the request should end there: now plus the decision's estimate to its last token."""
+        score = next((s for s in plan.decision.table if s.engine == engine_id), None)
+        if plan.end_claim is None and score is not None:
+            plan.end_claim = self.ends.add(engine_id, trio.current_time() + score.done_s)
+
     def finished(self, plan: Plan) -> None:
-        """The request ended (answered, failed or abandoned): its engine's blocks are no longer held for it."""
+        """The request ended (answered, failed or abandoned): its engine's blocks are no longer held for it, nor
+        its end expected."""
         claim, plan.busy_claim = plan.busy_claim, None
         if claim is not None:
             self.busy.release(claim)
+        end, plan.end_claim = plan.end_claim, None
+        if end is not None:
+            self.ends.release(end)
 
     def dispatched_prefill(self, plan: Plan, engines: list[EngineState]) -> None:
         """A prefill leg will compute the prompt there too: remember its blocks on that engine as well."""

@@ -20,6 +20,7 @@ from enum import Enum
 
 from gateway.routing.decode import DecodeModel, DecodePrior
 from gateway.routing.learning import TTFTLearner, TTFTParams, TTFTPrior, split_depth
+from gateway.routing.stream_ends import decoding_depth
 from gateway.routing.types import CandidateScore, EngineView, RouteRequest
 
 
@@ -229,6 +230,15 @@ class CostModel:
         wait = self.decode.decode_s(engine.id, depth, None) if engine.adapter_slots_full else 0.0
         return _clamp(engine.adapter_load_s, 0.0, 60.0) + wait
 
+    def _decode_s(self, engine: EngineView, after_first: float, depth: int) -> float:
+        """The request's own decode there: its tokens after the first at the batch it decodes in, where this router's
+        streams count by the share of that decode they still run (``decoding_depth``)."""
+        per_token = self.decode.time_per_token_s(engine.id, depth)
+        if not engine.stream_remaining_s or after_first <= 0:
+            return after_first * per_token
+        beside = decoding_depth(depth, engine.stream_remaining_s, after_first * per_token)
+        return after_first * self.decode.time_per_token_s(engine.id, beside)
+
     def topology_penalty_s(self, engine: EngineView, request: RouteRequest) -> float:
         crosses = request.router_island is not None and engine.island not in (None, request.router_island)
         return self.settings.cross_island_s if crosses else 0.0
@@ -273,7 +283,7 @@ class CostModel:
                                 + self.busy_wait_s(engine, prompt, terms.answer, depth, queue_s)),
             topology_penalty_s=self.topology_penalty_s(engine, request),
             live=engine.live,
-            decode_s=terms.after_first * self.decode.time_per_token_s(engine.id, depth),
+            decode_s=self._decode_s(engine, terms.after_first, depth),
             eviction_s=(self.eviction_s(engine, terms.answer, uncached, params, knowledge) if blind_eviction
                         else 0.0),
             tier_runs=engine.tier_runs if load_s else (),

@@ -193,7 +193,7 @@ class DecodeModel:
             self._doubt = min(1.0, error / slope) if slope > 0 else 0.0
         return self._doubt
 
-    def time_per_token_s(self, engine_id: str, batch_depth: int) -> float:
+    def time_per_token_s(self, engine_id: str, batch_depth: float) -> float:
         base, slope = self._line(engine_id)
         return base + slope * max(0, batch_depth)
 

@@ -58,6 +58,9 @@ class EngineView(msgspec.Struct, frozen=True, gc=False):
     and their expected answers' (index/in_flight_blocks.py)."""
     busy_shared_blocks: int = 0
     """Of the request's own prompt blocks, the leading ones those requests already hold."""
+    stream_remaining_s: tuple[float, ...] = ()
+    """Seconds each of this router's streams in flight there is still expected to run
+    (gateway/routing/stream_ends.py)."""
     max_num_seqs: int | None = None
     rejoining: bool = False
     """Back from being down and not yet served again by this router (see KvAwarePolicy's rejoin probe)."""
