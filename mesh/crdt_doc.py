@@ -147,7 +147,16 @@ class ReplicatedDoc:
         if self._writing:
             return
         view = self.content[name]
-        for key, change in event.keys.items():
+        changed = event.keys
+        if not changed:
+            # The map changed without naming a key: a delete that arrived while its item waited for an earlier
+            # update of its writer, applied once that update came (seen with a dropped frame, a later store and
+            # its clear; tests/mesh/test_mesh_crdt_convergence.py). The view is read back from the map.
+            live = dict(self._maps[name].items())
+            changed = {key: {"action": "delete"} for key in view if key not in live}
+            changed.update((key, {"action": "update", "newValue": value}) for key, value in live.items()
+                           if view.get(key) != value)
+        for key, change in changed.items():
             new = change.get("newValue") if change["action"] != "delete" else None
             if new is not None and not isinstance(new, str):
                 self.malformed_values += 1

@@ -128,3 +128,21 @@ def test_mesh_crdt_random_delivery_converges_to_reference(size: int, data: st.Da
             assert owner.pairs(engine) == cluster.reference[engine], "an owner lost its own write"
     cluster.heal()
     assert_converged(cluster)
+
+
+def test_a_delete_that_waited_for_its_writers_earlier_update_leaves_no_key_behind():
+    """The case hypothesis found: a replica misses its writer's first update, takes a later store out of order,
+    then the clear of that store; once anti-entropy brings the first update, the map holds nothing of the cleared
+    engine and the replica's view must not either (the map's event for that delete names no key)."""
+    cluster = Cluster(4)
+    writer = cluster.replicas[1]
+    writer.store("e1", [(0, 0)])
+    cluster.reference["e1"][0] = 0
+    cluster.flush(1)
+    writer.store("e5", [(0, 0)])
+    cluster.flush(1)
+    cluster.in_flight.pop(1)  # replica 2 never gets the first update directly
+    writer.remove("e5", list(writer.pairs("e5")))
+    cluster.heal()
+    assert cluster.replicas[2].pairs("e5") == {}
+    assert_converged(cluster)
