@@ -119,6 +119,8 @@ class ReplicatedDoc:
         self.churn = 0
         self.malformed_values = 0
         self._log: dict[tuple[str, str], _Logged] = {}
+        self._malformed: dict[str, set[str]] = {name: set() for name in self.namespaces}
+        """Per namespace, the map's keys whose values are not strings (kept out of ``content``)."""
         self._pending: list[bytes] = []
         self._writing = False
         self._remote_changes: list[Change] = []
@@ -146,21 +148,28 @@ class ReplicatedDoc:
     def _on_map_event(self, name: str, event: MapEvent) -> None:
         if self._writing:
             return
-        view = self.content[name]
-        changed = event.keys
-        if not changed:
-            # The map changed without naming a key: a delete that arrived while its item waited for an earlier
-            # update of its writer, applied once that update came (seen with a dropped frame, a later store and
-            # its clear; tests/mesh/test_mesh_crdt_convergence.py). The view is read back from the map.
-            live = dict(self._maps[name].items())
-            changed = {key: {"action": "delete"} for key in view if key not in live}
-            changed.update((key, {"action": "update", "newValue": value}) for key, value in live.items()
-                           if view.get(key) != value)
-        for key, change in changed.items():
-            new = change.get("newValue") if change["action"] != "delete" else None
-            if new is not None and not isinstance(new, str):
-                self.malformed_values += 1
-                new = None
+        target = self._maps[name]
+        self._merge_remote(name, {key: target.get(key) for key in event.keys})
+        if len(self.content[name]) + len(self._malformed[name]) != len(target):
+            # The event left out a key its transaction changed: yrs names no key, or not every one, for a delete
+            # whose item arrived out of order (a dropped frame, then a later store and its clear; a store that
+            # overwrote a key adopted from a compaction, then its clear: tests/mesh/test_mesh_crdt_convergence.py).
+            # The view is read back from the map.
+            live = dict(target.items())
+            self._merge_remote(name, {**dict.fromkeys(k for k in self.content[name] if k not in live), **live})
+
+    def _merge_remote(self, name: str, values: dict[str, object]) -> None:
+        """Bring the view of ``name`` to the map's ``values`` (None: gone); a value that is not a string is
+        counted once and kept out of the view."""
+        view, malformed = self.content[name], self._malformed[name]
+        for key, value in values.items():
+            new = value if isinstance(value, str) else None
+            if value is not None and new is None:
+                if key not in malformed:
+                    malformed.add(key)
+                    self.malformed_values += 1
+            else:
+                malformed.discard(key)
             old = view.get(key)
             if new is None:
                 view.pop(key, None)
@@ -276,6 +285,7 @@ class ReplicatedDoc:
         self._log = {(name, key): _Logged(entry.value, epoch, client, clock)
                      for (name, key), entry in self._log.items()
                      if entry.value is not None and self.content[name].get(key) == entry.value}
+        self._malformed = {name: set() for name in self.namespaces}
         self._switch(epoch, self.epoch, base, fresh)
 
     def adopt(self, epoch: Epoch, base_epoch: Epoch, base_state: dict[int, int], full: bytes) -> list[Change]:
@@ -290,10 +300,12 @@ class ReplicatedDoc:
         if not epoch.number < 2**63 or not base_epoch.number < 2**63 or base_epoch > epoch:
             raise ValueError(f"epoch {epoch} built on {base_epoch} is out of range")
         incoming: dict[str, dict[str, str]] = {}
+        malformed: dict[str, set[str]] = {}
         for name in self.namespaces:
             values = fresh.get(name, type=Map).to_py() or {}
             incoming[name] = {k: v for k, v in values.items() if isinstance(v, str)}
-            self.malformed_values += len(values) - len(incoming[name])
+            malformed[name] = {k for k in values if k not in incoming[name]}
+            self.malformed_values += len(malformed[name])
         changes: list[Change] = []
         for name in self.namespaces:
             old_view, new_view = self.content[name], incoming[name]
@@ -302,6 +314,7 @@ class ReplicatedDoc:
         missing = [(name, key, entry.value) for (name, key), entry in self._log.items()
                    if _missing_from(entry, base_epoch, base_state)]
         self.content = incoming
+        self._malformed = malformed
         self._switch(epoch, base_epoch, base_state, fresh)
         self._emit(changes)
         # Only the re-written ops stay logged (under the new epoch): every other logged op is in the

@@ -11,6 +11,7 @@ from __future__ import annotations
 from doc_replica import Replica
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pycrdt import Doc, Map
 
 from mesh.sync_protocol import SyncProtocol
 
@@ -146,3 +147,47 @@ def test_a_delete_that_waited_for_its_writers_earlier_update_leaves_no_key_behin
     cluster.heal()
     assert cluster.replicas[2].pairs("e5") == {}
     assert_converged(cluster)
+
+
+def test_a_clear_after_an_overwrite_of_an_adopted_key_leaves_no_key_behind():
+    """The second case hypothesis found: two compactions, overwrites of a key the follower adopted, an update of the
+    newest epoch delivered ahead of the rest, then the writer's clear. The map event for the clear names one of its
+    two keys; the follower's view must still lose both."""
+    cluster = Cluster(2)
+    writer = cluster.replicas[0]
+    big = 1024421277861575701
+
+    def store(pairs: list[tuple[int, int]]) -> None:
+        writer.store("e0", pairs)
+        cluster.reference["e0"].update(pairs)
+
+    store([(0, 0)])
+    cluster.flush(0)
+    cluster.compact()
+    cluster.compact()
+    store([(0, big), (big, 0)])
+    cluster.flush(0)
+    writer.set_registry("e0", {"drain": False})
+    cluster.flush(0)
+    store([(0, 0)])
+    cluster.flush(0)
+    cluster.deliver(4)  # the registry update of epoch 2 before both epoch frames
+    writer.remove("e0", list(writer.pairs("e0")))
+    cluster.reference["e0"].clear()
+    cluster.heal()
+    assert cluster.replicas[1].pairs("e0") == {}
+    assert_converged(cluster)
+
+
+def test_a_malformed_value_is_counted_once_and_kept_out_of_the_view():
+    """A peer's value that is not a string stays out of the view and is counted when it arrives, not again at every
+    later event (the view's size differs from the map's by exactly those keys)."""
+    follower = Cluster(2).replicas[1]
+    peer = Doc()
+    pairs = peer.get("pairs", type=Map)
+    pairs["e1\x1f1"] = 7
+    follower.doc.apply_update(peer.get_update())
+    pairs["e1\x1f2"] = "2"
+    follower.doc.apply_update(peer.get_update())
+    assert follower.pairs("e1") == {2: 2}
+    assert follower.doc.malformed_values == 1
