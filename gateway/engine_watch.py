@@ -15,6 +15,7 @@ process never notice.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 
@@ -104,6 +105,17 @@ async def _health_loop(engine: EngineState, planner, faults: EngineFaults, inter
         await trio.sleep(interval_s if engine.healthy else DOWN_POLL_S)
 
 
+async def _keep_warm(engine: EngineState) -> None:
+    """Keep a young request connection to the engine while it is in use (``EnginePool.keep_warm``); an engine
+    that refuses is the health loop's to report."""
+    while True:
+        due = trio.current_time() + DOWN_POLL_S
+        if engine.healthy and not engine.draining:
+            with contextlib.suppress(UpstreamError):
+                due = await engine.pool.keep_warm()
+        await trio.sleep_until(due)
+
+
 async def _discover(discovery: Discovery) -> tuple[set[str], list[EventSource]]:
     """Retry until the engine answers; an engine may start after the router. A malformed answer raises
     (ValueError) so the supervisor counts it and backs off."""
@@ -184,6 +196,7 @@ async def _watch(engine: EngineState, planner, ingest: EventIngest, interval_s: 
             return body
 
         nursery.start_soon(supervise, faults, "models", lambda: _refresh_models(discovery, faults))
+        nursery.start_soon(supervise, faults, "warm", lambda: _keep_warm(engine))
         nursery.start_soon(supervise, faults, "server_info", discovery.connector)
         nursery.start_soon(supervise, faults, "metrics",
                            lambda: poll_metrics(engine.id, "/metrics", fetch, on_load, interval_s=interval_s))

@@ -11,6 +11,10 @@ is fine. Such a request is sent once more on a fresh connection, never on anothe
 may be just as stale), and it never counts against the engine. Idle connections are dropped after
 ``IDLE_LIMIT_S``, before the engine's timer fires. Polls (health, metrics, discovery) have connections
 of their own: a stale request connection must not make a healthy engine look down.
+
+An engine that took a request lately is kept one young idle connection ahead of need (``EnginePool.keep_warm``):
+with requests seconds apart per engine (a few streams over a large fleet) every pooled connection had aged out,
+and the connect was on the way to the first token.
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ READ_SIZE = 65536
 IDLE_LIMIT_S = 4.0
 """Below uvicorn's keep-alive timeout (5 s, vLLM's default), so the router never reuses a connection the
 engine is about to close."""
+WARM_SPARE_S = 1.0
+"""A connection is opened ahead of need once the youngest idle one has less than this left before ``IDLE_LIMIT_S``."""
+WARM_AFTER_USE_S = 60.0
+"""How long after an engine's last request it is kept warm: an idle router stops reconnecting to idle engines."""
 SEND_TIMEOUT_S = 10.0
 """For writing the request and its body: an engine that stops reading cannot hang a request."""
 POLL_BODY_LIMIT = 4 * 1024 * 1024
@@ -171,6 +179,10 @@ class _IdleConnections:
             return
         connection.idle_since = trio.current_time()
         self._idle.append(connection)
+
+    def expires_at(self) -> float:
+        """When the youngest idle connection ages out (minus infinity when there is none)."""
+        return self._idle[-1].idle_since + self.idle_limit_s if self._idle else -math.inf
 
     async def take(self) -> _Connection | None:
         """The most recently used connection that is still young enough."""
@@ -350,6 +362,8 @@ class EnginePool:
         self._requests = _IdleConnections(max_idle, idle_limit_s)
         """Connections for requests; polls use ``_polls``, so a stale one never fails a health check."""
         self._polls = _IdleConnections(POLL_CONNECTIONS, idle_limit_s)
+        self.last_request_at = -math.inf
+        """Trio time of the last request sent (``keep_warm`` warms only engines in use)."""
         self.drain_at = math.inf
         """Trio time at which streams still running on this engine are continued elsewhere (a drain with a
         deadline; only while the engine is draining); the proxy reads it between chunks."""
@@ -436,7 +450,20 @@ class EnginePool:
         """Send a request and wait for the response head. A reused connection that fails before any
         response byte is replaced once by a fresh one (see the module docstring)."""
         request = self._request_event(method, target, body, headers)
+        self.last_request_at = trio.current_time()
         return await self._send(self._requests, request, body, connect_timeout, send_timeout, first_byte_timeout)
+
+    async def keep_warm(self, connect_timeout: float = 2.0) -> float:
+        """Open a request connection when the engine took a request within ``WARM_AFTER_USE_S`` and no idle one
+        will be young enough ``WARM_SPARE_S`` from now; returns the trio time to look again. A connect at a
+        request's start cost 0.8 ms at the median and up to 10 ms (seed 1 suite shape #4: one stream over 16
+        engines, 17 of 46 requests found no idle connection). Raises ``UpstreamError`` when the engine refuses."""
+        now = trio.current_time()
+        if now - self.last_request_at > WARM_AFTER_USE_S:
+            return now + WARM_SPARE_S
+        if self._requests.expires_at() - now <= WARM_SPARE_S:
+            await self._requests.put(await self._connect(connect_timeout))
+        return max(self._requests.expires_at() - WARM_SPARE_S, trio.current_time() + WARM_SPARE_S / 4)
 
     async def get(self, target: str, timeout: float = 2.0, max_bytes: int = POLL_BODY_LIMIT) -> tuple[int, bytes]:
         """A small GET for polls (models, metrics, health), on the polls' own connections."""

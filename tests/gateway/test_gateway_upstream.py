@@ -281,3 +281,33 @@ async def test_an_answer_that_stops_mid_body_is_a_stall_after_the_idle_timeout(n
     await response.aclose()
     assert pool.idle_connections == 0
     await pool.aclose()
+
+
+async def test_an_engine_in_use_is_kept_a_young_connection_ahead_of_need(nursery, mock_clock):
+    """A request seconds after the last one finds a pooled connection: the keep-warm opened it before the
+    old one aged out, so no connect is on the request's way (without it the request opens a third)."""
+    server = await start_server(nursery, answer_at_once, keep_alive_s=1000.0)
+    pool = EnginePool(server.url, idle_limit_s=4.0)
+    assert await _ok(pool) == 200
+    mock_clock.jump(2.0)
+    assert await pool.keep_warm() == pytest.approx(trio.current_time() + 1.0)  # the idle one is young enough
+    assert server.connections == 1
+    mock_clock.jump(1.5)
+    due = await pool.keep_warm()
+    assert server.connections == 2 and due == pytest.approx(trio.current_time() + 3.0)
+    mock_clock.jump(3.0)
+    assert await _ok(pool) == 200
+    assert server.connections == 2
+    await pool.aclose()
+
+
+async def test_an_engine_without_requests_for_a_minute_is_not_kept_warm(nursery, mock_clock):
+    server = await start_server(nursery, answer_at_once, keep_alive_s=1000.0)
+    pool = EnginePool(server.url, idle_limit_s=4.0)
+    await pool.keep_warm()
+    assert server.connections == 0
+    assert await _ok(pool) == 200
+    mock_clock.jump(61.0)
+    await pool.keep_warm()
+    assert server.connections == 1 and pool.idle_connections == 1  # the old one, dropped at its next use
+    await pool.aclose()
