@@ -106,13 +106,13 @@ async def _health_loop(engine: EngineState, planner, faults: EngineFaults, inter
 
 
 async def _keep_warm(engine: EngineState) -> None:
-    """Keep a young request connection to the engine while it is in use (``EnginePool.keep_warm``); an engine
+    """Keep a young request connection to the engine between its requests (``EnginePool.keep_warm``); an engine
     that refuses is the health loop's to report."""
     while True:
         due = trio.current_time() + DOWN_POLL_S
         if engine.healthy and not engine.draining:
             with contextlib.suppress(UpstreamError):
-                due = await engine.pool.keep_warm()
+                due = await engine.pool.keep_warm(in_use=engine.in_flight > 0)
         await trio.sleep_until(due)
 
 

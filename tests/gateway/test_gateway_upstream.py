@@ -301,6 +301,19 @@ async def test_an_engine_in_use_is_kept_a_young_connection_ahead_of_need(nursery
     await pool.aclose()
 
 
+async def test_an_engine_with_requests_in_flight_is_not_given_another_connection(nursery, mock_clock):
+    """Their connections come back young when they end: under load the keep-warm would only add connections."""
+    server = await start_server(nursery, answer_at_once, keep_alive_s=1000.0)
+    pool = EnginePool(server.url, idle_limit_s=4.0)
+    assert await _ok(pool) == 200
+    mock_clock.jump(3.5)
+    assert await pool.keep_warm(in_use=True) == pytest.approx(trio.current_time() + 1.0)
+    assert server.connections == 1
+    await pool.keep_warm(in_use=False)
+    assert server.connections == 2
+    await pool.aclose()
+
+
 async def test_an_engine_without_requests_for_a_minute_is_not_kept_warm(nursery, mock_clock):
     server = await start_server(nursery, answer_at_once, keep_alive_s=1000.0)
     pool = EnginePool(server.url, idle_limit_s=4.0)
