@@ -84,6 +84,8 @@ class _Conn:
         self.served = 0
         self.idle_since = trio.current_time()
         self.hung_up = False
+        self.fd = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else None
+        """The socket ``send`` writes into directly (None for a stream without one, as in-process tests use)."""
 
     async def send(self, event: h11.Event) -> None:
         """Write ``event``'s bytes as uvicorn's transport does: straight into the socket when the kernel takes them
@@ -95,11 +97,10 @@ class _Conn:
         data = self.h11.send(event)
         if not data:
             return
-        sock = getattr(self.stream, "socket", None)
         sent = 0
-        if sock is not None:
+        if self.fd is not None:
             try:
-                sent = os.write(sock.fileno(), data)
+                sent = os.write(self.fd, data)
             except BlockingIOError:
                 pass
             except OSError as exc:  # the peer is gone: what ``send_all`` would raise
