@@ -67,7 +67,8 @@ def engine_slots(engine: EngineView) -> int | None:
 
 
 def _block_size(engine: EngineView) -> int:
-    return max(1, _count(engine.block_size, MAX_BLOCK_SIZE))
+    size = _count(engine.block_size, MAX_BLOCK_SIZE)
+    return size if size > 1 else 1
 
 
 def _max_tokens(request: RouteRequest) -> int | None:
@@ -84,18 +85,25 @@ def queue_depth(engine: EngineView) -> int:
     ignoring traffic outside the mesh. The requests of this router that finished since the poll are no
     longer ahead of anyone.
     """
-    routed = max(0, engine.in_flight) + max(0, engine.peer_in_flight)
-    return _count(max(routed, engine.running - max(0, engine.finished_since_poll)) + max(0, engine.waiting))
+    routed = _count(engine.in_flight) + _count(engine.peer_in_flight)
+    polled = engine.running - _count(engine.finished_since_poll)
+    return _count((polled if polled > routed else routed) + _count(engine.waiting))
 
 
 def overlaps(engine: EngineView, prompt: int, knowledge: Knowledge) -> tuple[int, int, int]:
     """Leading tokens of a ``prompt`` tokens long (clamped) the engine holds: in its GPU cache by its events, with
     its offloaded tiers after them, and by the router's record of what it sent there (once per candidate)."""
     block = _block_size(engine)
-    exact = max(0, min(prompt, engine.exact_blocks * block))
+    exact = _within(engine.exact_blocks * block, prompt)
     tiers = tier_blocks(engine, knowledge)
-    tiered = max(0, min(prompt, (engine.exact_blocks + tiers) * block)) if tiers else exact
-    return exact, tiered, max(0, min(prompt, engine.approx_blocks * block))
+    tiered = _within((engine.exact_blocks + tiers) * block, prompt) if tiers else exact
+    return exact, tiered, _within(engine.approx_blocks * block, prompt)
+
+
+def _within(tokens: int, prompt: int) -> int:
+    """``tokens`` clamped to 0..``prompt`` (``max(0, min(prompt, tokens))`` without the two calls: see ``_count``)."""
+    tokens = tokens if tokens < prompt else prompt
+    return tokens if tokens > 0 else 0
 
 
 def tier_blocks(engine: EngineView, knowledge: Knowledge) -> int:
@@ -151,7 +159,8 @@ class CostModel:
         if knowledge is Knowledge.ROUTER_ONLY:
             return float(approx), 1.0
         confidence = _clamp(engine.confidence, 0.0, 1.0)
-        credited = tiered + self.settings.approx_trust * max(0, approx - tiered)
+        beyond = approx - tiered
+        credited = tiered + self.settings.approx_trust * (beyond if beyond > 0 else 0)
         return confidence * credited, confidence
 
     @staticmethod

@@ -111,6 +111,11 @@ class HomeBook:
     def residents(self, engine: str, exclude: str = "") -> list[Resident]:
         """Prefixes homed on ``engine``, hottest first (computed once between two records: a decision reads
         every engine's residents several times)."""
+        found = self._listed(engine)
+        return [r for r in found if r.key != exclude] if exclude else list(found)
+
+    def _listed(self, engine: str) -> list[Resident]:
+        """``residents`` of ``engine`` as memoised: read, never changed, by the callers (no copy per read)."""
         found = self._memo.get(engine)
         if found is None:
             found = []
@@ -121,11 +126,11 @@ class HomeBook:
                     found.append(Resident(key, prefix.blocks, heat))
             found.sort(key=lambda r: (-r.heat, r.key))
             self._memo[engine] = found
-        return [r for r in found if r.key != exclude] if exclude else list(found)
+        return found
 
     def resident_heat(self, engine: str, exclude: str = "") -> float:
         """How much recent traffic the prefixes homed on ``engine`` bring it."""
-        return sum(r.heat for r in self.residents(engine, exclude))
+        return sum(r.heat for r in self._listed(engine) if r.key != exclude)
 
     def displaced(self, key: str, blocks: int, engine: str,
                   capacity_blocks: int | None) -> list[tuple[Resident, float]]:
@@ -134,11 +139,13 @@ class HomeBook:
         (and one request), so hot residents cost nearly a full recompute, a newcomer twice as hot displaces a
         resident at a third of one, and a cold resident costs little. Empty when ``key`` is homed there, or
         the engine's size is unknown."""
-        if not key or not capacity_blocks or engine in self.homes(key):
+        if not key or not capacity_blocks or engine in self._key_reads(key)[0]:
             return []
         room = self.settings.fill * capacity_blocks
-        residents = self.residents(engine, exclude=key)
+        residents = [r for r in self._listed(engine) if r.key != key]
         used = sum(r.blocks for r in residents) + blocks
+        if used <= room:  # nothing is pushed out: the common case, without the heat lookup below
+            return []
         mine = self.heat(key)
         out = []
         for r in reversed(residents):

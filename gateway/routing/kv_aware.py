@@ -10,6 +10,9 @@ then to the prefix key's rendezvous order.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
+from itertools import groupby
+from operator import itemgetter
 
 import msgspec
 
@@ -28,6 +31,29 @@ AGREE_SHARE = 0.1
 """Share of a new prefix's prefill that its placement may give up for agreeing with the other replicas (see
 ``agreed_order``), beyond one request's difference."""
 AGREE_MIN_S = 0.002
+
+
+def cost_order(request: RouteRequest, pool: list[EngineView], scores: Scores) -> list[str]:
+    """``pool``'s ids by cost (within a nanosecond), then queue, then this router's in-flight count, then the prefix
+    key's rendezvous order. The rendezvous weights are worked out only for engines still tied after the rest: a
+    decision at 256 engines spent a tenth of its time hashing every engine for ties that hardly ever happen."""
+    def order(engine: EngineView) -> tuple[float, int, int]:
+        score, in_flight = scores[engine.id], engine.in_flight
+        return round(score.cost_s, _TIE_DIGITS), score.queue_depth, in_flight if in_flight > 0 else 0
+
+    ranked: list[str] = []
+    key_h: int | None = None
+    for _, tied in groupby(sorted(((order(e), e.id) for e in pool), key=itemgetter(0)), key=itemgetter(0)):
+        ids = [engine_id for _, engine_id in tied]
+        if len(ids) > 1:
+            key_h = key_hash(request.prefix_key or request.model) if key_h is None else key_h
+            ids.sort(key=partial(_heaviest_first, key_h))
+        ranked.extend(ids)
+    return ranked
+
+
+def _heaviest_first(key_h: int, engine_id: str) -> int:
+    return -rendezvous_weight(key_h, engine_id)
 
 
 def agreed_order(ranked: list[str], scores: Scores, home_key: str, tolerance_s: float) -> list[str]:
@@ -179,18 +205,7 @@ class KvAwarePolicy(Policy):
     def rank(self, request: RouteRequest, pool: list[EngineView], scores: Scores) -> tuple[list[str], str]:
         if self.prices_evictions(request):
             self._priced_by_homes(request, pool, scores)
-        h = key_hash(request.prefix_key or request.model)
-
-        def order(engine: EngineView) -> tuple[float, int, int, int]:
-            score = scores[engine.id]
-            return (
-                round(score.cost_s, _TIE_DIGITS),
-                score.queue_depth,
-                max(0, engine.in_flight),
-                -rendezvous_weight(h, engine.id),
-            )
-
-        ranked = held_order([e.id for e in sorted(pool, key=order)], scores, self.costs.learner.deviation,
+        ranked = held_order(cost_order(request, pool, scores), scores, self.costs.learner.deviation,
                             self.costs.decode.slope_doubt())
         if (self.agree_with_peers and request.home_key and not self.homes.homes(request.home_key)
                 and all(score.overlap_tokens <= 0 for score in scores.values())):

@@ -79,11 +79,13 @@ class TTFTParams:
 
 
 def split_depth(queue_depth: int, max_num_seqs: int | None) -> tuple[int, int]:
-    """Requests ahead that share the batch, and how many slot releases must happen before ours starts."""
-    depth = max(0, queue_depth)
+    """Requests ahead that share the batch, and how many slot releases must happen before ours starts (comparisons,
+    not ``min``/``max`` calls: a decision asks this of every engine, see ``gateway.routing.cost._count``)."""
+    depth = queue_depth if queue_depth > 0 else 0
     if max_num_seqs is None or max_num_seqs <= 0:
         return depth, 0
-    return min(depth, max_num_seqs), max(0, depth - max_num_seqs + 1)
+    over = depth - max_num_seqs + 1
+    return (max_num_seqs if max_num_seqs < depth else depth), (over if over > 0 else 0)
 
 
 _FEATURE_SCALES = (1.0, 1.0, 4.0, 1.0)
@@ -215,6 +217,10 @@ class TTFTLearner:
         return model
 
     def params(self, engine_id: str, max_num_seqs: int | None) -> TTFTParams:
+        model = self._models.get(engine_id)
+        if (model is not None and model._params is not None and not self._stale and model.max_num_seqs == max_num_seqs
+                and engine_id not in self._dirty):  # the fit is current: a decision asks this of every engine twice
+            return model._params
         model = self._slotted(engine_id, max_num_seqs)
         self._refresh(engine_id, model)
         return model.params

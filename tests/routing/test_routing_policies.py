@@ -5,13 +5,15 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from routing_strategies import fleets, requests
 
 from gateway.routing import POLICY_NAMES, EngineView, RouteRequest, make_policy, prefix_key
-from gateway.routing.hashing import fmix64, key_hash
+from gateway.routing.hashing import fmix64, key_hash, rendezvous_weight
+from gateway.routing.kv_aware import cost_order
 
 
 def _policy(name: str):
@@ -158,3 +160,18 @@ def test_feedback_teaches_every_policy_through_the_shared_cost_model():
     assert not policy.observe("a", -1, 0, 0.5)
     assert policy.costs.learner.rejected == 1
     assert policy.costs.learner.model("a").observations == 1
+
+
+@settings(max_examples=80, deadline=None)
+@given(fleets(max_size=8), requests(), st.integers(0, 3))
+def test_cost_order_is_the_full_sort_with_rendezvous_ties_worked_out_only_where_needed(fleet, request, clones):
+    """``cost_order`` hashes engines only inside groups tied on cost, queue and in-flight count; the order must be the
+    one sorting every engine by all four keys gives (clones of the first engine make such ties)."""
+    pool = list({e.id: e for e in fleet}.values())
+    pool += [msgspec.structs.replace(pool[0], id=f"clone{n}") for n in range(clones)]
+    policy = make_policy("kv_aware")
+    scores = policy.costs.estimate_all(request, pool, policy.knowledge)
+    h = key_hash(request.prefix_key or request.model)
+    expected = [e.id for e in sorted(pool, key=lambda e: (round(scores[e.id].cost_s, 9), scores[e.id].queue_depth,
+                                                          max(0, e.in_flight), -rendezvous_weight(h, e.id)))]
+    assert cost_order(request, pool, scores) == expected
