@@ -196,8 +196,9 @@ class KvAwarePolicy(Policy):
             score = scores[engine.id]
             stall = 0.0 if home or not homes else self.costs.stall_s(
                 score.queue_depth, engine.max_num_seqs, score.uncached_tokens, params)
-            scores[engine.id] = msgspec.structs.replace(score, home=home, displacement_s=displacement,
-                                                        crowding_s=crowding, stall_s=stall)
+            if home or displacement or crowding or stall:  # else the estimate's defaults stand: no copy
+                scores[engine.id] = msgspec.structs.replace(score, home=home, displacement_s=displacement,
+                                                            crowding_s=crowding, stall_s=stall)
 
     def prices_evictions(self, request: RouteRequest) -> bool:
         return self.keeps_homes and bool(request.home_key)
