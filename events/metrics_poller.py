@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import trio
 
 from events.counters import ENGINE_VALUES_REJECTED, METRICS_POLLS
+from events.poll_phase import next_poll_at, phase_s
 from events.prometheus_samples import SampleError, wanted_samples
 
 log = logging.getLogger("kvmesh.engines")
@@ -163,9 +164,10 @@ def _count_rejected(engine: str, names: tuple[str, ...]) -> None:
 
 async def poll_metrics(engine: str, url: str, fetch: Fetch, on_load: Callable[[EngineLoad, float], None],
                        *, interval_s: float = 1.0, timeout_s: float = 2.0) -> None:
-    """Poll until cancelled; failures are counted and retried at the next tick, never raised."""
+    """Poll until cancelled, at the engine's phase of each interval (``events.poll_phase``); failures are counted
+    and retried at the next tick, never raised."""
+    phase = phase_s(engine, interval_s)
     while True:
-        started = trio.current_time()
         outcome = "ok"
         with trio.move_on_after(timeout_s) as scope:
             try:
@@ -183,4 +185,4 @@ async def poll_metrics(engine: str, url: str, fetch: Fetch, on_load: Callable[[E
         if outcome == "ok":
             _count_rejected(engine, load.rejected)
             on_load(load, trio.current_time())
-        await trio.sleep_until(started + interval_s)
+        await trio.sleep_until(next_poll_at(trio.current_time(), interval_s, phase))
