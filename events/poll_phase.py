@@ -1,11 +1,11 @@
-"""When in each interval an engine's periodic polls fall: at a phase of its own, not all engines at once.
+"""When in each interval an engine's periodic polls fall: at a phase of its own, not every engine at once.
 
 Every engine's watch starts with the router, and each poll loop slept one interval from its last poll, so the
-whole fleet's ``/metrics`` and ``/health`` polls fell in the same few milliseconds of every interval, each
-costing the serving loop 0.4-0.7 ms of CPU (``EnginePool.get`` with its parse, timed against a simulated engine):
-a request arriving then waited behind all of them, about 17 ms at 16 engines and 70 at 64, once a second. Each
-engine's polls now fall at a phase derived from its id (the same in every process and run), so a fleet's polls
-spread over the interval and a request meets one or two of them at most.
+fleet's ``/metrics`` and ``/health`` polls came in bunches at the same part of every second (each costs the loop
+0.4-0.7 ms of CPU, timed against a simulated engine), and a request arriving then waited behind the bunch: most of
+the slow probes (over 5 ms) of an idle router in front of 16 simulated engines fell in the same third of each
+second. Each engine's polls now fall at a phase derived from its id (the same in every process and run), so the
+fleet's polls spread over the interval; the README's "Polls spread over the second" has the runs.
 """
 
 from __future__ import annotations
