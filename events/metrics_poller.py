@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import trio
 
 from events.counters import ENGINE_VALUES_REJECTED, METRICS_POLLS
-from events.poll_phase import next_poll_at, phase_s
+from events.poll_phase import phase_s, sleep_until_phase
 from events.prometheus_samples import SampleError, wanted_samples
 
 log = logging.getLogger("kvmesh.engines")
@@ -185,4 +185,4 @@ async def poll_metrics(engine: str, url: str, fetch: Fetch, on_load: Callable[[E
         if outcome == "ok":
             _count_rejected(engine, load.rejected)
             on_load(load, trio.current_time())
-        await trio.sleep_until(next_poll_at(trio.current_time(), interval_s, phase))
+        await sleep_until_phase(interval_s, phase)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import zlib
 
+import trio
+
 from events.live_poller import next_tick
 
 
@@ -28,3 +30,8 @@ def next_poll_at(now: float, interval_s: float, phase: float) -> float:
     while due <= now:  # the subtraction and addition may round back onto ``now``
         due += interval_s
     return due
+
+
+async def sleep_until_phase(interval_s: float, phase: float) -> None:
+    """Sleep until the next time ``phase`` past a multiple of ``interval_s`` (``next_poll_at`` from trio's clock)."""
+    await trio.sleep_until(next_poll_at(trio.current_time(), interval_s, phase))

@@ -24,7 +24,7 @@ import trio
 from events.discovery import EventSource, parse_kv_event_sources, parse_models
 from events.metrics_poller import EngineLoad as PolledLoad
 from events.metrics_poller import poll_metrics
-from events.poll_phase import next_poll_at, phase_s
+from events.poll_phase import phase_s, sleep_until_phase
 from gateway.adapters import base_model
 from gateway.disaggregation.roles import SERVER_INFO_PATH, parse_server_info
 from gateway.engine_faults import EngineFaults, supervise
@@ -89,6 +89,7 @@ class Discovery:
 
 
 async def _health_loop(engine: EngineState, planner, faults: EngineFaults, interval_s: float) -> None:
+    phase = phase_s(engine.id, interval_s, 0.5)  # half an interval from the engine's metrics polls
     while True:
         try:
             status, _ = await engine.pool.get("/health", timeout=min(2.0, interval_s * 2))
@@ -103,8 +104,8 @@ async def _health_loop(engine: EngineState, planner, faults: EngineFaults, inter
                      extra={"engine": engine.id, "reason": engine.health.reason(trio.current_time())})
             if engine.healthy and engine.health.was_down:
                 planner.engine_recovered(engine.id)
-        if engine.healthy:  # half an interval from the engine's metrics polls (``events.poll_phase``)
-            await trio.sleep_until(next_poll_at(trio.current_time(), interval_s, phase_s(engine.id, interval_s, 0.5)))
+        if engine.healthy:
+            await sleep_until_phase(interval_s, phase)
         else:
             await trio.sleep(DOWN_POLL_S)
 
@@ -131,10 +132,10 @@ async def _discover(discovery: Discovery) -> tuple[set[str], list[EventSource]]:
 
 
 async def _refresh_models(discovery: Discovery, faults: EngineFaults) -> None:
+    phase = phase_s(discovery.engine.id, MODELS_REFRESH_S)
     while True:
         if not faults.failing.get("models"):  # in a failure episode the supervisor has just backed off
-            phase = phase_s(discovery.engine.id, MODELS_REFRESH_S)
-            await trio.sleep_until(next_poll_at(trio.current_time(), MODELS_REFRESH_S, phase))
+            await sleep_until_phase(MODELS_REFRESH_S, phase)
         try:
             discovery.engine.models = await discovery.models() or discovery.engine.models
         except UpstreamError:
