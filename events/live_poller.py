@@ -11,13 +11,16 @@ waits on its FD again. The same messages then took 1,661 waits. The CPU per bloc
 change on this machine (6.4-7.4 us against 6.8-8.3, three alternating pairs at 1,000 messages a second):
 the loop's wake-ups were not where that time goes. The index is up to one tick later.
 
-A tick that finds no message waiting does not lead to the next tick: the poller sleeps on one epoll set
-holding the handed-over sockets' ZeroMQ FDs (edge-triggered: they signal when a socket may have become
-readable) until one signals, a socket is handed over, the quietest socket is due back or ``idle_ticks``
-ticks have passed, and drains at the tick after that. One engine streaming one answer sends a batch every
-16 tokens, and its socket stayed handed over for the whole answer: 200 ticks a second, most of them empty,
-cost about 9 ms of CPU per 256-token answer (half the router's event ingest at one stream). Busy engines find
-a message at every tick, as before. Without epoll the poller ticks as before.
+A check that finds no message waiting, and a drain that leaves none, do not lead to another check a tick later:
+the poller sleeps on one epoll set holding the handed-over sockets' ZeroMQ FDs (edge-triggered: they signal when
+a socket may have become readable) until one signals, a socket is handed over, the quietest socket is due back or
+``idle_ticks`` ticks have passed, and checks then, or a tick after its last check if that is later: at most one
+check a tick. While drains come a tick apart the poller ticks without the epoll wait, so busy engines are still
+drained a tick's messages at a time, with one wake-up a tick. One engine streaming one answer sends
+a batch every 16 tokens: on ticks at fixed instants each batch cost three wake-ups of the loop (its signal, the
+tick that drained it, the empty tick after), now one. A wake-up of an idle process is dear on a virtual machine (a
+bare trio sleep of 4 ms cost 223 us of CPU on the machine the README measures on). Without epoll the poller checks
+once a tick.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import zmq
 
 from events.feed import EngineFeed
 from events.ingest_budget import IngestBudget
-from events.socket_drain import drain_slice, wait_for_budget
+from events.socket_drain import Drained, drain_slice, wait_for_budget
 
 Handler = Callable[[list[bytes]], object]
 
@@ -150,30 +153,40 @@ class LivePoller:
                 watch.close()
 
     async def _run(self) -> None:
+        checked = passed = -math.inf
         while True:
             if not self._handed:
                 await self._arrived.wait()
                 self._arrived = trio.Event()
                 continue
-            await trio.sleep_until(next_tick(trio.current_time(), self.tick_s))
+            if trio.current_time() < checked + self.tick_s:  # at most one check a tick
+                await trio.sleep_until(checked + self.tick_s)
+            checked = trio.current_time()
             self._forget_signals()
             ready = self._ready_at_tick()
-            if not ready:
-                await self._until_a_message()
-                continue
-            with trio.move_on_after(self.tick_s):  # first tokens may go first, for one tick at most
-                for handed in ready:
-                    try:
-                        await handed.before_ingest()
-                    except Exception as exc:  # noqa: BLE001 - the subscriber that handed it over restarts
-                        self._fail(handed, exc)
-            await self._drain(ready)
+            if ready:
+                with trio.move_on_after(self.tick_s):  # first tokens may go first, for one tick at most
+                    for handed in ready:
+                        try:
+                            await handed.before_ingest()
+                        except Exception as exc:  # noqa: BLE001 - the subscriber that handed it over restarts
+                            self._fail(handed, exc)
+                await self._drain(ready)
+                busy, passed = checked - passed < 2 * self.tick_s, checked
+                if busy:  # messages come faster than ticks: the next tick will find more
+                    continue
+                self._forget_signals()  # what came during the drain is checked now; later, it signals
+                if any(self._waiting(list(self._handed))):
+                    continue
+            await self._until_a_message()
 
     async def _drain(self, ready: list[_Handed]) -> None:
         """Drain the ready sockets a slice each in turn, so one engine's backlog cannot starve the others
-        (past their high-water marks that would be gaps), until none has a message left."""
+        (past their high-water marks that would be gaps), until every one was read empty (what arrives after,
+        :meth:`_run` checks for)."""
         yielded = trio.current_time()
         while ready:
+            more = []
             for handed in ready:
                 await wait_for_budget(self.budget, ((h.feed, h.clock) for h in ready if h in self._handed))
                 if self.room is not None:
@@ -181,14 +194,14 @@ class LivePoller:
                 if handed not in self._handed:  # its subscriber took it back meanwhile
                     continue
                 try:
-                    drain_slice(handed.sock, self.budget, handed.handle, handed.feed)
+                    if drain_slice(handed.sock, self.budget, handed.handle, handed.feed) is not Drained.EMPTY:
+                        more.append(handed)
                 except Exception as exc:  # the subscriber owns this socket's failures: it reconnects or restarts
                     self._fail(handed, exc)
                 if trio.current_time() - yielded >= self.budget.slice_s:
                     await trio.lowlevel.checkpoint()
                     yielded = trio.current_time()
-            handed_now = list(self._handed)
-            ready = [h for h, waiting in zip(handed_now, self._waiting(handed_now), strict=True) if waiting]
+            ready = [h for h in more if h in self._handed]
 
     def _ready_at_tick(self) -> list[_Handed]:
         """The handed-over sockets with a message waiting; a socket quiet for ``quiet_ticks`` ticks goes back to its

@@ -264,3 +264,30 @@ async def test_every_busy_socket_together_stays_within_the_ingest_budget(pairs):
         assert worked[0] >= 0.09
         assert worked[0] <= share * elapsed + burst + 2 * budget.slice_s + work_per_message
         nursery.cancel_scope.cancel()
+
+
+async def test_a_batch_now_and_then_costs_one_check_not_a_tick_after_it_too(pairs):
+    """An engine that publishes a batch every few ticks (one answer streaming): each batch is checked and drained
+    once, when it signals; the poller does not come back a tick later to find nothing."""
+    poller = LivePoller(IngestBudget(), tick_s=0.005, quiet_ticks=100_000, idle_ticks=100_000)
+    checks = 0
+    ready_at_tick = poller._ready_at_tick
+
+    def counted():
+        nonlocal checks
+        checks += 1
+        return ready_at_tick()
+
+    poller._ready_at_tick = counted  # type: ignore[method-assign]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(poller.run)
+        nursery.start_soon(poller.hand_over, pairs[0].sub, pairs[0].handle, feed(), trio.current_time, go_ahead)
+        await until(lambda: poller.handed() == 1)
+        await trio.sleep(0.05)
+        checks = 0
+        for n in range(10):
+            pairs[0].pub.send(b"m%d" % n)
+            await until(lambda: len(pairs[0].received) == n + 1)
+            await trio.sleep(0.03)  # six ticks
+        assert checks <= 14  # a check at the signal and an empty one at the next tick: 20
+        nursery.cancel_scope.cancel()
