@@ -287,7 +287,7 @@ async def test_a_batch_now_and_then_costs_one_check_not_a_tick_after_it_too(pair
         checks = 0
         for n in range(10):
             pairs[0].pub.send(b"m%d" % n)
-            await until(lambda: len(pairs[0].received) == n + 1)
+            await until(lambda n=n: len(pairs[0].received) == n + 1)
             await trio.sleep(0.03)  # six ticks
         assert checks <= 14  # a check at the signal and an empty one at the next tick: 20
         nursery.cancel_scope.cancel()
