@@ -41,16 +41,6 @@ from events.socket_drain import Drained, drain_slice, wait_for_budget
 Handler = Callable[[list[bytes]], object]
 
 
-def next_tick(now: float, tick_s: float) -> float:
-    """The first multiple of ``tick_s`` after ``now`` (strictly: at a tick itself, ``now / tick_s`` may round below
-    its count, and a deadline of ``now`` would let the poller run again without time passing, for ever under a
-    clock that only moves while every task waits)."""
-    count = math.floor(now / tick_s) + 1
-    while count * tick_s <= now:
-        count += 1
-    return count * tick_s
-
-
 async def go_ahead() -> None:
     """Nothing to let pass before ingesting."""
 

@@ -10,11 +10,10 @@ fleet's polls spread over the interval; the README's "Polls spread over the seco
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import trio
-
-from events.live_poller import next_tick
 
 
 def phase_s(engine_id: str, interval_s: float, offset: float = 0.0) -> float:
@@ -22,6 +21,16 @@ def phase_s(engine_id: str, interval_s: float, offset: float = 0.0) -> float:
     ``offset`` of an interval (so two polls of one engine can keep apart)."""
     fraction = zlib.crc32(engine_id.encode("utf-8", "surrogatepass")) / 2**32
     return ((fraction + offset) % 1.0) * interval_s
+
+
+def next_tick(now: float, tick_s: float) -> float:
+    """The first multiple of ``tick_s`` after ``now`` (strictly: at a multiple itself, ``now / tick_s`` may round below
+    its count, and a deadline of ``now`` would let a loop run again without time passing, for ever under a clock
+    that only moves while every task waits)."""
+    count = math.floor(now / tick_s) + 1
+    while count * tick_s <= now:
+        count += 1
+    return count * tick_s
 
 
 def next_poll_at(now: float, interval_s: float, phase: float) -> float:

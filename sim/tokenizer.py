@@ -17,7 +17,6 @@ import json
 import logging
 from collections import OrderedDict
 from collections.abc import Mapping
-from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -75,12 +74,9 @@ class SimTokenizer:
         if not isinstance(prompt, TextPrompt) or not self.segmented or affixes is None:
             return encode_prompt(self.tok, prompt)
         pieces = self.plan.split(prompt.text)
-        found = {piece: self.segments.get(self.path, piece) for piece in pieces}
-        misses = [piece for piece, ids in found.items() if ids is None]
-        for piece, ids in zip(misses, encode_plain(self.tok, misses), strict=True):
-            found[piece] = tuple(ids)
-            self.segments.put(self.path, piece, found[piece])
-        ids = [*affixes[0], *chain.from_iterable(found[piece] or () for piece in pieces), *affixes[1]]
+        found, misses = self.segments.look_up(self.path, pieces)
+        joined = self.segments.joined(self.path, pieces, found, misses, encode_plain(self.tok, misses))
+        ids = [*affixes[0], *joined, *affixes[1]]
         if len(pieces) > 1 and self._due_for_check():
             whole = self.tok.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
             if whole != ids:

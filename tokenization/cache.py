@@ -8,7 +8,9 @@ tokens (``<|im_end|>\\n``) to a 30k-token document.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 
 @dataclass
@@ -65,6 +67,20 @@ class TokenCache:
             _, evicted = self._entries.popitem(last=False)
             self.tokens -= max(len(evicted), 1)
             self.stats.evictions += 1
+
+    def look_up(self, tokenizer_id: str, pieces: Sequence[str]) -> tuple[dict[str, tuple[int, ...] | None], list[str]]:
+        """Each piece's cached ids (None: a miss), and the misses, each once."""
+        found = {piece: self.get(tokenizer_id, piece) for piece in pieces}
+        return found, [piece for piece, ids in found.items() if ids is None]
+
+    def joined(self, tokenizer_id: str, pieces: Sequence[str], found: dict[str, tuple[int, ...] | None],
+               misses: Sequence[str], encoded: Sequence[Sequence[int]]) -> list[int]:
+        """Cache the misses' ``encoded`` ids and join every piece's (one C-level join: a per-token comprehension took
+        0.1 ms of a 3.5k-token conversation's decision)."""
+        for piece, ids in zip(misses, encoded, strict=True):
+            found[piece] = tuple(ids)
+            self.put(tokenizer_id, piece, found[piece])
+        return list(chain.from_iterable(found[piece] or () for piece in pieces))
 
     def clear(self, tokenizer_id: str) -> None:
         """Forget one tokenizer's entries (after its segments were found not to be independent)."""

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from events.metrics_poller import poll_metrics
-from events.poll_phase import next_poll_at, phase_s
+from events.poll_phase import next_poll_at, next_tick, phase_s
 
 INTERVAL_S = 1.0
 ENGINES = [f"10.0.0.{n}:8000" for n in range(32)]
@@ -21,6 +21,14 @@ vllm:num_requests_waiting{engine="0",model_name="tiny"} 0.0
 # TYPE vllm:kv_cache_usage_perc gauge
 vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25
 """
+
+
+def test_the_next_tick_is_strictly_after_now_at_a_multiple():
+    assert next_tick(0.0, 0.005) == 0.005
+    assert math.isclose(next_tick(1.0021, 0.005), 1.005)
+    for now in (0.0, 0.0049, 1.005, 3.14159, 1e6 + 0.001, *(k * 0.005 for k in range(1, 400))):
+        tick = next_tick(now, 0.005)
+        assert now < tick <= now + 0.005 + 1e-9
 
 
 @settings(max_examples=300, deadline=None)

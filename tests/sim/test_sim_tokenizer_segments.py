@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim.tokenizer import CHECK_EVERY, SimTokenizer
+from sim.tokenizer import SimTokenizer
 from tests.tokenization.test_tokenization_segments import SPECIALS, build_lstrip_tokenizer
 from tokenization.render import prompt_token_ids_sync
 
@@ -65,4 +65,3 @@ def test_a_mismatch_the_load_check_missed_turns_segments_off_at_the_first_prompt
     assert not sim.segmented
     later = {**CHAT, "messages": [*CHAT["messages"], {"role": "assistant", "content": "ok"}]}
     assert sim.prompt_ids(later, "chat") == prompt_token_ids_sync(sim.tok, later, "chat")
-    assert CHECK_EVERY > 1
