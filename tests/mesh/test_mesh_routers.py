@@ -192,7 +192,7 @@ def test_a_replica_counts_requests_another_replica_has_in_flight(fleet, secret_f
 
         assert depth() == 0
         for url in fleet.urls:
-            call(url, "/sim/fault", {"stall": 4.0})
+            call(url, "/sim/fault", {"stall": 8.0})
         results: list[int] = []
         threads = [threading.Thread(target=lambda i=i: results.append(
             len(call(sender.url, "/v1/chat/completions", chat(f"held request {i}"))[0]["choices"])))
@@ -200,9 +200,9 @@ def test_a_replica_counts_requests_another_replica_has_in_flight(fleet, secret_f
         for thread in threads:
             thread.start()
         try:
-            assert wait_until(lambda: depth() == 4, 3.0, step=0.5), depth()
+            assert wait_until(lambda: depth() == 4, 6.0, step=0.5), depth()
         finally:
             for thread in threads:
                 thread.join(30)
         assert results == [1, 1, 1, 1]
-        assert wait_until(lambda: depth() == 0, 3.0, step=0.5), depth()
+        assert wait_until(lambda: depth() == 0, 6.0, step=0.5), depth()
