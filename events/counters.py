@@ -10,7 +10,9 @@ EVENTS_DROPPED = Counter(
 EVENT_BATCHES = Counter("kvmesh_event_batches_total", "KV-event batches applied to the index", ["engine"])
 BLOCK_OPS = Counter("kvmesh_event_block_ops_total", "Block operations applied from KV events", ["engine", "op"])
 REPLAYS = Counter("kvmesh_event_replays_total", "Replay requests by outcome", ["engine", "outcome"])
-METRICS_POLLS = Counter("kvmesh_metrics_polls_total", "Engine /metrics polls by outcome", ["engine", "outcome"])
+METRICS_POLLS = Counter("kvmesh_metrics_polls_total",
+                        "Engine /metrics poll ticks by outcome (quiet: not polled, the engine idle)",
+                        ["engine", "outcome"])
 SUBSCRIBER_RESTARTS = Counter("kvmesh_event_subscriber_restarts_total",
                               "Event subscriber sessions rebuilt after a disconnect or socket error",
                               ["engine", "reason"])

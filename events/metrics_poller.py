@@ -163,11 +163,17 @@ def _count_rejected(engine: str, names: tuple[str, ...]) -> None:
 
 
 async def poll_metrics(engine: str, url: str, fetch: Fetch, on_load: Callable[[EngineLoad, float], None],
-                       *, interval_s: float = 1.0, timeout_s: float = 2.0) -> None:
+                       *, interval_s: float = 1.0, timeout_s: float = 2.0,
+                       due: Callable[[], bool] | None = None) -> None:
     """Poll until cancelled, at the engine's phase of each interval (``events.poll_phase``); failures are counted
-    and retried at the next tick, never raised."""
+    and retried at the next tick, never raised. ``due`` (``events.quiet_polls``) may skip a tick: counted as a
+    ``quiet`` outcome."""
     phase = phase_s(engine, interval_s)
     while True:
+        if due is not None and not due():
+            METRICS_POLLS.labels(engine=engine, outcome="quiet").inc()
+            await sleep_until_phase(interval_s, phase)
+            continue
         outcome = "ok"
         with trio.move_on_after(timeout_s) as scope:
             try:

@@ -4,7 +4,7 @@ watch_engine(engine)              supervised: a bug anywhere below is logged, co
  +- health loop      (GET /health; fast while the engine is down, so it rejoins within a second)
  +- discovery        (GET /v1/models and /kv_event_sources, until the engine answers)
  +- models refresh   (GET /v1/models every MODELS_REFRESH_S)
- +- metrics poller   (GET /metrics -> load, KV usage, block geometry)
+ +- metrics poller   (GET /metrics -> load, KV usage, block geometry; quiet engines every few ticks)
  +- event sources    (from config or GET /kv_event_sources), handed to EventIngest to subscribe
  +- connector        (GET /server_info once: the P/D role and protocol, where vLLM's dev mode serves it)
 
@@ -25,6 +25,7 @@ from events.discovery import EventSource, parse_kv_event_sources, parse_models
 from events.metrics_poller import EngineLoad as PolledLoad
 from events.metrics_poller import poll_metrics
 from events.poll_phase import phase_s, sleep_until_phase
+from events.quiet_polls import QuietPolls, quiet_ticks
 from gateway.adapters import base_model
 from gateway.disaggregation.roles import SERVER_INFO_PATH, parse_server_info
 from gateway.engine_faults import EngineFaults, supervise
@@ -172,7 +173,17 @@ async def _watch(engine: EngineState, planner, ingest: EventIngest, interval_s: 
         engine.dp_ranks = tuple(s.rank for s in sources)
         planner.register_engine(engine, has_events=bool(sources))
 
+        cadence = QuietPolls(quiet_ticks(interval_s))
+
+        def poll_due() -> bool:
+            info = planner.cache.info(engine.id)
+            mark = (info.freshness.last_event_at, info.freshness.last_seq) if info is not None else None
+            active = (not sources or engine.in_flight > 0 or not engine.healthy or engine.draining
+                      or engine.rejoining or planner.peer_in_flight().get(engine.id, 0) > 0)
+            return cadence.due(active, mark)
+
         def on_load(load: PolledLoad, now: float) -> None:
+            cadence.polled(load.running + load.waiting > 0)
             resized = ((load.block_size is not None and load.block_size != engine.load.block_size)
                        or load.num_gpu_blocks != engine.load.num_blocks)
             engine.load.running, engine.load.waiting = load.running, load.waiting
@@ -205,7 +216,8 @@ async def _watch(engine: EngineState, planner, ingest: EventIngest, interval_s: 
         nursery.start_soon(supervise, faults, "warm", lambda: _keep_warm(engine))
         nursery.start_soon(supervise, faults, "server_info", discovery.connector)
         nursery.start_soon(supervise, faults, "metrics",
-                           lambda: poll_metrics(engine.id, "/metrics", fetch, on_load, interval_s=interval_s))
+                           lambda: poll_metrics(engine.id, "/metrics", fetch, on_load, interval_s=interval_s,
+                                                due=poll_due))
         if sources:
             ingest.add(engine.id, model, sources, engine.first_tokens.let_first_tokens_pass,
                        lambda: engine.load.num_blocks)
