@@ -17,7 +17,7 @@ from sim.fleet import describe, run_fleet
 from sim.media import parse_placeholder
 from sim.profiles import DEFAULT_PROFILE, PROFILES
 from sim.roles import ROLES
-from tokenization.registry import DEFAULT_TOKENIZER_DIR
+from tokenization.registry import DEFAULT_TOKENIZER_DIR, encodes_on_the_calling_thread
 
 READY_PREFIX = "KVMESH_SIM_READY "
 
@@ -116,6 +116,7 @@ async def run(config: FleetConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
+    encodes_on_the_calling_thread()
     try:
         config = config_from_args(args)
     except ValueError as exc:

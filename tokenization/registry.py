@@ -33,6 +33,18 @@ PROBE_CONVERSATIONS = (
 )
 
 
+def encodes_on_the_calling_thread() -> None:
+    """Turn the Rust tokenizer's thread pool off for this process, unless ``TOKENIZERS_PARALLELISM`` says otherwise.
+
+    With it on, a batch encode of several texts (a prompt's uncached segments) spreads them over pool threads and
+    waits for them, and on the event loop that call holds the GIL: the loop waits for threads the OS may not run
+    at once on a busy machine. In the opening burst of seed 0 suite shape #11 (nine new conversations, the router
+    on a core of its own), a sibling's encode of a new system prompt's rest on the loop held it 33.5 and 35.4 ms
+    in two runs; with the pool off no step of that burst held it over 17 ms. Every encode of the router and the
+    simulated engines is a prompt's few segments or one long text, which the pool does not speed up here."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
 def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
