@@ -69,7 +69,7 @@ def test_an_idle_engine_is_polled_every_few_ticks_until_another_clients_request_
             # Its prefill's KV events bring the poll back at the next tick (within 0.5 s of them), not 2 s on.
             assert wait_for(lambda: depth(client, busy) >= 1, 2.0, step=0.2), "the router never saw the other request"
             seen_after = time.monotonic() - started
-            assert seen_after < 1.3, seen_after
+            assert seen_after < 1.6, seen_after  # the next quiet poll: about 2 s
             start = answered_polls(client, busy), answered_polls(client, idle)
             time.sleep(2.0)  # 4 ticks
             assert not done.is_set()
