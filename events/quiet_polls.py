@@ -20,9 +20,12 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable
 
+from index.freshness import FreshnessPolicy
+
 QUIET_TICKS = 4
-QUIET_MAX_S = 4.0
-"""Longest gap between two polls of a quiet engine: under the freshness policy's 5-s ``poll_stale_s``."""
+QUIET_MAX_S = 0.8 * FreshnessPolicy().poll_stale_s
+"""Longest gap between two polls of a quiet engine (4 s): a fifth under the freshness policy's ``poll_stale_s``, so a
+poll that takes a while still lands before the engine's silence stops counting as idle."""
 
 
 def quiet_ticks(interval_s: float) -> int:

@@ -3,6 +3,7 @@ by name when several test folders have one)."""
 
 import http.client
 import json
+import time
 from urllib.parse import urlsplit
 
 MODEL = "kvmesh-tiny"
@@ -32,3 +33,23 @@ class Http:
 
 def chat(content: str, **extra) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 4, **extra}
+
+
+def metric(client: Http, name: str, **labels) -> float:
+    """The sum of the samples of ``name`` on a ``/metrics`` page whose labels include ``labels``."""
+    _, _, raw = client.request("GET", "/metrics")
+    total = 0.0
+    for line in raw.decode().splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def wait_for(predicate, timeout: float = 10.0, step: float = 0.1) -> bool:
+    """Whether ``predicate`` came true within ``timeout`` seconds, asked every ``step``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step)
+    return bool(predicate())

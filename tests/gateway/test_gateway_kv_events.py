@@ -5,7 +5,7 @@ import socket
 import time
 
 import pytest
-from gateway_http import Http, chat
+from gateway_http import Http, chat, wait_for
 
 from cluster.router_process import RouterProcess
 from cluster.sim_process import SimFleetProcess
@@ -16,15 +16,6 @@ pytestmark = pytest.mark.integration
 def overlap(client: Http, body: dict, engine: str) -> int:
     table = client.json("POST", "/debug/route", body)[2]
     return next(c["overlap_exact_tokens"] for c in table["candidates"] if c["engine"] == engine)
-
-
-def wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return predicate()
 
 
 def document(tag: str, words: int = 300) -> dict:

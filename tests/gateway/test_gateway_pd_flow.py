@@ -13,7 +13,7 @@ import json
 import uuid
 
 import pytest
-from gateway_http import MODEL, Http
+from gateway_http import MODEL, Http, metric
 
 from cluster.router_process import RouterProcess
 from cluster.sim_process import SimFleetProcess
@@ -135,15 +135,6 @@ def answer_text(kind: str, raw: bytes, stream: bool) -> str:
 
 def pd_note(head: dict) -> dict[str, str]:
     return dict(part.split("=", 1) for part in head["x-kvmesh-pd"].split("; "))
-
-
-def metric(client: Http, name: str, **labels) -> float:
-    _, _, raw = client.request("GET", "/metrics")
-    total = 0.0
-    for line in raw.decode().splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def engine_metric(fleet, name: str, roles=("decode",)) -> float:

@@ -5,7 +5,7 @@ import threading
 import time
 
 import pytest
-from gateway_http import Http, chat
+from gateway_http import Http, chat, metric, wait_for
 
 from cluster.router_process import RouterProcess
 from cluster.sim_process import SimFleetProcess
@@ -17,11 +17,7 @@ INTERVAL_S = 0.5
 
 
 def answered_polls(client: Http, engine: str) -> float:
-    _, _, raw = client.request("GET", "/metrics")
-    for line in raw.decode().splitlines():
-        if line.startswith("kvmesh_metrics_polls_total{") and f'engine="{engine}"' in line and 'outcome="ok"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return metric(client, "kvmesh_metrics_polls_total", engine=engine, outcome="ok")
 
 
 def depth(client: Http, engine: str) -> int:
@@ -29,15 +25,6 @@ def depth(client: Http, engine: str) -> int:
     status, _, table = client.json("POST", "/debug/route", chat("who is busy"))
     assert status == 200, table
     return next(c["queue_depth"] for c in table["candidates"] if c["engine"] == engine)
-
-
-def wait_for(predicate, timeout: float, step: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(step)
-    return predicate()
 
 
 def test_an_idle_engine_is_polled_every_few_ticks_until_another_clients_request_runs_on_it():
@@ -53,7 +40,8 @@ def test_an_idle_engine_is_polled_every_few_ticks_until_another_clients_request_
         assert max(quiet) <= 4, quiet
 
         last = answered_polls(client, busy)
-        assert wait_for(lambda: answered_polls(client, busy) > last, 3.0)  # a quiet poll went: the next is 2 s on
+        # A quiet poll just went: the next is 2 s on.
+        assert wait_for(lambda: answered_polls(client, busy) > last, 3.0, step=0.05)
         done = threading.Event()
 
         def another_client() -> None:  # straight to the engine: the router sends nothing there
