@@ -6,10 +6,17 @@ both sides: an engine's next token, the engine's answer to a request just sent, 
 an answer. On a socket pair (a script outside the repository) a message cost 21.1-22.7 us read the trio way and
 16.4-17.8 us waiting first (no timeout scope in either). Writes go straight into the socket when the kernel
 takes them all, which on loopback it almost always does; only a rest goes through trio.
+
+A connection to an address given as an IP literal (how engines are usually named) is one socket and one
+``connect``: ``trio.open_tcp_stream`` resolves the name and races attempts in tasks of a nursery of its own
+(happy eyeballs), which for a single address cost 330-346 us of CPU per connection against 115-135 us connected
+directly (300 connections to a loopback listener each way, a script outside the repository). An opening burst
+opens most of its engine connections at once, on the loop that plans the burst. Names still go through trio.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 
 import trio
@@ -35,3 +42,19 @@ async def write_through(fd: int, stream: trio.abc.SendStream, data: bytes) -> No
         sent = 0
     if sent < len(data):
         await stream.send_all(memoryview(data)[sent:])
+
+
+async def open_tcp(host: str, port: int) -> trio.SocketStream:
+    """A TCP stream to ``host``:``port``: connected directly when ``host`` is an IP literal, through
+    ``trio.open_tcp_stream`` (name lookup, happy eyeballs) otherwise. Errors are ``OSError``."""
+    try:
+        family = trio.socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else trio.socket.AF_INET
+    except ValueError:
+        return await trio.open_tcp_stream(host, port)
+    sock = trio.socket.socket(family, trio.socket.SOCK_STREAM)
+    try:
+        await sock.connect((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return trio.SocketStream(sock)

@@ -29,7 +29,7 @@ import h11
 import trio
 
 from gateway.chunked_body import ChunkedBody, ChunkedBodyError
-from gateway.socket_io import read_when_ready, write_through
+from gateway.socket_io import open_tcp, read_when_ready, write_through
 from gateway.stall_watch import stall_watch
 
 READ_SIZE = 65536
@@ -337,7 +337,7 @@ Connect = Callable[[str, int], Awaitable[trio.abc.Stream]]
 async def open_network_stream(host: str, port: int, https: bool) -> trio.abc.Stream:
     """A TCP connection, with TLS (handshake included) for https."""
     if not https:
-        return await trio.open_tcp_stream(host, port)
+        return await open_tcp(host, port)
     tls = await trio.open_ssl_over_tcp_stream(host, port)
     try:
         await tls.do_handshake()
