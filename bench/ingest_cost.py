@@ -13,6 +13,10 @@ the end-to-end passes: one pass moved by up to a fifth between minutes of a quie
 
 CPU time of this thread only, so other processes on the machine do not count; each figure is per block op
 (one block stored or removed).
+
+``--replicated`` gives every engine a twin that is sent each of its messages right after it (the same blocks, the
+same keys): every block is then held by two engines, as a prompt every engine computes or a hot prefix's replica
+is, and half the stores and evictions change the mask of a block another engine holds.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class IngestCost:
     rest_us: float
     passes: int = 1
     total_range_us: tuple[float, float] = (0.0, 0.0)
+    replicated: bool = False
 
     @property
     def total_us(self) -> float:
@@ -57,7 +62,8 @@ class IngestCost:
 
     def line(self) -> str:
         low, high = self.total_range_us
-        return (f"ingest CPU per block op, {self.engines} engines, {self.live_blocks:,} live blocks, "
+        fleet = f"{self.engines // 2} engines and a twin of each" if self.replicated else f"{self.engines} engines"
+        return (f"ingest CPU per block op, {fleet}, {self.live_blocks:,} live blocks, "
                 f"{self.ops:,} ops: {self.total_us:.2f} us (decode {self.decode_us:.2f}, keys {self.keys_us:.2f}, "
                 f"store {self.store_us:.2f}, rest {self.rest_us:.2f}) = {1e6 / self.total_us:,.0f} ops/s per core"
                 f" (medians of {self.passes} passes; end to end {low:.2f}-{high:.2f})")
@@ -76,9 +82,17 @@ def _cpu(work: Callable[[], object]) -> float:
     return time.thread_time() - started
 
 
-def measure(engines: int = 16, cap: int = 20_000, steps: int = 100, seed: int = 0, passes: int = 3) -> IngestCost:
+def twinned(messages: list[Message], engines: int) -> list[Message]:
+    """Each engine's messages followed by the same frames for its twin (engine number + ``engines``)."""
+    return [twin for i, frames in messages for twin in ((i, frames), (i + engines, frames))]
+
+
+def measure(engines: int = 16, cap: int = 20_000, steps: int = 100, seed: int = 0, passes: int = 3,
+            replicated: bool = False) -> IngestCost:
     mix = recorded_mix(engines, cap, steps, seed)
     warm, messages, ops = mix.fill, mix.steady, mix.steady_ops
+    if replicated:
+        warm, messages, ops, engines = twinned(warm, engines), twinned(messages, engines), 2 * ops, 2 * engines
 
     def fresh() -> tuple[CacheView, list[EngineFeed]]:
         return warmed_fleet(engines, warm)
@@ -111,7 +125,7 @@ def measure(engines: int = 16, cap: int = 20_000, steps: int = 100, seed: int = 
     decode_s, keys_s, apply_s, total_s = (statistics.median(timings[k]) for k in ("decode", "keys", "apply", "total"))
     return IngestCost(engines, live[-1], ops, decode_s * us, keys_s * us, (apply_s - keys_s) * us,
                       max(0.0, total_s - decode_s - apply_s) * us, len(timings["total"]),
-                      (min(timings["total"]) * us, max(timings["total"]) * us))
+                      (min(timings["total"]) * us, max(timings["total"]) * us), replicated)
 
 
 _TOTAL = re.compile(r"ops: ([0-9.]+) us")
@@ -127,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3, help="timed passes of each kind, medians reported (default 3)")
     p.add_argument("--process", action="store_true",
                    help="each side's cost with ingest_process: the serving loop and the ingest process")
+    p.add_argument("--replicated", action="store_true",
+                   help="every engine with a twin sent the same messages: every block held by two engines")
     p.add_argument("--zmq", type=float, metavar="RATE",
                    help="through the replica's subscribers over ZeroMQ, RATE messages/s (bench/ingest_zmq.py)")
     add_against_options(p, "code (one engine count)")
@@ -135,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     cap, steps = (5_000, 40) if args.quick else (args.cap, args.steps)
     if args.against:
         one = ["--engines", str(counts[0]), "--cap", str(cap), "--steps", str(steps),
-               *(["--zmq", str(args.zmq)] if args.zmq else [])]
+               *(["--zmq", str(args.zmq)] if args.zmq else []), *(["--replicated"] if args.replicated else [])]
         log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvmesh-bench-ingest-"))
         for line in side_by_side(args.against, args.passes, ["-m", "bench.ingest_cost", *one], _TOTAL, "us per op",
                                  log_dir):
@@ -147,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.process:
             print(measure_split(count, cap, steps, passes=args.repeat).line(), flush=True)
         else:
-            print(measure(count, cap, steps, passes=args.repeat).line(), flush=True)
+            print(measure(count, cap, steps, passes=args.repeat, replicated=args.replicated).line(), flush=True)
     return 0
 
 

@@ -1,10 +1,12 @@
-"""The index's two commonest updates as one compiled loop over an engine's alias table and the mask table.
+"""The index's commonest updates as compiled loops over an engine's alias table and the mask table.
 
 A stored block new to its engine enters the alias table (engine hash -> code) and, new to the index, the
 mask table (code -> holder mask); an evicted block leaves both. Each table has its own bulk loop in Python
 (``AliasTable.put_many``/``pop_many``, ``MaskTable.add_absent``/``remove_equal``); here one iteration per block
 does both probes, on the same words and with the same placement and back-shift rules as the tables' own
-methods (the tables' tests and the index's model test hold them to one answer).
+methods (the tables' tests and the index's model test hold them to one answer). A block another engine holds
+too (a prompt every engine computes, a hot prefix's replica) only gains or loses the holder's bit in its mask,
+with the engines' unique-block counts moved: ``add_bit_to_held`` and ``drop_bit_from_shared``.
 
 The loops are compiled with numba: in Python each block cost about 3 us of probing (a multiply and words
 read out of arrays as Python ints), most of a block op's ingest CPU; compiled, the call's fixed cost and
@@ -20,7 +22,7 @@ import numpy as np
 
 from index.alias_table import AliasTable
 from index.compiled import compiled
-from index.mask_table import MaskTable
+from index.mask_table import WIDE, MaskTable
 
 _KEY_LIMIT = 1 << 63
 _NO_SKIP = np.zeros(0, dtype=np.uint8)
@@ -161,11 +163,11 @@ def _checked_hashes(engine_hashes: Sequence[int] | np.ndarray) -> np.ndarray:
 
 
 def store_new(aliases: AliasTable, masks: MaskTable, engine_hashes: Sequence[int] | np.ndarray,
-              codes: Sequence[int] | np.ndarray, value: int) -> tuple[list[int], list[tuple[int, int]]]:
+              codes: Sequence[int] | np.ndarray, value: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
     """``aliases.put_many(engine_hashes, codes)``, and each block whose alias is new and that no holder has
     gets the mask word ``value`` (< 2**63). Returns the codes of blocks with a new alias that some holder had
-    (or that got ``value`` earlier in this call), in order, and (code, previous code) of the aliases that
-    existed, in order: the caller's general path."""
+    (or that got ``value`` earlier in this call), in order, as a u64 array (``add_bit_to_held`` reads it), and
+    (code, previous code) of the aliases that existed, in order: the caller's general path."""
     hashes = _checked_hashes(engine_hashes)
     count = len(hashes)
     if len(codes) != count:
@@ -184,7 +186,85 @@ def store_new(aliases: AliasTable, masks: MaskTable, engine_hashes: Sequence[int
     aliases._live += added
     aliases._used += used
     masks._live += added - n_held
-    return held[:n_held].tolist(), [(code, before) for code, before in replaced[:n_replaced].tolist()]
+    return held[:n_held], [(code, before) for code, before in replaced[:n_replaced].tolist()]
+
+
+@compiled
+def _lowest_slot(mask):
+    """The slot of a nonzero mask's lowest bit (exact: a power of two below 2**64 is exact in a float)."""
+    return np.int64(np.log2(np.float64(mask & (~mask + np.uint64(1)))) + 0.5)
+
+
+@compiled
+def _rebit_loop(table, values, shift, codes, bit, adding, wide, group_masks, unique_moves, again, general):
+    """``add_bit_to_held``'s loop (``adding``) or ``drop_bit_from_shared``'s; returns (codes for ``again``, codes for
+    ``general``) and fills both in order."""
+    last = np.int64(table.shape[0] - 1)
+    zero = np.uint64(0)
+    n_again = n_general = 0
+    for i in range(codes.shape[0]):
+        code = codes[i]
+        slot = np.int64(code >> shift)
+        current = table[slot]
+        while current != code and current != 0:
+            slot = (slot + 1) & last
+            current = table[slot]
+        value = values[slot]
+        if current == 0 or value >= wide:
+            general[n_general] = code
+            n_general += 1
+            continue
+        if adding and value & bit:
+            again[n_again] = code
+            n_again += 1
+            continue
+        new = value | bit if adding else value & ~bit
+        if new == zero:  # the block leaves the table: the general path back-shifts
+            general[n_general] = code
+            n_general += 1
+            continue
+        values[slot] = new
+        if value != zero:
+            low = _lowest_slot(value)
+            if value & ~group_masks[low] == zero:  # one engine held every copy: it may not any more
+                unique_moves[low] -= 1
+        low = _lowest_slot(new)
+        if new & ~group_masks[low] == zero:
+            unique_moves[low] += 1
+    return n_again, n_general
+
+
+def _rebit(masks: MaskTable, codes: np.ndarray, bit: int, adding: bool, group_masks: np.ndarray
+           ) -> tuple[np.ndarray, list[int], list[int]]:
+    again = np.empty(len(codes), dtype=np.uint64)
+    general = np.empty(len(codes), dtype=np.uint64)
+    unique_moves = np.zeros(64, dtype=np.int64)
+    n_again, n_general = _rebit_loop(*masks.slot_views(), np.uint64(masks._shift), codes, np.uint64(bit), adding,
+                                     np.uint64(WIDE), group_masks, unique_moves, again, general)
+    return unique_moves, again[:n_again].tolist(), general[:n_general].tolist()
+
+
+def add_bit_to_held(masks: MaskTable, codes: np.ndarray, bit: int, group_masks: np.ndarray
+                    ) -> tuple[np.ndarray, list[int], list[int]]:
+    """Give holder ``bit`` (< 2**63) to blocks some holder already has (``store_new``'s held codes), in one
+    compiled loop: a block stored by a second engine (a system prompt every engine computes, a hot prefix's
+    replica) cost about 3 us in Python per block (``PrefixIndex._add_bit``). ``group_masks[s]`` is the mask of
+    the holders of slot ``s``'s engine (its data-parallel ranks): a block whose every copy one engine holds
+    counts among that engine's unique blocks. Returns, per slot, how many unique blocks the engine of that slot
+    gained (negative: lost), counted at the slot of a mask's lowest bit (a caller adds them up per engine); the
+    codes whose holder had ``bit`` already (another alias of the block: the caller counts it), in order; and
+    the codes left to the caller's general path (wide masks), in order."""
+    return _rebit(masks, codes, bit, True, group_masks)
+
+
+def drop_bit_from_shared(masks: MaskTable, codes: np.ndarray, bit: int, group_masks: np.ndarray
+                         ) -> tuple[np.ndarray, list[int]]:
+    """Take holder ``bit`` (< 2**63) from blocks other holders keep (``remove_sole``'s others that the holder
+    has under no other alias), in one compiled loop: evicting a replicated block cost about 3 us in Python
+    (``PrefixIndex._drop_bit``). Returns the unique blocks moved per slot (as ``add_bit_to_held``) and the codes
+    left to the general path (wide masks, and a block whose mask the bit emptied), in order."""
+    unique_moves, _, general = _rebit(masks, codes, bit, False, group_masks)
+    return unique_moves, general
 
 
 def remove_sole(aliases: AliasTable, masks: MaskTable, engine_hashes: Iterable[int] | np.ndarray, value: int,
@@ -192,7 +272,7 @@ def remove_sole(aliases: AliasTable, masks: MaskTable, engine_hashes: Iterable[i
     """``aliases.pop_many(engine_hashes)``, and each popped block whose mask word is exactly ``value``
     (< 2**63: its last copy, for a one-bit mask) leaves the mask table with the back-shift of
     ``MaskTable.remove_equal``, unless ``(holder_slot, code)`` is in ``extra`` (the holder has the block under
-    another alias too). Returns how many aliases were popped and the other popped codes, in order."""
+    another alias too). Returns how many aliases were popped and the other popped codes, in order (a u64 array)."""
     if isinstance(engine_hashes, np.ndarray) and engine_hashes.dtype == np.uint64:
         keys = engine_hashes[engine_hashes < _KEY_LIMIT]
     else:
@@ -208,7 +288,7 @@ def remove_sole(aliases: AliasTable, masks: MaskTable, engine_hashes: Iterable[i
     if gone:
         masks._live -= gone
         masks.shrink_if_sparse()
-    return popped, others[:n_others].tolist()
+    return popped, others[:n_others]
 
 
 def remove_equal_sole(masks: MaskTable, codes: np.ndarray, value: int) -> list[int]:

@@ -17,7 +17,7 @@ import numpy as np
 from index.alias_table import AliasTable, RebuiltAliases
 from index.holders import engine_of
 from index.mask_table import WIDE, MaskTable, Regrown
-from index.paired_update import remove_equal_sole, remove_sole, store_new
+from index.paired_update import add_bit_to_held, drop_bit_from_shared, remove_equal_sole, remove_sole, store_new
 
 LARGE_ALIASES = 65_536
 """Alias tables of at least this many slots are rebuilt ahead of ingest; a smaller one's rebuild takes a few ms."""
@@ -42,6 +42,9 @@ def load_compiled_loops() -> None:
     aliases, masks = AliasTable(), MaskTable()
     keys = list(range(1, WARM_CHAIN_BLOCKS + 1))
     store_new(aliases, masks, keys, masks.codes(keys), 1)
+    shared = np.array(masks.codes(keys), dtype=np.uint64)
+    add_bit_to_held(masks, shared, 2, np.full(64, 3, dtype=np.uint64))
+    drop_bit_from_shared(masks, shared, 2, np.full(64, 3, dtype=np.uint64))
     masks.prefix_drops(keys, 1)
     remove_sole(aliases, masks, keys, 1, 0, {})
 
@@ -75,6 +78,8 @@ class PrefixIndex:
         """The engine each slot's holder belongs to."""
         self._group_mask: dict[str, int] = {}
         """Per engine, the slots of its holders."""
+        self._slot_group_masks = np.zeros(64, dtype=np.uint64)
+        """Per slot under 63, its engine's holder slots under 63 (what the compiled loops read of ``_group_mask``)."""
         self._unique: dict[str, int] = {}
         """Per engine, blocks whose every holder is one of its own."""
         self.writes = 0
@@ -89,7 +94,18 @@ class PrefixIndex:
             self._aliases[engine] = AliasTable()
             group = self._slot_group[slot] = engine_of(engine)
             self._group_mask[group] = self._group_mask.get(group, 0) | 1 << slot
+            self._spread_group_mask(group)
         return slot
+
+    def _spread_group_mask(self, group: str) -> None:
+        """Copy ``group``'s holder mask to each of its narrow slots in ``_slot_group_masks``."""
+        mask = self._group_mask.get(group, 0)
+        narrow = mask & (WIDE - 1)
+        bits = narrow
+        while bits:
+            low = bits & -bits
+            self._slot_group_masks[low.bit_length() - 1] = narrow
+            bits ^= low
 
     def _sole_group(self, mask: int) -> str | None:
         """The engine holding every copy of a block with this mask, if only one does."""
@@ -163,8 +179,8 @@ class PrefixIndex:
         follow. The general path's per-block order is not needed: a block's bit and extra aliases of one
         holder only count up and down."""
         held, replaced = store_new(self._aliases[engine], self._masks, engine_hashes, codes, bit)
-        for code in held:
-            self._add_bit(code, bit, slot)
+        if len(held):
+            self._add_bit_to_held(held, bit, slot)
         fresh = len(codes) - len(replaced) - len(held)
         changed = len(codes) - len(replaced)
         for code, before in replaced:
@@ -175,6 +191,46 @@ class PrefixIndex:
             group = self._slot_group[slot]
             self._unique[group] = self._unique.get(group, 0) + fresh
         return changed
+
+    def _add_bit_to_held(self, held: np.ndarray, bit: int, slot: int) -> None:
+        """``_add_bit`` of each code in ``held`` (blocks some holder has), in the compiled loop where masks are
+        narrow."""
+        unique_moves, again, general = add_bit_to_held(self._masks, held, bit, self._slot_group_masks)
+        self._move_unique(unique_moves)
+        extra = self._extra_aliases
+        for code in again:
+            pair = (slot, code)
+            extra[pair] = extra.get(pair, 0) + 1
+        for code in general:
+            self._add_bit(code, bit, slot)
+
+    def _drop_bit_from_shared(self, others: np.ndarray, bit: int, slot: int) -> None:
+        """``_drop_bit`` of each code in ``others`` (``remove_sole``'s: blocks other holders keep, or the holder
+        has under another alias), in the compiled loop where the holder has no other alias and masks are narrow."""
+        extra = self._extra_aliases
+        if extra:
+            listed = others.tolist()
+            twice = [(slot, code) in extra for code in listed]
+            if any(twice):
+                for code, held_twice in zip(listed, twice, strict=True):
+                    if held_twice:
+                        self._drop_bit(code, bit, slot)
+                others = np.array([code for code, held_twice in zip(listed, twice, strict=True) if not held_twice],
+                                  dtype=np.uint64)
+        unique_moves, general = drop_bit_from_shared(self._masks, others, bit, self._slot_group_masks)
+        self._move_unique(unique_moves)
+        for code in general:
+            self._drop_bit(code, bit, slot)
+
+    def _move_unique(self, unique_moves: np.ndarray) -> None:
+        """Apply the compiled loops' unique-block moves, counted per slot, to the engines those slots belong to."""
+        moved: dict[str, int] = {}
+        for low in np.flatnonzero(unique_moves).tolist():
+            group = self._slot_group[low]
+            moved[group] = moved.get(group, 0) + int(unique_moves[low])
+        for group, count in moved.items():
+            if count:
+                self._unique[group] = self._unique.get(group, 0) + count
 
     def _realias(self, code: int, before: int | None, bit: int, slot: int) -> int:
         """One alias of the holder now names ``code`` instead of ``before`` (None: a new alias); returns 1 when
@@ -221,8 +277,8 @@ class PrefixIndex:
             # The common case, the last copy of a block, leaves both tables in one loop; a block the holder
             # also has under another alias loses that alias instead, in ``_drop_bit``.
             removed, others = remove_sole(aliases, self._masks, engine_hashes, bit, slot, self._extra_aliases)
-            for code in others:
-                self._drop_bit(code, bit, slot)
+            if len(others):
+                self._drop_bit_from_shared(others, bit, slot)
             gone = removed - len(others)
         if gone:
             self._unique[group] = self._unique.get(group, 0) - gone
@@ -284,6 +340,9 @@ class PrefixIndex:
         else:
             del self._group_mask[group]
             self._unique.pop(group, None)
+        if slot < 64:
+            self._slot_group_masks[slot] = 0
+        self._spread_group_mask(group)
         self._free_slots.append(slot)
 
     def __len__(self) -> int:

@@ -7,8 +7,10 @@ from hypothesis import strategies as st
 
 import bench.revision
 from bench.event_mix import BLOCK_SIZE, MAX_PREFILL_BLOCKS, EventTemplates, MixEngine
-from bench.ingest_cost import _TOTAL, measure
+from bench.ingest_cost import _TOTAL, measure, twinned
+from bench.ingest_split import warmed_fleet
 from bench.ingest_zmq import measure_over_zmq
+from bench.recorded_events import recorded_mix
 from bench.revision import pass_in, side_by_side
 from events.feed import EngineFeed
 from index.digest import block_set_digest
@@ -37,6 +39,19 @@ def test_ingest_cost_splits_the_cpu_per_block_op():
     cost = measure(engines=2, cap=2 * MAX_PREFILL_BLOCKS, steps=5)
     assert cost.ops > 0 and cost.live_blocks > 0
     assert min(cost.decode_us, cost.keys_us) > 0 and cost.total_us >= cost.decode_us + cost.keys_us
+
+
+def test_a_replicated_fleet_holds_every_block_twice_and_counts_both_engines_ops():
+    """Each twin is sent its engine's messages: the same live blocks, none unique to one engine, twice the ops."""
+    single = measure(engines=2, cap=2 * MAX_PREFILL_BLOCKS, steps=5, passes=1)
+    cost = measure(engines=2, cap=2 * MAX_PREFILL_BLOCKS, steps=5, passes=1, replicated=True)
+    assert cost.ops == 2 * single.ops and cost.live_blocks == 2 * single.live_blocks
+    assert "2 engines and a twin of each" in cost.line()
+    messages = recorded_mix(2, 2 * MAX_PREFILL_BLOCKS, 5, 0)
+    view, _ = warmed_fleet(4, twinned(messages.fill, 2))
+    store = view.store
+    assert store.unique_blocks() == {} and len(store) == store.block_count("e0") + store.block_count("e1")
+    assert store.pairs("e0") == store.pairs("e2") and store.pairs("e1") == store.pairs("e3")
 
 
 def test_a_pass_in_a_fresh_process_reports_its_cpu_per_block_op():

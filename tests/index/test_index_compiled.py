@@ -38,7 +38,8 @@ def test_building_an_index_loads_every_compiled_loop_before_the_first_event_or_l
         "from index import mask_table, paired_update\n"
         "from index.prefix_index import PrefixIndex\n"
         "PrefixIndex()\n"
-        "loops = [mask_table._walk_compiled, paired_update._store_loop, paired_update._remove_loop]\n"
+        "loops = [mask_table._walk_compiled, paired_update._store_loop, paired_update._remove_loop,\n"
+        " paired_update._rebit_loop]\n"
         "print([len(loop.signatures) for loop in loops])\n"
     )
     printed = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)

@@ -41,10 +41,10 @@ def test_paired_loops_leave_the_tables_as_their_own_methods_do(operations: list)
             new = [code for code, before in zip(codes, previous, strict=True) if before is None]
             assert replaced == [(code, before) for code, before in zip(codes, previous, strict=True)
                                 if before is not None]
-            assert held == twin_masks.add_absent(new, value)
+            assert held.tolist() == twin_masks.add_absent(new, value)
         else:
             popped, others = remove_sole(aliases, masks, engine_hashes, value, 0, {})
             codes = twin_aliases.pop_many(engine_hashes)
             assert popped == len(codes) - codes.count(None)
-            assert others == twin_masks.remove_equal(codes, value)
+            assert others.tolist() == twin_masks.remove_equal(codes, value)
         assert _contents(aliases, masks) == _contents(twin_aliases, twin_masks)
