@@ -49,6 +49,18 @@ the walk holds the GIL and keeps nothing in them."""
 
 
 @compiled
+def mask_slot(table, shift, last, code):
+    """The slot of a mask table's codes holding ``code``, or the empty slot where it would go (``MaskTable._find``,
+    for the compiled loops)."""
+    slot = np.int64(code >> shift)
+    current = table[slot]
+    while current != code and current != 0:
+        slot = (slot + 1) & last
+        current = table[slot]
+    return slot
+
+
+@compiled
 def _walk_compiled(table, values, shift, multiplier, own_keys, start, alive, depths, dropped):
     """``MaskTable._walk`` compiled, for holders in slots 0-62: fills (depth, dropped holders) rows and returns
     (rows, keys walked, holders alive). It stops early when no holder is left, or at a key whose word is an
@@ -59,12 +71,7 @@ def _walk_compiled(table, values, shift, multiplier, own_keys, start, alive, dep
     rows = 0
     for i in range(own_keys.shape[0]):
         code = (own_keys[i] + one) * multiplier
-        slot = np.int64(code >> shift)
-        current = table[slot]
-        while current != code and current != 0:
-            slot = (slot + 1) & last
-            current = table[slot]
-        mask = values[slot]
+        mask = values[mask_slot(table, shift, last, code)]
         if mask >= wide:
             return rows, i, alive
         gone = alive & ~mask

@@ -22,7 +22,7 @@ import numpy as np
 
 from index.alias_table import AliasTable
 from index.compiled import compiled
-from index.mask_table import WIDE, MaskTable
+from index.mask_table import WIDE, MaskTable, mask_slot
 
 _KEY_LIMIT = 1 << 63
 _NO_SKIP = np.zeros(0, dtype=np.uint8)
@@ -77,12 +77,8 @@ def _store_loop(words, size, multiplier, table, values, shift, engine_hashes, co
             n_replaced += 1
             continue
         used += taken
-        slot = np.int64(code >> shift)
-        current = table[slot]
-        while current != code and current != 0:
-            slot = (slot + 1) & last
-            current = table[slot]
-        if current != 0:
+        slot = mask_slot(table, shift, last, code)
+        if table[slot] != 0:
             held[n_held] = code
             n_held += 1
         else:
@@ -127,12 +123,8 @@ def _remove_loop(table, values, shift, codes, skip, value, others):
             others[n_others] = code
             n_others += 1
             continue
-        hole = np.int64(code >> shift)
-        current = table[hole]
-        while current != code and current != 0:
-            hole = (hole + 1) & last
-            current = table[hole]
-        if current == 0 or values[hole] != value:
+        hole = mask_slot(table, shift, last, code)
+        if table[hole] == 0 or values[hole] != value:
             others[n_others] = code
             n_others += 1
             continue
@@ -204,13 +196,9 @@ def _rebit_loop(table, values, shift, codes, bit, adding, wide, group_masks, uni
     n_again = n_general = 0
     for i in range(codes.shape[0]):
         code = codes[i]
-        slot = np.int64(code >> shift)
-        current = table[slot]
-        while current != code and current != 0:
-            slot = (slot + 1) & last
-            current = table[slot]
+        slot = mask_slot(table, shift, last, code)
         value = values[slot]
-        if current == 0 or value >= wide:
+        if table[slot] == 0 or value >= wide:
             general[n_general] = code
             n_general += 1
             continue
