@@ -226,7 +226,7 @@ def test_killed_engine_fails_over_then_rejoins_with_a_reset_index(
         document = unique_text(120)
         # Warm the document on the tiny engine only, so that kv_aware keeps choosing it until it dies.
         chat(tiny_engine, user(f"{document}\n\nQuestion -1: what follows?"))
-        wait_until(lambda: kv.overlaps(user(document))[tiny] > 0)
+        wait_until(lambda: kv.overlaps(user(document)).get(tiny, 0) > 0)  # absent until discovered
         memory = {e.name: e.rss_bytes() // MIB for e in pair}
         try:
             with SteadyLoad(kv, document) as load:
@@ -292,7 +292,7 @@ def test_a_stream_whose_engine_is_killed_mid_answer_completes_on_the_other(
     finish, usage, chunks = None, None, 0
     with router_for(pair, vllm_model, policy="kv_aware") as proc:
         kv = RouterClient(proc.url)
-        wait_until(lambda: kv.overlaps(user(document))[tiny] > 0)
+        wait_until(lambda: kv.overlaps(user(document)).get(tiny, 0) > 0)  # absent until discovered
         client = openai.OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         try:
             raw = client.chat.completions.with_raw_response.create(
