@@ -98,14 +98,12 @@ class PrefixIndex:
         return slot
 
     def _spread_group_mask(self, group: str) -> None:
-        """Copy ``group``'s holder mask to each of its narrow slots in ``_slot_group_masks``."""
-        mask = self._group_mask.get(group, 0)
-        narrow = mask & (WIDE - 1)
-        bits = narrow
-        while bits:
-            low = bits & -bits
-            self._slot_group_masks[low.bit_length() - 1] = narrow
-            bits ^= low
+        """Copy ``group``'s holder mask to each of its narrow slots in ``_slot_group_masks`` (when a holder joins or
+        leaves: a walk over the slots, not per block)."""
+        narrow = self._group_mask.get(group, 0) & (WIDE - 1)
+        for slot, owner in self._slot_group.items():
+            if owner == group and slot < 63:
+                self._slot_group_masks[slot] = narrow
 
     def _sole_group(self, mask: int) -> str | None:
         """The engine holding every copy of a block with this mask, if only one does."""
@@ -340,7 +338,7 @@ class PrefixIndex:
         else:
             del self._group_mask[group]
             self._unique.pop(group, None)
-        if slot < 64:
+        if slot < 63:
             self._slot_group_masks[slot] = 0
         self._spread_group_mask(group)
         self._free_slots.append(slot)
