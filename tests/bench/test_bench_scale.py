@@ -24,7 +24,7 @@ from bench.replica_stats import (
 )
 from bench.scale import add_arguments, options
 from bench.scale_fleet import EngineEndpoints, merged_answers, replica_config
-from bench.scale_report import Latency, ReplicaResult, Strain, format_ratios, format_tables, verdicts
+from bench.scale_report import Latency, ReplicaResult, Strain, format_ratios, format_tables, moonshot, verdicts
 from bench.synthetic_engines import CHAIN_BLOCKS, Pacer, SyntheticEngine
 from bench.synthetic_publisher import Fleet, stamped
 from events.decode import BlockRemoved, BlockStored, decode_live
@@ -161,33 +161,41 @@ def test_replica_config_is_a_valid_router_config(tmp_path):
     assert config.mesh.redis_url == "redis://h:1/0" and config.port == 9000
 
 
-def _result(replicas, replica, cpu, rss_end=2_000_000, converge=1.0, unhealthy=0, burst_p99=40.0, ready_p99=10.0):
+def _result(replicas, replica, cpu, rss_end=2_000_000, converge=1.0, unhealthy=0, burst_p99=40.0, ready_p99=10.0,
+            burst_lag=20.0):
     return ReplicaResult(
         replicas, 10_000.0, replica, 9_990.0, 19_000.0, 9_990.0, cpu, 0.02, 1_000_000, rss_end, 10_000, 9_000_000,
-        0.5, 3.0, 20.0, True, converge, unhealthy, 1, 0, 0.5, Latency(10.0, 30.0, 300), Latency(12.0, burst_p99, 280),
-        Latency(1.0, 2.0, 200), Latency(1.5, ready_p99, 190), Strain(2.5, 0.05, 0.1), Strain(10.0, 0.25, 0.6),
+        0.5, 3.0, burst_lag, True, converge, unhealthy, 1, 0, 0.5, Latency(10.0, 30.0, 300),
+        Latency(12.0, burst_p99, 280), Latency(1.0, 2.0, 200), Latency(1.5, ready_p99, 190), Strain(2.5, 0.05, 0.1),
+        Strain(10.0, 0.25, 0.6),
     )  # fmt: skip
 
 
 def test_verdicts_pass_when_flat_in_replicas_and_serving_holds():
-    results = [_result(1, 0, 10.0), _result(2, 0, 11.0), _result(2, 1, 12.0), _result(3, 0, 14.0)]
+    results = [_result(1, 0, 4.0), _result(2, 0, 4.4), _result(2, 1, 4.8), _result(3, 0, 6.0)]
     lines = [v.line() for v in verdicts(results)]
     assert all(line.startswith("PASS") for line in lines), lines
     assert any("R=2 vs R=1" in line and "1.200" in line for line in lines)
     assert any("RSS per live block at R=3, 10000 ops/s" in line and "10,000 live blocks" in line for line in lines)
+    # idle 2% of a core at 9,990 ops/s is 2.002 us of each op: 6.0 us gross is 3.998 net
+    assert any(line.startswith("PASS  net CPU per block op at R=3, 10000 ops/s") and "250,125 block ops/s" in line
+               for line in lines), lines
     assert "rate 10000 R=2: cpu/op 1.15x  RSS/block 1.00x" in format_ratios(results)
+    assert moonshot(results).startswith("moonshot (not judged): 250125 block ops/s per replica core at R=3")
+    assert "(goal 1,000,000)" in moonshot(results)
 
 
 def test_verdicts_fail_on_cost_growth_memory_slow_serving_and_no_convergence():
     results = [_result(1, 0, 10.0), _result(3, 0, 16.0, rss_end=5_000_000, converge=math.inf, unhealthy=2,
-                                            burst_p99=90.0, ready_p99=150.0)]
+                                            burst_p99=90.0, ready_p99=150.0, burst_lag=250.0)]
     judged = verdicts(results)
     assert any("its loop lag p99 10 ms, it waited for a core 25% of the time, machine CPU pressure 60%" in v.line()
                for v in judged if v.target.startswith("/ready"))
     failed = {v.target.split(" (")[0].split(",")[0] for v in judged if not v.passed}
     assert failed == {"CPU per block op", "RSS per live block at R=3", "chat p99 during the 2x burst / idle p99",
                       "/ready p99 during the 2x burst", "engines marked unhealthy by a replica",
-                      "convergence on the publisher's live set after the burst"}
+                      "convergence on the publisher's live set after the burst", "net CPU per block op at R=3",
+                      "replication lag p99 during the 2x burst"}
 
 
 def test_tables_show_every_replica():
