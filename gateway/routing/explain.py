@@ -83,6 +83,7 @@ def _row(rank: int, score: CandidateScore) -> dict[str, Any]:
         "displacement_ms": _ms(score.displacement_s),
         "crowding_ms": _ms(score.crowding_s),
         "stall_ms": _ms(score.stall_s),
+        "overflow_ms": _ms(score.overflow_s),
         "cost_ms": _ms(score.cost_s),
     }
 

@@ -20,6 +20,7 @@ from gateway.routing.base import Policy, Scores
 from gateway.routing.cost import CostModel, Knowledge, engine_slots
 from gateway.routing.hashing import key_hash, rendezvous_weight
 from gateway.routing.homes import HomeBook
+from gateway.routing.sessions import SessionBook
 from gateway.routing.types import CandidateScore, Decision, EngineView, HomeNote, RouteRequest
 
 _TIE_DIGITS = 9
@@ -133,6 +134,7 @@ def _why_not_the_cache(chosen: CandidateScore, holder: CandidateScore) -> str:
         "hot-prefix-spill": holder.queue_s + holder.decode_s - chosen.queue_s - chosen.decode_s,
         "kv-pressure": holder.pressure_penalty_s - chosen.pressure_penalty_s,
         "topology": holder.topology_penalty_s - chosen.topology_penalty_s,
+        "history-overflow": holder.overflow_s - chosen.overflow_s,
     }
     name, margin = max(margins.items(), key=lambda kv: kv[1])
     return name if margin > 0 else "faster-engine"
@@ -159,6 +161,7 @@ class KvAwarePolicy(Policy):
     def __init__(self, costs: CostModel | None = None) -> None:
         super().__init__(costs)
         self.homes = HomeBook()
+        self.sessions = SessionBook()
         self.on_placed: Callable[[tuple[str, str, int, int | None]], None] | None = None
         """Told every placement this replica records (the mesh shares them: ``record_peer_placement``)."""
         self.agree_with_peers = False
@@ -185,6 +188,7 @@ class KvAwarePolicy(Policy):
         homes = self.homes.homes(key)
         heat = {e.id: self.homes.resident_heat(e.id, exclude=key) for e in pool}
         mean_heat = sum(heat.values()) / len(pool)
+        session = request.prefix_key if self.sessions.continues(request.prefix_key) else ""
         for engine in pool:
             params = self.costs.learner.params(engine.id, engine_slots(engine))
             block = max(1, engine.block_size)
@@ -197,9 +201,12 @@ class KvAwarePolicy(Policy):
             score = scores[engine.id]
             stall = 0.0 if home or not homes else self.costs.stall_s(
                 score.queue_depth, engine.max_num_seqs, score.uncached_tokens, params)
-            if home or displacement or crowding or stall:  # else the estimate's defaults stand: no copy
+            overflow = 0.0 if not session else self.sessions.overflow_s(
+                session, engine.id, request.total_blocks, score.uncached_tokens // block, engine.num_blocks,
+                lambda blocks, p=params, b=block: p.prefill_s(blocks * b))
+            if home or displacement or crowding or stall or overflow:  # else the estimate's defaults stand: no copy
                 scores[engine.id] = msgspec.structs.replace(score, home=home, displacement_s=displacement,
-                                                            crowding_s=crowding, stall_s=stall)
+                                                            crowding_s=crowding, stall_s=stall, overflow_s=overflow)
 
     def prices_evictions(self, request: RouteRequest) -> bool:
         return self.keeps_homes and bool(request.home_key)
@@ -251,14 +258,17 @@ class KvAwarePolicy(Policy):
         elif homes and not live_homes:
             left = "home-not-a-candidate"
         capacity = {e.id: e.num_blocks for e in pool}
+        chosen = scores[ranked[0]]
+        block = next((e.block_size for e in pool if e.id == chosen.engine), 0)
         return HomeNote(request.home_key, request.total_blocks, homes, self.homes.heat(request.home_key), capacity,
-                        left)
+                        left, request.prefix_key, chosen.overlap_tokens // block if block > 0 else 0)
 
     def dispatched(self, decision: Decision, engine_id: str) -> None:
         note = decision.home
         if note is not None:
             capacity = note.capacity_blocks.get(engine_id)
             self.homes.record(note.key, engine_id, note.blocks, capacity)
+            self.sessions.record(note.session, engine_id, note.blocks, note.shared_blocks)
             if self.on_placed is not None:
                 self.on_placed((note.key, engine_id, note.blocks, capacity))
 
@@ -273,6 +283,7 @@ class KvAwarePolicy(Policy):
 
     def forget_engine(self, engine_id: str) -> None:
         self.homes.forget_engine(engine_id)
+        self.sessions.forget_engine(engine_id)
 
 
 class ApproximatePolicy(KvAwarePolicy):

@@ -128,6 +128,9 @@ class CandidateScore(msgspec.Struct, frozen=True, gc=False):
     """For a prefix without a home: the queueing its later requests meet beside the traffic homed there."""
     stall_s: float = 0.0
     """How much this request's prefill delays the streams decoding on the engine (see ``CostModel.stall_s``)."""
+    overflow_s: float = 0.0
+    """For a conversation's next turn: its prompt's recompute when the engine cannot keep its conversations'
+    histories until their next turns (gateway/routing/sessions.py)."""
     tier_runs: tuple[tuple[str, int, float], ...] = ()
     """The engine's lower-tier runs after its GPU prefix (``EngineView.tier_runs``) when they were credited."""
     tier_tokens: int = 0
@@ -159,7 +162,7 @@ class CandidateScore(msgspec.Struct, frozen=True, gc=False):
         engine, and with the three nested properties it was about 6% of ``kvmesh bench decide`` at 256 engines under
         cProfile."""
         return (self.queue_s + self.prefill_s + (self.pressure_penalty_s + self.topology_penalty_s) + self.decode_s
-                + self.eviction_s + self.displacement_s + self.crowding_s + self.stall_s)
+                + self.eviction_s + self.displacement_s + self.crowding_s + self.stall_s + self.overflow_s)
 
     @property
     def overlap_tokens(self) -> int:
@@ -178,6 +181,10 @@ class HomeNote:
     heat: float
     capacity_blocks: dict[str, int | None]
     left_because: str | None = None
+    session: str = ""
+    """The conversation the request continues or starts (its ``prefix_key``)."""
+    shared_blocks: int = 0
+    """Prompt blocks the chosen engine held of it already."""
 
 
 @dataclass(frozen=True, slots=True)
