@@ -21,6 +21,7 @@ questions leave tails the engine evicts first, and nothing changes for traffic w
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -30,8 +31,13 @@ class SessionSettings:
     fill: float = 0.85
     """Share of an engine's blocks the histories may claim; the rest is for the requests running there."""
     forget_after: int = 32
-    """A session not placed on its engine for this many of that engine's placements no longer counts: the
-    conversation ended or waits long enough that LRU would drop it first."""
+    """A session not placed on its engine for this many of that engine's placements is forgotten."""
+    late_turns: float = 2.0
+    """A returning session silent for this many of its own gaps between turns (counted in the engine's
+    placements) plus ``late_slack`` no longer counts: its conversation ended, and LRU drops its blocks first. With
+    the fixed ``forget_after`` alone, thirteen conversations starting and ending on five engines (seed 2 #20) were
+    counted with as many ended ones beside them and moved for room they had."""
+    late_slack: int = 2
     max_sessions: int = 65_536
 
 
@@ -44,6 +50,8 @@ class _Session:
     seen: int
     """The engine's placement count when the session was last placed there."""
     turns: int = 0
+    due: int = 0
+    """The engine's placement count past which the session is forgotten."""
 
     @property
     def private(self) -> int:
@@ -54,6 +62,8 @@ class _Session:
 class _Engine:
     sessions: dict[str, _Session] = field(default_factory=dict)
     """In order of their last placement here (oldest first)."""
+    deadlines: list[tuple[int, str]] = field(default_factory=list)
+    """A heap of (due, session); an entry whose session's ``due`` has moved since is stale."""
     placed: int = 0
     kept: int = 0
     """Private blocks of the sessions seen more than once."""
@@ -88,18 +98,22 @@ class SessionBook:
         state = book.sessions.pop(session, None)
         if state is None:
             state = _Session(shared=min(max(0, shared_blocks), max(0, blocks)), size=max(0, blocks), seen=book.placed)
+            state.due = book.placed + self.settings.forget_after
         else:
             if state.turns:
                 book.kept -= state.private
+            gap = book.placed - state.seen
             state.size, state.seen, state.turns = max(0, blocks), book.placed, state.turns + 1
             book.kept += state.private
+            state.due = book.placed + min(self.settings.forget_after,
+                                          int(self.settings.late_turns * gap) + self.settings.late_slack)
         book.sessions[session] = state
+        heapq.heappush(book.deadlines, (state.due, session))
         self._where[session] = engine
         self._expire(engine, book)
-        if len(self._where) > self.settings.max_sessions:
-            oldest = min(self._engines, key=lambda e: next(iter(self._engines[e].sessions.values())).seen
-                         if self._engines[e].sessions else 1 << 62)
-            self._drop(next(iter(self._engines[oldest].sessions)), oldest)
+        if len(self._where) > self.settings.max_sessions:  # the longest-silent session of the fullest engine
+            fullest = max(self._engines, key=lambda e: (len(self._engines[e].sessions), e))
+            self._drop(next(iter(self._engines[fullest].sessions)), fullest)
 
     def overflow_s(self, session: str, engine: str, blocks: int, new_blocks: int, capacity_blocks: int | None,
                    recompute_s: Callable[[int], float]) -> float:
@@ -130,14 +144,13 @@ class SessionBook:
             del self._engines[engine]
 
     def _expire(self, engine: str, book: _Engine) -> None:
-        horizon = book.placed - self.settings.forget_after
-        while book.sessions:
-            session, state = next(iter(book.sessions.items()))
-            if state.seen > horizon:
-                return
-            self._drop(session, engine)
-            if engine not in self._engines:
-                return
+        while book.deadlines and book.deadlines[0][0] < book.placed:
+            due, session = heapq.heappop(book.deadlines)
+            state = book.sessions.get(session)
+            if state is not None and state.due == due:
+                self._drop(session, engine)
+                if engine not in self._engines:
+                    return
 
     def forget_engine(self, engine: str) -> None:
         """An engine left or restarted empty: none of its sessions' histories are there any more."""
