@@ -159,11 +159,11 @@ def follow_mesh(fleet: Fleet, state: MeshState) -> None:
     def on_placements(replica: str, placements: list[Placement]) -> None:
         """A peer's placements heat this replica's home book; those naming an engine it does not know (an
         untrusted peer's, or one added a moment ago) are counted and skipped."""
-        for key, engine_id, blocks, capacity in placements:
+        for key, engine_id, blocks, capacity, session, shared in placements:
             if fleet.engines.get(engine_id) is None:
                 state.malformed["placement_engine"] += 1
                 continue
-            policy.record_peer_placement(key, engine_id, blocks, capacity)
+            policy.record_peer_placement(key, engine_id, blocks, capacity, session, shared)
 
     policy = planner.policy
     if isinstance(policy, KvAwarePolicy) and policy.keeps_homes:

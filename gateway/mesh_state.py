@@ -53,7 +53,10 @@ MAX_BUCKET_KEYS = 1024
 document key per block, ~280k dispatched blocks took the document past the 16 MiB frame limit; packed and
 capped, the document holds at most ~60 KB per (engine, replica) whatever the traffic."""
 LimitsCallback = Callable[[str, Any], None]
-Placement = tuple[str, str, int, int | None]
+Placement = tuple[str, str, int, int | None, str, int]
+"""A request placed by a replica: its home key, engine, prompt blocks, the engine's capacity, the conversation it
+continues (a digest; empty for none) and the prompt blocks the engine held already. A peer of the version before
+writes the first four: read with no conversation."""
 """A placed request as a home book records it: (prefix home key, engine, prompt blocks, the engine's blocks)."""
 PlacementsCallback = Callable[[str, list[Placement]], None]
 MAX_PLACEMENTS = 512
@@ -178,14 +181,15 @@ def parse_placements(text: str | None) -> tuple[int, list[Placement]] | None:
         return None
     out: list[Placement] = []
     for item in listed:
-        if not (isinstance(item, list) and len(item) == 4):
+        if not (isinstance(item, list) and len(item) in (4, 6)):
             return None
-        key, engine, blocks, capacity = item
+        key, engine, blocks, capacity, session, shared = item if len(item) == 6 else [*item, "", 0]
         if not (isinstance(key, str) and 0 < len(key) <= MAX_KEY_CHARS and isinstance(engine, str) and engine
                 and len(engine) <= MAX_KEY_CHARS and SEP not in engine and _count(blocks, MAX_BLOCKS)
-                and (capacity is None or _count(capacity, MAX_BLOCKS))):
+                and (capacity is None or _count(capacity, MAX_BLOCKS)) and isinstance(session, str)
+                and len(session) <= MAX_KEY_CHARS and (shared == 0 or _count(shared, MAX_BLOCKS))):
             return None
-        out.append((key, engine, blocks, capacity))
+        out.append((key, engine, blocks, capacity, session, shared))
     return int(head), out
 
 

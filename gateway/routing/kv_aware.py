@@ -34,6 +34,12 @@ AGREE_SHARE = 0.1
 AGREE_MIN_S = 0.002
 
 
+def session_of(request: RouteRequest) -> str:
+    """The conversation a request belongs to, as a digest of its ``prefix_key`` (system prompt and first user turn):
+    the same on every replica, and no prompt text in what the mesh shares."""
+    return f"{key_hash(request.prefix_key):016x}" if request.prefix_key else ""
+
+
 def cost_order(request: RouteRequest, pool: list[EngineView], scores: Scores) -> list[str]:
     """``pool``'s ids by cost (within a nanosecond), then queue, then this router's in-flight count, then the prefix
     key's rendezvous order. The rendezvous weights are worked out only for engines still tied after the rest, not for
@@ -162,7 +168,7 @@ class KvAwarePolicy(Policy):
         super().__init__(costs)
         self.homes = HomeBook()
         self.sessions = SessionBook()
-        self.on_placed: Callable[[tuple[str, str, int, int | None]], None] | None = None
+        self.on_placed: Callable[[tuple[str, str, int, int | None, str, int]], None] | None = None
         """Told every placement this replica records (the mesh shares them: ``record_peer_placement``)."""
         self.agree_with_peers = False
         """Place prefixes no engine holds by ``agreed_order`` (set for a meshed replica: a lone router has no one to
@@ -188,7 +194,8 @@ class KvAwarePolicy(Policy):
         homes = self.homes.homes(key)
         heat = {e.id: self.homes.resident_heat(e.id, exclude=key) for e in pool}
         mean_heat = sum(heat.values()) / len(pool)
-        session = request.prefix_key if self.sessions.continues(request.prefix_key) else ""
+        session = session_of(request)
+        session = session if self.sessions.continues(session) else ""
         for engine in pool:
             params = self.costs.learner.params(engine.id, engine_slots(engine))
             block = max(1, engine.block_size)
@@ -261,7 +268,7 @@ class KvAwarePolicy(Policy):
         chosen = scores[ranked[0]]
         block = next((e.block_size for e in pool if e.id == chosen.engine), 0)
         return HomeNote(request.home_key, request.total_blocks, homes, self.homes.heat(request.home_key), capacity,
-                        left, request.prefix_key, chosen.overlap_tokens // block if block > 0 else 0)
+                        left, session_of(request), chosen.overlap_tokens // block if block > 0 else 0)
 
     def dispatched(self, decision: Decision, engine_id: str) -> None:
         note = decision.home
@@ -270,16 +277,20 @@ class KvAwarePolicy(Policy):
             self.homes.record(note.key, engine_id, note.blocks, capacity)
             self.sessions.record(note.session, engine_id, note.blocks, note.shared_blocks)
             if self.on_placed is not None:
-                self.on_placed((note.key, engine_id, note.blocks, capacity))
+                self.on_placed((note.key, engine_id, note.blocks, capacity, note.session, note.shared_blocks))
 
-    def record_peer_placement(self, key: str, engine_id: str, blocks: int, capacity_blocks: int | None) -> None:
+    def record_peer_placement(self, key: str, engine_id: str, blocks: int, capacity_blocks: int | None,
+                              session: str = "", shared_blocks: int = 0) -> None:
         """Another replica placed a request of ``key`` on ``engine_id``: heat it here too, so every replica's
         homes, and the crowding and displacement priced from them, are the fleet's rather than its own third.
 
         Each replica used to see only the requests its balancer gave it; their home books differed, so a new
         prefix's first requests, reaching several replicas at once, met different crowding terms (up to ~26 ms
-        on 13 engines after 6 warm-up requests, more than ``agreed_order`` tolerates) and were placed apart."""
+        on 13 engines after 6 warm-up requests, more than ``agreed_order`` tolerates) and were placed apart. The
+        conversation it continues (``session``, a digest) counts on that engine as it would here: a balancer spreads
+        one conversation's turns over the replicas, and each would otherwise see a third of its histories."""
         self.homes.record(key, engine_id, blocks, capacity_blocks)
+        self.sessions.record(session, engine_id, blocks, shared_blocks)
 
     def forget_engine(self, engine_id: str) -> None:
         self.homes.forget_engine(engine_id)

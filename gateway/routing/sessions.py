@@ -12,10 +12,11 @@ So the book keeps, per engine, the sessions seen there more than once (a request
 prompt and first user turn) and each one's private blocks: its latest prompt less what the engine already held
 when the session arrived (the shared system prompt, for all but the session that brought it). Their sum is what
 the engine must keep for its conversations. A session's next turn placed where that sum, with this turn's new
-blocks, passes ``fill`` of the engine's blocks is charged the recompute of its whole prompt (``overflow_s``):
-under LRU with every session coming back in turn, a cache smaller than the sessions' histories keeps none of them
-until their next turn. The first engine to overflow then sheds sessions to engines with room, one at a time,
-each move taking its history out of the sum, until the rest fit. A request seen once is not counted: single
+blocks, passes ``fill`` of the engine's blocks is charged the recompute of its whole prompt (``overflow_s``,
+scaled down while the excess is smaller than the session's own blocks): under LRU with every session coming back
+in turn, a cache smaller than the sessions' histories keeps none of them until their next turn. The first engine
+to overflow then sheds sessions to engines with room, one at a time, each move taking its history out of the sum,
+until the rest fit. A request seen once is not counted: single
 questions leave tails the engine evicts first, and nothing changes for traffic without conversations.
 """
 
@@ -118,20 +119,25 @@ class SessionBook:
     def overflow_s(self, session: str, engine: str, blocks: int, new_blocks: int, capacity_blocks: int | None,
                    recompute_s: Callable[[int], float]) -> float:
         """Recompute charged for placing ``session``'s next request (``blocks`` long, ``new_blocks`` of them not
-        held by ``engine``) on ``engine``: its whole prompt when the engine's returning sessions would then outgrow
-        ``fill`` of its blocks, else nothing. Nothing for a session never seen (its first request) or an engine of
-        unknown size."""
+        held by ``engine``) on ``engine``, where the engine's returning sessions would then outgrow ``fill`` of its
+        blocks: its whole prompt's, times the excess over what the session itself keeps there (capped at all of
+        it). An excess of a few blocks, within what the fill's margin guesses for the requests running there, costs
+        little: charged in full, it moved a session off an engine whose sessions still fitted (seed 0 #1, seven
+        sessions of one prompt on 401 blocks, all hitting at the turn it moved). Nothing for a session never seen
+        (its first request) or an engine of unknown size."""
         here = self._where.get(session) if session else None
         if here is None or not capacity_blocks:
             return 0.0
         book = self._engines.get(engine)
-        kept = book.kept if book else 0
+        kept, own = (book.kept if book else 0), max(0, new_blocks)
         if here == engine and book is not None:
             state = book.sessions[session]
             kept += 0 if state.turns else state.private
-        if kept + max(0, new_blocks) <= self.settings.fill * capacity_blocks:
+            own += state.private
+        excess = kept + max(0, new_blocks) - self.settings.fill * capacity_blocks
+        if excess <= 0:
             return 0.0
-        return recompute_s(blocks)
+        return recompute_s(blocks) * (min(1.0, excess / own) if own > 0 else 1.0)
 
     def _drop(self, session: str, engine: str) -> None:
         book = self._engines[engine]

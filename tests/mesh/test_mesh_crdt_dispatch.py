@@ -74,30 +74,33 @@ def test_placements_reach_every_peer_once_and_departed_replicas_are_swept():
     a, b = state("a"), state("b")
     seen = []
     b.on_placements(lambda replica, placements: seen.append((replica, placements)))
-    a.publish_placement(("home-1", "e1", 40, 800))
-    a.publish_placement(("home-2", "e2", 3, None))
+    a.publish_placement(("home-1", "e1", 40, 800, "9f0c", 30))
+    a.publish_placement(("home-2", "e2", 3, None, "", 0))
     assert a.flush_placements() == 1 and a.flush_placements() == 0  # nothing new: no write
     frame = a.node.protocol.update_frame()
     SyncProtocol(b.node.doc).on_frame(frame, 0.0)
     SyncProtocol(b.node.doc).on_frame(frame, 0.0)
-    assert seen == [(a.node.member_id, [("home-1", "e1", 40, 800), ("home-2", "e2", 3, None)])]
-    a.publish_placement(("home-1", "e3", 40, 800))
+    assert seen == [(a.node.member_id, [("home-1", "e1", 40, 800, "9f0c", 30), ("home-2", "e2", 3, None, "", 0)])]
+    a.publish_placement(("home-1", "e3", 40, 800, "", 0))
     a.flush_placements()
     SyncProtocol(b.node.doc).on_frame(a.node.protocol.update_frame(), 0.0)
-    assert seen[-1] == (a.node.member_id, [("home-1", "e3", 40, 800)]) and len(seen) == 2
+    assert seen[-1] == (a.node.member_id, [("home-1", "e3", 40, 800, "", 0)]) and len(seen) == 2
     assert b.sweep_placements([b.node.member_id]) == 1 and b.content["homes"] == {}
 
 
 def test_placements_are_bounded_per_write_and_malformed_ones_refused_whole():
     a = state("a")
     for i in range(MAX_PLACEMENTS + 5):
-        a.publish_placement((f"k{i}", "e1", 1, None))
+        a.publish_placement((f"k{i}", "e1", 1, None, "", 0))
     assert a.placements_dropped == 5 and a.flush_placements() == 1
-    assert parse_placements(a.content["homes"][a.node.member_id])[1][-1] == (f"k{MAX_PLACEMENTS - 1}", "e1", 1, None)
-    assert parse_placements('3:[["k","e1",2,16]]') == (3, [("k", "e1", 2, 16)])
+    assert parse_placements(a.content["homes"][a.node.member_id])[1][-1] == (
+        f"k{MAX_PLACEMENTS - 1}", "e1", 1, None, "", 0)
+    assert parse_placements('3:[["k","e1",2,16]]') == (3, [("k", "e1", 2, 16, "", 0)])  # a peer of the version before
+    assert parse_placements('3:[["k","e1",2,16,"ab12",2]]') == (3, [("k", "e1", 2, 16, "ab12", 2)])
     for bad in ['x:[["k","e1",2,16]]', '3:[["k","e1",0,16]]', '3:[["k","e1",2,true]]', '3:[["k","e\x1f1",2,16]]',
                 '3:[["","e1",2,16]]', '3:{"k":1}', '3:[["k","e1",2]]', "3:" + "[" * 5000, None,
-                '3:[["' + "k" * 200 + '","e1",2,16]]', '-1:[["k","e1",2,16]]']:
+                '3:[["' + "k" * 200 + '","e1",2,16]]', '-1:[["k","e1",2,16]]', '3:[["k","e1",2,16,"s"]]',
+                '3:[["k","e1",2,16,7,2]]', '3:[["k","e1",2,16,"s",-1]]', '3:[["k","e1",2,16,"' + "s" * 200 + '",2]]']:
         assert parse_placements(bad) is None, bad
     b = state("b")
     b.on_placements(lambda replica, placements: pytest.fail("a malformed write reached the callback"))
@@ -123,7 +126,7 @@ def test_refused_and_dropped_mesh_state_is_counted_on_a_scrape():
     assert a.node.protocol.on_frame(b"\xc1 not msgpack", 0.0) == []
     a.node.write([("homes", "peer", '1:[["k","e1",-4,16]]')])
     for i in range(MAX_PLACEMENTS + 3):
-        a.publish_placement((f"k{i}", "e1", 1, None))
+        a.publish_placement((f"k{i}", "e1", 1, None, "", 0))
     assert sample("kvmesh_mesh_events_total", layer="protocol", event="malformed") == 1
     assert sample("kvmesh_mesh_values_rejected_total", namespace="homes") == 1
     assert sample("kvmesh_mesh_writes_dropped_total", kind="placements") == 3

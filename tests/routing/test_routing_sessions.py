@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -28,7 +29,7 @@ def test_a_first_request_is_charged_nothing_and_single_requests_keep_nothing():
     assert book.kept_blocks("e0") == 0 and book.continues("q45")
     # the 49 other questions keep nothing there: q45's own 80 private blocks and 8 new ones are all that count
     assert book.overflow_s("q45", "e0", 100, 8, 200, _prefill) == 0.0
-    assert book.overflow_s("q45", "e0", 100, 8, 100, _prefill) == _prefill(100)
+    assert book.overflow_s("q45", "e0", 100, 8, 50, _prefill) == pytest.approx(_prefill(100) * (88 - 42.5) / 88)
 
 
 def test_returning_sessions_count_their_private_blocks_and_overflow_only_where_they_outgrow_the_cache():
@@ -39,9 +40,11 @@ def test_returning_sessions_count_their_private_blocks_and_overflow_only_where_t
     # s0 brought the system prompt (its 44 blocks are its own), s1 and s2 read it: 44 + 24 + 24
     assert book.kept_blocks("e0") == 92
     assert book.overflow_s("s1", "e0", 52, 8, 100, _prefill) == 0.0  # 92 + 8 fits 100
-    assert book.overflow_s("s1", "e0", 52, 9, 100, _prefill) == _prefill(52)  # 92 + 9 does not
+    # 92 + 9 does not: one block over, of the 24 + 9 that s1 keeps there
+    assert book.overflow_s("s1", "e0", 52, 9, 100, _prefill) == pytest.approx(_prefill(52) / 33)
+    assert book.overflow_s("s1", "e0", 52, 9, 60, _prefill) == _prefill(52)  # 41 over: all of it
     assert book.overflow_s("s1", "e1", 52, 52, 100, _prefill) == 0.0  # e1 keeps nobody's history
-    assert book.overflow_s("s1", "e1", 52, 52, 40, _prefill) == _prefill(52)
+    assert book.overflow_s("s1", "e1", 52, 52, 26, _prefill) == pytest.approx(_prefill(52) / 2)  # 26 over, of 52
 
 
 def test_a_moved_session_leaves_its_blocks_behind_and_forgotten_ones_stop_counting():
@@ -156,3 +159,17 @@ def test_sessions_that_outgrow_their_engine_move_to_one_with_room():
     piled = _conversations(stuck)
     assert max(piled[-3:]) < 0.35, piled  # the failure the book exists for
     assert min(moved[-3:]) > 0.7, moved
+
+
+def test_a_peer_counts_the_sessions_another_replica_placed():
+    """Placements shared through the mesh carry their conversation, so a replica that saw none of a session's turns
+    counts its history where it lives as the replica that placed them does."""
+    a, b = make_policy("kv_aware"), make_policy("kv_aware")
+    shared = []
+    a.on_placed = shared.append
+    _conversations(a)
+    for placement in shared:
+        b.record_peer_placement(*placement)
+    kept = [a.sessions.kept_blocks(e) for e in ("e0", "e1")]
+    assert sum(kept) > 0 and [b.sessions.kept_blocks(e) for e in ("e0", "e1")] == kept
+    assert all(len(p[4]) == 16 and "A/" not in p[4] for p in shared)  # a digest, not the conversation's text
