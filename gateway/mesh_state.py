@@ -57,7 +57,6 @@ Placement = tuple[str, str, int, int | None, str, int]
 """A request placed by a replica: its home key, engine, prompt blocks, the engine's capacity, the conversation it
 continues (a digest; empty for none) and the prompt blocks the engine held already. A peer of the version before
 writes the first four: read with no conversation."""
-"""A placed request as a home book records it: (prefix home key, engine, prompt blocks, the engine's blocks)."""
 PlacementsCallback = Callable[[str, list[Placement]], None]
 MAX_PLACEMENTS = 512
 """Placements one write carries (about 40 KB of JSON); more in one flush interval are dropped and counted: a

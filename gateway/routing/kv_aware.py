@@ -274,10 +274,11 @@ class KvAwarePolicy(Policy):
         note = decision.home
         if note is not None:
             capacity = note.capacity_blocks.get(engine_id)
+            shared = note.shared_blocks if decision.ranked and engine_id == decision.ranked[0] else 0
             self.homes.record(note.key, engine_id, note.blocks, capacity)
-            self.sessions.record(note.session, engine_id, note.blocks, note.shared_blocks)
+            self.sessions.record(note.session, engine_id, note.blocks, shared)
             if self.on_placed is not None:
-                self.on_placed((note.key, engine_id, note.blocks, capacity, note.session, note.shared_blocks))
+                self.on_placed((note.key, engine_id, note.blocks, capacity, note.session, shared))
 
     def record_peer_placement(self, key: str, engine_id: str, blocks: int, capacity_blocks: int | None,
                               session: str = "", shared_blocks: int = 0) -> None:

@@ -16,8 +16,8 @@ blocks, passes ``fill`` of the engine's blocks is charged the recompute of its w
 scaled down while the excess is smaller than the session's own blocks): under LRU with every session coming back
 in turn, a cache smaller than the sessions' histories keeps none of them until their next turn. The first engine
 to overflow then sheds sessions to engines with room, one at a time, each move taking its history out of the sum,
-until the rest fit. A request seen once is not counted: single
-questions leave tails the engine evicts first, and nothing changes for traffic without conversations.
+until the rest fit. A request seen once is not counted: single questions leave tails the engine evicts first,
+and nothing changes for traffic without conversations.
 """
 
 from __future__ import annotations

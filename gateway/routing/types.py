@@ -182,9 +182,10 @@ class HomeNote:
     capacity_blocks: dict[str, int | None]
     left_because: str | None = None
     session: str = ""
-    """The conversation the request continues or starts (its ``prefix_key``)."""
+    """The conversation the request continues or starts: a digest of its ``prefix_key``
+    (``gateway/routing/kv_aware.py`` ``session_of``)."""
     shared_blocks: int = 0
-    """Prompt blocks the chosen engine held of it already."""
+    """Prompt blocks the first-ranked engine held of it already (a failover engine's are not known)."""
 
 
 @dataclass(frozen=True, slots=True)

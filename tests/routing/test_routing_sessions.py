@@ -173,3 +173,18 @@ def test_a_peer_counts_the_sessions_another_replica_placed():
     kept = [a.sessions.kept_blocks(e) for e in ("e0", "e1")]
     assert sum(kept) > 0 and [b.sessions.kept_blocks(e) for e in ("e0", "e1")] == kept
     assert all(len(p[4]) == 16 and "A/" not in p[4] for p in shared)  # a digest, not the conversation's text
+
+
+def test_a_failover_engine_is_not_credited_with_what_the_first_ranked_engine_held():
+    policy = make_policy("kv_aware")
+    placed = []
+    policy.on_placed = placed.append
+    fleet = _BlockFleet(2)
+    blocks = [("A", i) for i in range(SYSTEM_BLOCKS)]
+    fleet.serve("e0", blocks)
+    request = RouteRequest("m", len(blocks) * 16, len(blocks), "A/s0", max_tokens=16, home_key="sysA")
+    decision = policy.choose(request, fleet.views(blocks))
+    assert decision.chosen == "e0" and decision.home.shared_blocks == SYSTEM_BLOCKS
+    policy.dispatched(decision, "e1")  # e0 failed before its first byte
+    policy.dispatched(decision, "e0")
+    assert [(p[1], p[5]) for p in placed] == [("e1", 0), ("e0", SYSTEM_BLOCKS)]
