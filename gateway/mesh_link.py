@@ -30,6 +30,10 @@ from mesh.settings import MeshSettings
 DISPATCH_SWEEP_S = 5.0
 DISPATCH_FLUSH_S = 0.25
 """A bucket is rewritten whole, so writes are batched: a write per request re-sent the growing bucket."""
+PLACEMENT_FLUSH_S = 0.02
+"""How long after the first placement since the last write the next is written: a new prefix's first requests
+reach every replica within milliseconds, and a quarter second (the dispatch buckets' interval, which placements
+used to share) let each replica home a prefix elsewhere before it heard of the others' choice."""
 TOMBSTONE_SWEEP_S = 60.0
 TOMBSTONE_TTL_S = 3600.0
 """A removed engine's tombstone is kept this long: a replica cut off for less learns of the removal from it
@@ -102,19 +106,33 @@ def replicated_engine(engine_id: str, entry: dict[str, Any], island: str | None)
 
 
 async def sweep_dispatches(state: MeshState) -> None:
-    """Every replica writes its dispatch buckets that changed and its placements since the last write; the mesh's
-    leader also deletes expired buckets (a departed replica's too) and departed replicas' placements, so the
-    document does not keep them."""
+    """Every replica writes its dispatch buckets that changed; the mesh's leader also deletes expired buckets (a
+    departed replica's too) and departed replicas' placements, so the document does not keep them."""
     swept_at = 0.0
     while True:
         await trio.sleep(DISPATCH_FLUSH_S)
         now = time.time()
         state.flush_dispatches(now)
-        state.flush_placements()
         if now - swept_at >= DISPATCH_SWEEP_S and state.node.is_leader():
             state.sweep_dispatches(now)
             state.sweep_placements(state.live_members())
             swept_at = now
+
+
+async def share_placements(state: MeshState) -> None:
+    """Write this replica's placements ``PLACEMENT_FLUSH_S`` after the first one since the last write; asleep while
+    it places nothing."""
+    due = trio.Event()
+    state.on_placement_due = due.set
+    try:
+        while True:
+            await due.wait()
+            due = trio.Event()
+            state.on_placement_due = due.set
+            await trio.sleep(PLACEMENT_FLUSH_S)
+            state.flush_placements()
+    finally:
+        state.on_placement_due = None
 
 
 async def sweep_tombstones(state: MeshState) -> None:

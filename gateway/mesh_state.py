@@ -8,9 +8,11 @@ Namespaces (flat maps of string keys to string values, see mesh/crdt_doc.py):
                 blocks that replica sent to that engine, packed per expiry bucket (approximate entries of
                 engines without events, speculative entries of the others); see ``DispatchBuckets``
 - ``limits``:   ``"<replica>"`` -> JSON of that replica's windowed request/token counts per tenant
-- ``homes``:    ``"<replica>"`` -> ``"<sequence>:<JSON list of [prefix home key, engine, blocks, engine blocks]>"``:
-                the requests that replica placed since its previous write (``PlacementOutbox``), which every
-                other replica records in its own home book as if it had placed them
+- ``homes``:    ``"<replica>\\x1f<slot>"`` -> ``"<sequence>:<JSON list of [prefix home key, engine, blocks, engine
+                blocks, conversation digest, blocks the engine held]>"``: the requests that replica placed since
+                its previous write (``PlacementOutbox``), which every other replica records in its own home book
+                as if it had placed them; write n goes to slot n mod ``PLACEMENT_SLOTS``, so writes closer together
+                than the mesh's broadcasts still reach the peers each (a peer sees only a key's latest value)
 - ``autoscaler``: ``"lease"`` -> JSON lease (holder, expiry, term) and ``"members"`` -> JSON list of the
                 replica ids quorum is counted against (autoscale/lease.py); ``"state"``,
                 ``"pending:<request>"`` and ``"engine:<id>"`` -> JSON written by the lease holder
@@ -59,8 +61,10 @@ continues (a digest; empty for none) and the prompt blocks the engine held alrea
 writes the first four: read with no conversation."""
 PlacementsCallback = Callable[[str, list[Placement]], None]
 MAX_PLACEMENTS = 512
-"""Placements one write carries (about 40 KB of JSON); more in one flush interval are dropped and counted: a
-replica placing over 2,000 requests a second shares a sample of them."""
+"""Placements one write carries (about 40 KB of JSON); more between two writes are dropped and counted."""
+PLACEMENT_SLOTS = 8
+"""Keys each replica's placements rotate through: eight writes would have to fall between two of the mesh's
+broadcasts (30 ms apart) before a peer missed one."""
 MAX_KEY_CHARS = 128
 MAX_BLOCKS = 2**24
 
@@ -144,20 +148,46 @@ class PlacementOutbox:
         self.sequence = 0
         self.dropped = 0
 
-    def add(self, placement: Placement) -> None:
+    def add(self, placement: Placement) -> bool:
+        """Queue ``placement``; True when it is the first since the last write (a write is due)."""
         if len(self._pending) >= MAX_PLACEMENTS:
             self.dropped += 1
-            return
+            return False
         self._pending.append(placement)
+        return len(self._pending) == 1
 
-    def flush(self) -> str | None:
-        """The value to write (None: nothing placed since the last one)."""
+    def flush(self) -> tuple[str, str] | None:
+        """The slot and value to write (None: nothing placed since the last one)."""
         if not self._pending:
             return None
         self.sequence += 1
         text = f"{self.sequence}:" + json.dumps(self._pending, separators=(",", ":"))
         self._pending = []
-        return text
+        return str(self.sequence % PLACEMENT_SLOTS), text
+
+
+class AppliedWrites:
+    """Which of each peer's placement writes were applied here (sans-IO): each once, in whatever order its slots
+    arrive, and none older than the last ``PLACEMENT_SLOTS`` (a slot's earlier value, seen again in a snapshot)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[int, set[int]]] = {}
+
+    def first_time(self, replica: str, sequence: int) -> bool:
+        highest, seen = self._seen.get(replica, (0, set()))
+        if sequence <= highest - PLACEMENT_SLOTS or sequence in seen:
+            return False
+        highest = max(highest, sequence)
+        self._seen[replica] = (highest, {s for s in seen if s > highest - PLACEMENT_SLOTS} | {sequence})
+        return True
+
+    def forget(self, replica: str) -> None:
+        self._seen.pop(replica, None)
+
+
+def placement_writer(key: str) -> str:
+    """The replica a ``homes`` key belongs to (a peer of an earlier version writes its id alone)."""
+    return key.partition(SEP)[0]
 
 
 def _count(value: Any, high: int) -> bool:
@@ -218,8 +248,9 @@ class MeshState:
         self._limits: list[LimitsCallback] = []
         self._placements: list[PlacementsCallback] = []
         self._placed = PlacementOutbox()
-        self._applied: dict[str, int] = {}
-        """Per peer, the sequence of its last placements write applied here."""
+        self._applied = AppliedWrites()
+        self.on_placement_due: Callable[[], None] | None = None
+        """Called when a placement is queued after a write (the mesh link then writes soon)."""
         self._outbox = DispatchBuckets()
         node.subscribe(self._on_changes)
 
@@ -281,17 +312,21 @@ class MeshState:
 
     def publish_placement(self, placement: Placement) -> None:
         """Share a request this replica placed, at the next :meth:`flush_placements`."""
-        self._placed.add(placement)
+        if self._placed.add(placement) and self.on_placement_due is not None:
+            self.on_placement_due()
 
     def flush_placements(self) -> int:
-        """Write the placements since the last flush (one document key per replica, rewritten)."""
-        text = self._placed.flush()
-        return len(self.node.write([("homes", self.node.member_id, text)])) if text else 0
+        """Write the placements since the last flush (into the next of the replica's ``PLACEMENT_SLOTS`` keys)."""
+        written = self._placed.flush()
+        if written is None:
+            return 0
+        slot, text = written
+        return len(self.node.write([("homes", f"{self.node.member_id}{SEP}{slot}", text)]))
 
     def sweep_placements(self, live: Iterable[str]) -> int:
         """Delete the placements of replicas no longer live (the mesh's leader does this)."""
         alive = set(live)
-        gone = [key for key in self.content["homes"] if key not in alive]
+        gone = [key for key in self.content["homes"] if placement_writer(key) not in alive]
         return len(self.node.write(("homes", key, None) for key in gone)) if gone else 0
 
     def on_placements(self, callback: PlacementsCallback) -> None:
@@ -354,11 +389,11 @@ class MeshState:
                     self.malformed["dispatch"] += 1
                     continue
                 self._notify(self._dispatch, *dispatch)
-            elif name == "homes" and key != self.node.member_id:
-                if new is None:  # the replica left and the leader swept its key
-                    self._applied.pop(key, None)
+            elif name == "homes" and (writer := placement_writer(key)) != self.node.member_id:
+                if new is None:  # the replica left and the leader swept its keys
+                    self._applied.forget(writer)
                 else:
-                    self._on_placements(key, new)
+                    self._on_placements(writer, new)
             elif name == "limits" and key != self.node.member_id and new is not None:
                 try:
                     payload = parse_json(new)
@@ -383,9 +418,8 @@ class MeshState:
             self.malformed["homes"] += 1
             return
         sequence, placements = parsed
-        if sequence <= self._applied.get(replica, 0):
+        if not self._applied.first_time(replica, sequence):
             return
-        self._applied[replica] = sequence
         self._notify(self._placements, replica, placements)
 
     def _notify(self, callbacks: list[Callable[..., None]], *args: Any) -> None:

@@ -30,8 +30,12 @@ _TIE_DIGITS = 9
 REJOIN_PROBE_MAX_CACHED_SHARE = 0.5
 AGREE_SHARE = 0.1
 """Share of a new prefix's prefill that its placement may give up for agreeing with the other replicas (see
-``agreed_order``), beyond one request's difference."""
+``agreed_order``)."""
 AGREE_MIN_S = 0.002
+AGREE_LOAD_SLACK = 0.5
+AGREE_LOAD_REQUESTS = 2
+"""An engine queued up to this many requests and ``AGREE_LOAD_SLACK`` of the pool's mean depth over the mean may
+still take a new prefix by rendezvous."""
 
 
 def session_of(request: RouteRequest) -> str:
@@ -64,21 +68,39 @@ def _heaviest_first(key_h: int, engine_id: str) -> int:
     return -rendezvous_weight(key_h, engine_id)
 
 
-def agreed_order(ranked: list[str], scores: Scores, home_key: str, tolerance_s: float) -> list[str]:
-    """``ranked`` with the engines within ``tolerance_s`` of the best cost ordered by ``home_key``'s rendezvous
-    weight, which every replica computes alike (for a prefix no engine holds: ``KvAwarePolicy.rank``). Only
-    engines whose home terms (crowding and displacement, from the placements every replica shares) are as low as
-    the best one's compete: the tolerance is for what each replica sees alone (its own in-flight requests, its
-    own learned speeds). Without that restriction it overrode the crowding term, new prefixes went by hash onto
-    engines already busy with hot homes, and one router's hit on seed 0 shape #6 fell to 0.58 of the bound."""
+def agreed_order(ranked: list[str], scores: Scores, home_key: str) -> list[str]:
+    """``ranked`` with the engines near the best ordered by ``home_key``'s rendezvous weight, which every replica
+    computes alike (for a prefix no engine holds: ``KvAwarePolicy.rank``).
+
+    Near means near in what replicas see alike and not far off in what each sees alone. Alike: the prefill and
+    penalties there within a tenth of the prefill at stake (``AGREE_SHARE``: a duplicate costs all of it), and the
+    homes the prefix would displace (from the placements every replica shares). Alone: its queue, at most
+    ``AGREE_LOAD_SLACK`` of the pool's mean depth and two requests over the mean, and the crowding beside its
+    homes, at most the pool's mean crowding over the best engine's. A new prefix's first requests reach every
+    replica at once, each having placed its own share of the same burst a moment before (placements are shared a
+    quarter second later): within one request's difference, two replicas agreed only when neither had sent anything
+    to the rendezvous choice yet (seed 2 shape #2, 60 streams on 10 engines: 14 of 27 prompts computed on two or
+    three engines, three replicas 0.76 of the bound against one router's 0.98). An engine whose homes are clearly
+    hotter than the others' stays out: the agreement once overrode the crowding term, and new prefixes piled onto
+    engines holding hot homes (seed 0 shape #6, one router: 0.58 of the bound)."""
     best = scores[ranked[0]]
-    homed = best.crowding_s + best.displacement_s + AGREE_MIN_S
-    near = [e for e in ranked if scores[e].cost_s <= best.cost_s + tolerance_s
-            and scores[e].crowding_s + scores[e].displacement_s <= homed]
+    depths = [s.queue_depth for s in scores.values()]
+    mean_depth = sum(depths) / len(depths)
+    depth_limit = mean_depth + AGREE_LOAD_REQUESTS + AGREE_LOAD_SLACK * mean_depth
+    crowding_limit = best.crowding_s + sum(s.crowding_s for s in scores.values()) / len(scores) + AGREE_MIN_S
+    homed = best.displacement_s + best.overflow_s + AGREE_MIN_S
+    alike = _alike_s(best) + max(AGREE_MIN_S, AGREE_SHARE * best.prefill_s)
+    near = [e for e in ranked if _alike_s(s := scores[e]) <= alike and s.displacement_s + s.overflow_s <= homed
+            and s.queue_depth <= depth_limit and s.crowding_s <= crowding_limit]
     if len(near) < 2:
         return ranked
     h = key_hash(home_key)
     return sorted(near, key=lambda e: -rendezvous_weight(h, e)) + [e for e in ranked if e not in near]
+
+
+def _alike_s(score: CandidateScore) -> float:
+    """The terms of a cost that replicas sharing an index and placements see alike."""
+    return score.prefill_s + score.pressure_penalty_s + score.topology_penalty_s + score.eviction_s
 
 
 def held_order(ranked: list[str], scores: Scores, deviation: Callable[[str], float],
@@ -225,32 +247,13 @@ class KvAwarePolicy(Policy):
                             self.costs.decode.slope_doubt())
         if (self.agree_with_peers and request.home_key and not self.homes.homes(request.home_key)
                 and all(score.overlap_tokens <= 0 for score in scores.values())):
-            ranked = agreed_order(ranked, scores, request.home_key, self._agreement_s(request, pool, scores[ranked[0]]))
+            ranked = agreed_order(ranked, scores, request.home_key)
         ranked = within_load_limit(ranked, scores)
         probe = next((e.id for e in pool if e.rejoining and e.id != ranked[0]), None)
         chosen = scores[ranked[0]]
         if probe is not None and chosen.cached_tokens < REJOIN_PROBE_MAX_CACHED_SHARE * request.prompt_tokens:
             return [probe, *(i for i in ranked if i != probe)], "rejoin-probe"
         return ranked, describe(request, ranked, scores)
-
-    def _agreement_s(self, request: RouteRequest, pool: list[EngineView], best: CandidateScore) -> float:
-        """How far from the best cost a new prefix's placement goes by rendezvous instead (``agreed_order``).
-
-        Its first requests reach the replicas behind a balancer at once, before any of them hears where another
-        sent it (dispatches are shared a quarter second later): each placed it by its own view, whose
-        differences (mostly each replica's own in-flight requests) picked different engines, and the prefix was
-        computed and homed twice (seed 0 suite shape #6, 3 replicas: 2 of 40 requests, 5,426 uncached tokens;
-        one router: none). The tolerance covers one request more on the best engine (its queue and decode
-        terms: two views that differ by one request agree) and a tenth of the prefill at stake (a duplicate
-        costs all of it)."""
-        engine = next(e for e in pool if e.id == best.engine)
-        slots = engine_slots(engine)
-        params = self.costs.learner.params(engine.id, slots)
-        depth, answer = best.queue_depth, request.max_tokens
-        one_more = (params.queue_s(depth + 1, slots) - params.queue_s(depth, slots)
-                    + self.costs.decode.decode_s(engine.id, depth + 1, answer)
-                    - self.costs.decode.decode_s(engine.id, depth, answer))
-        return max(AGREE_MIN_S, AGREE_SHARE * best.prefill_s) + max(0.0, one_more)
 
     def home_note(self, request: RouteRequest, pool: list[EngineView], scores: Scores,
                   ranked: list[str]) -> HomeNote | None:

@@ -2,12 +2,15 @@
 swept when expired, and bounded whatever the traffic; shared placements (prefix homes) likewise."""
 
 import pytest
+import trio
 from mesh_node_helpers import settings
 
+from gateway.mesh_link import PLACEMENT_FLUSH_S, share_placements
 from gateway.mesh_state import (
     MAX_BUCKET_KEYS,
     MAX_PLACEMENTS,
     NAMESPACES,
+    PLACEMENT_SLOTS,
     MeshState,
     pack_dispatch,
     parse_dispatch,
@@ -85,7 +88,63 @@ def test_placements_reach_every_peer_once_and_departed_replicas_are_swept():
     a.flush_placements()
     SyncProtocol(b.node.doc).on_frame(a.node.protocol.update_frame(), 0.0)
     assert seen[-1] == (a.node.member_id, [("home-1", "e3", 40, 800, "", 0)]) and len(seen) == 2
-    assert b.sweep_placements([b.node.member_id]) == 1 and b.content["homes"] == {}
+    assert b.sweep_placements([b.node.member_id]) == 2 and b.content["homes"] == {}  # both slots a wrote
+
+
+def test_writes_closer_together_than_broadcasts_reach_a_peer_each_once():
+    """A peer sees only a key's latest value: with one key per replica, the second of two writes between two
+    broadcasts hid the first. Writes rotate through PLACEMENT_SLOTS keys, so each arrives, in whatever order the
+    broadcast lists them, once however often the frames repeat; a snapshot of the slots applies nothing twice."""
+    a, b = state("a"), state("b")
+    seen = []
+    b.on_placements(lambda replica, placements: seen.append(placements[0][0]))
+    for n in range(3):
+        a.publish_placement((f"home-{n}", "e1", 4, 800, "", 0))
+        assert a.flush_placements() == 1
+    frame = a.node.protocol.update_frame()
+    for _ in range(2):
+        SyncProtocol(b.node.doc).on_frame(frame, 0.0)
+    assert sorted(seen) == ["home-0", "home-1", "home-2"]
+    for n in range(3, 3 + 2 * PLACEMENT_SLOTS):
+        a.publish_placement((f"home-{n}", "e1", 4, 800, "", 0))
+        a.flush_placements()
+        SyncProtocol(b.node.doc).on_frame(a.node.protocol.update_frame(), 0.0)
+    assert sorted(seen) == sorted(f"home-{n}" for n in range(3 + 2 * PLACEMENT_SLOTS))
+    assert len(a.content["homes"]) == PLACEMENT_SLOTS  # the slots are rewritten, not added to
+    late = state("late")  # joins now: the slots' values are the last eight writes, each applied once
+    late_seen = []
+    late.on_placements(lambda replica, placements: late_seen.append(placements[0][0]))
+    for _ in range(2):
+        late.node.doc.apply_update(a.node.doc.full_update())
+    assert len(late_seen) == PLACEMENT_SLOTS == len(set(late_seen))
+
+
+def test_a_peer_of_the_version_before_writes_its_placements_under_its_id_alone():
+    b = state("b")
+    seen = []
+    b.on_placements(lambda replica, placements: seen.append((replica, placements)))
+    b.node.write([("homes", "old-peer", '1:[["k","e1",2,16]]')])
+    b.node.write([("homes", "old-peer", '2:[["k","e2",2,16]]')])
+    assert seen == [("old-peer", [("k", "e1", 2, 16, "", 0)]), ("old-peer", [("k", "e2", 2, 16, "", 0)])]
+    assert b.sweep_placements([b.node.member_id]) == 1
+
+
+async def test_a_placement_is_written_a_moment_after_it_is_made_and_the_writer_sleeps_meanwhile(autojump_clock):
+    a = state("a")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(share_placements, a)
+        await trio.sleep(1.0)
+        assert a.content["homes"] == {}
+        began = trio.current_time()
+        a.publish_placement(("home-1", "e1", 4, 800, "", 0))
+        a.publish_placement(("home-2", "e1", 4, 800, "", 0))  # one write for both
+        while not a.content["homes"]:
+            await trio.sleep(0.001)
+        assert trio.current_time() - began == pytest.approx(PLACEMENT_FLUSH_S, abs=0.002)
+        [(_, text)] = a.content["homes"].items()
+        assert [p[0] for p in parse_placements(text)[1]] == ["home-1", "home-2"]
+        nursery.cancel_scope.cancel()
+    assert a.on_placement_due is None
 
 
 def test_placements_are_bounded_per_write_and_malformed_ones_refused_whole():
@@ -93,7 +152,8 @@ def test_placements_are_bounded_per_write_and_malformed_ones_refused_whole():
     for i in range(MAX_PLACEMENTS + 5):
         a.publish_placement((f"k{i}", "e1", 1, None, "", 0))
     assert a.placements_dropped == 5 and a.flush_placements() == 1
-    assert parse_placements(a.content["homes"][a.node.member_id])[1][-1] == (
+    [text] = a.content["homes"].values()
+    assert parse_placements(text)[1][-1] == (
         f"k{MAX_PLACEMENTS - 1}", "e1", 1, None, "", 0)
     assert parse_placements('3:[["k","e1",2,16]]') == (3, [("k", "e1", 2, 16, "", 0)])  # a peer of the version before
     assert parse_placements('3:[["k","e1",2,16,"ab12",2]]') == (3, [("k", "e1", 2, 16, "ab12", 2)])

@@ -42,6 +42,20 @@ def test_two_replicas_whose_views_differ_by_one_request_place_a_new_prefix_alike
         assert make_policy("kv_aware").choose(_request(home_key), seen).chosen != chosen[0]
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.text(min_size=1, max_size=12), st.lists(st.integers(0, 2), min_size=6, max_size=6),
+       st.lists(st.integers(0, 2), min_size=6, max_size=6))
+def test_replicas_each_placing_its_own_share_of_a_burst_place_a_new_prefix_alike(home_key, mine, theirs):
+    """Each replica has up to two requests of its own in flight on every engine (its share of an opening burst,
+    not yet heard of by the others): both send a new prefix to its rendezvous choice. Within one request's
+    difference, they parted whenever one had sent two more there than the other (seed 2 shape #2: 14 of 27
+    prompts computed on two or three engines)."""
+    views = [[EngineView(i, "u", max_num_seqs=64, in_flight=n) for i, n in zip(IDS, counts, strict=True)]
+             for counts in (mine, theirs)]
+    chosen = {replica().choose(_request(home_key), view).chosen for view in views}
+    assert chosen == {rendezvous_order(home_key, IDS)[0]}
+
+
 def test_a_held_prefix_and_a_clearly_busier_engine_are_not_overruled():
     request = _request("k")
     top = rendezvous_order("k", IDS)[0]
