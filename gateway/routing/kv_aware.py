@@ -9,7 +9,7 @@ then to the prefix key's rendezvous order.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from functools import partial
 from itertools import groupby
 from operator import itemgetter
@@ -68,9 +68,12 @@ def _heaviest_first(key_h: int, engine_id: str) -> int:
     return -rendezvous_weight(key_h, engine_id)
 
 
-def agreed_order(ranked: list[str], scores: Scores, home_key: str) -> list[str]:
+def agreed_order(ranked: list[str], scores: Scores, home_key: str, homes: Collection[str] = ()) -> list[str]:
     """``ranked`` with the engines near the best ordered by ``home_key``'s rendezvous weight, which every replica
-    computes alike (for a prefix no engine holds: ``KvAwarePolicy.rank``).
+    computes alike (for a prefix no engine is known to hold: ``KvAwarePolicy.rank``); a prefix with ``homes`` goes
+    to the cheapest of them that is near. A home no engine shows a block of is a peer's placement of a moment ago
+    (its dispatched blocks are shared later than its placements): ranked by cost, the prefix's next request went
+    to whichever engine was least loaded and was computed there a second time (seed 2 shape #2).
 
     Near means near in what replicas see alike and not far off in what each sees alone. Alike: the prefill and
     penalties there within a tenth of the prefill at stake (``AGREE_SHARE``: a duplicate costs all of it), and the
@@ -92,6 +95,9 @@ def agreed_order(ranked: list[str], scores: Scores, home_key: str) -> list[str]:
     alike = _alike_s(best) + max(AGREE_MIN_S, AGREE_SHARE * best.prefill_s)
     near = [e for e in ranked if _alike_s(s := scores[e]) <= alike and s.displacement_s + s.overflow_s <= homed
             and s.queue_depth <= depth_limit and s.crowding_s <= crowding_limit]
+    if homes:
+        near_homes = [e for e in near if e in homes]
+        return near_homes + [e for e in ranked if e not in near_homes]
     if len(near) < 2:
         return ranked
     h = key_hash(home_key)
@@ -245,9 +251,9 @@ class KvAwarePolicy(Policy):
             self._priced_by_homes(request, pool, scores)
         ranked = held_order(cost_order(request, pool, scores), scores, self.costs.learner.deviation,
                             self.costs.decode.slope_doubt())
-        if (self.agree_with_peers and request.home_key and not self.homes.homes(request.home_key)
+        if (self.agree_with_peers and request.home_key
                 and all(score.overlap_tokens <= 0 for score in scores.values())):
-            ranked = agreed_order(ranked, scores, request.home_key)
+            ranked = agreed_order(ranked, scores, request.home_key, self.homes.homes(request.home_key))
         ranked = within_load_limit(ranked, scores)
         probe = next((e.id for e in pool if e.rejoining and e.id != ranked[0]), None)
         chosen = scores[ranked[0]]

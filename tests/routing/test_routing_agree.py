@@ -68,16 +68,19 @@ def test_a_held_prefix_and_a_clearly_busier_engine_are_not_overruled():
     assert decision.chosen != top and decision.chosen == rendezvous_order("k", [i for i in IDS if i != top])[0]
 
 
-def test_a_homed_prefix_is_ranked_by_its_costs_alone():
-    """Once this replica placed the prefix (a home), its next requests rank by cost: the agreement is for
-    requests that meet no trace of the prefix."""
-    policy = replica()
+def test_a_prefix_a_peer_homed_a_moment_ago_goes_home_until_that_home_is_clearly_busier():
+    """A peer's placement arrives before any block of it does (its dispatches are shared later): no engine shows
+    the prefix, and by cost alone its next request went to whichever engine was least loaded and computed it a
+    second time. A lone router, which has no peers, still ranks by cost."""
+    home = IDS[3]
     request = _request("k", tokens=400)
-    idle = [EngineView(i, "u", max_num_seqs=64) for i in IDS]
-    first = policy.choose(request, idle)
-    policy.dispatched(first, first.chosen)
-    loaded = [replace(e, in_flight=1) if e.id == first.chosen else e for e in idle]
-    assert policy.choose(request, loaded).chosen != first.chosen
+    for queued, goes_home in ((1, True), (12, False)):
+        fleet = [EngineView(i, "u", max_num_seqs=64, peer_in_flight=queued if i == home else 0) for i in IDS]
+        policy, alone = replica(), make_policy("kv_aware")
+        for p in (policy, alone):
+            p.record_peer_placement("k", home, 25, None)
+        assert (policy.choose(request, fleet).chosen == home) is goes_home
+        assert alone.choose(request, fleet).chosen != home
 
 
 def test_replicas_that_share_their_placements_place_new_prefixes_alike():
