@@ -13,11 +13,13 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import trio
 
+from autoscale.supervise import TaskFaults, supervise
 from gateway.config import ConfigError, EngineConfig, RouterConfig, _build
 from gateway.fleet import ENGINE_FIELDS, Fleet, registry_settings
 from gateway.mesh_state import NAMESPACES, MeshState, Placement
@@ -105,7 +107,11 @@ def replicated_engine(engine_id: str, entry: dict[str, Any], island: str | None)
     return config
 
 
-async def sweep_dispatches(state: MeshState) -> None:
+def _nothing() -> None:
+    """No one to tell that a step succeeded."""
+
+
+async def sweep_dispatches(state: MeshState, stepped: Callable[[], None] = _nothing) -> None:
     """Every replica writes its dispatch buckets that changed; the mesh's leader also deletes expired buckets (a
     departed replica's too) and departed replicas' placements, so the document does not keep them."""
     swept_at = 0.0
@@ -117,9 +123,10 @@ async def sweep_dispatches(state: MeshState) -> None:
             state.sweep_dispatches(now)
             state.sweep_placements(state.live_members())
             swept_at = now
+        stepped()
 
 
-async def share_placements(state: MeshState) -> None:
+async def share_placements(state: MeshState, stepped: Callable[[], None] = _nothing) -> None:
     """Write this replica's placements ``PLACEMENT_FLUSH_S`` after the first one since the last write; asleep while
     it places nothing."""
     due = trio.Event()
@@ -131,17 +138,32 @@ async def share_placements(state: MeshState) -> None:
             state.on_placement_due = due.set
             await trio.sleep(PLACEMENT_FLUSH_S)
             state.flush_placements()
+            stepped()
     finally:
         state.on_placement_due = None
 
 
-async def sweep_tombstones(state: MeshState) -> None:
+async def sweep_tombstones(state: MeshState, stepped: Callable[[], None] = _nothing) -> None:
     """The mesh's leader deletes registry entries of engines removed more than TOMBSTONE_TTL_S ago, so
     autoscaler churn does not grow the document (and every snapshot) by one entry per engine ever run."""
     while True:
         await trio.sleep(TOMBSTONE_SWEEP_S)
         if state.node.is_leader():
             state.sweep_tombstones(time.time() - TOMBSTONE_TTL_S)
+        stepped()
+
+
+MESH_TASKS = {"dispatch sweep": sweep_dispatches, "placement sharing": share_placements,
+              "tombstone sweep": sweep_tombstones}
+
+
+async def run_mesh_tasks(state: MeshState) -> None:
+    """The replica's tasks that write its state into the mesh, each under one owner: a failure is logged once per
+    episode, counted (``kvmesh_mesh_task_failures_total``) and the task started again after a backoff."""
+    faults = TaskFaults(lambda task, reason: state.task_failures.update([(task, reason)]), log, "mesh")
+    async with trio.open_nursery() as nursery:
+        for name, loop in MESH_TASKS.items():
+            nursery.start_soon(supervise, faults, name, partial(loop, state, partial(faults.succeeded, name)))
 
 
 def follow_mesh(fleet: Fleet, state: MeshState) -> None:

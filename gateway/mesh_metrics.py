@@ -53,3 +53,10 @@ class MeshCollector(Collector):
         dropped.add_metric(["dispatch"], self._state.dispatch_dropped)
         dropped.add_metric(["placements"], self._state.placements_dropped)
         yield dropped
+        failures = CounterMetricFamily(
+            "kvmesh_mesh_task_failures",
+            "Failures of the tasks writing this replica's state into the mesh (each is logged once per episode "
+            "and started again after a backoff), by task and exception type", labels=["task", "reason"])
+        for (task, reason), count in sorted(self._state.task_failures.items()):
+            failures.add_metric([task, reason], count)
+        yield failures

@@ -243,6 +243,8 @@ class MeshState:
     def __init__(self, node: MeshNode) -> None:
         self.node = node
         self.malformed: Counter[str] = Counter()
+        self.task_failures: Counter[tuple[str, str]] = Counter()
+        """Failures of the tasks writing this replica's state (gateway/mesh_link.py), by task and exception type."""
         self._registry: list[RegistryCallback] = []
         self._dispatch: list[DispatchCallback] = []
         self._limits: list[LimitsCallback] = []

@@ -46,9 +46,7 @@ from gateway.mesh_link import (
     isolate,
     leave_mesh,
     mesh_report,
-    share_placements,
-    sweep_dispatches,
-    sweep_tombstones,
+    run_mesh_tasks,
 )
 from gateway.mesh_metrics import MeshCollector
 from gateway.mesh_state import MeshState
@@ -136,9 +134,7 @@ async def run_replica(replica: Replica, task_status: trio.TaskStatus = trio.TASK
             if replica.mesh is not None and replica.mesh_state is not None:
                 await nursery.start(replica.mesh.run)
                 follow_mesh(replica.fleet, replica.mesh_state)
-                nursery.start_soon(sweep_dispatches, replica.mesh_state)
-                nursery.start_soon(share_placements, replica.mesh_state)
-                nursery.start_soon(sweep_tombstones, replica.mesh_state)
+                nursery.start_soon(run_mesh_tasks, replica.mesh_state)
                 if replica.gate.has_limits:
                     nursery.start_soon(replica.gate.share_limits, replica.mesh_state)
             await nursery.start(replica.planner.run)

@@ -5,7 +5,7 @@ import pytest
 import trio
 from mesh_node_helpers import settings
 
-from gateway.mesh_link import PLACEMENT_FLUSH_S, share_placements
+from gateway.mesh_link import PLACEMENT_FLUSH_S, run_mesh_tasks, share_placements
 from gateway.mesh_state import (
     MAX_BUCKET_KEYS,
     MAX_PLACEMENTS,
@@ -145,6 +145,41 @@ async def test_a_placement_is_written_a_moment_after_it_is_made_and_the_writer_s
         assert [p[0] for p in parse_placements(text)[1]] == ["home-1", "home-2"]
         nursery.cancel_scope.cancel()
     assert a.on_placement_due is None
+
+
+async def test_a_failing_write_is_counted_logged_once_and_the_task_goes_on(autojump_clock, caplog):
+    """Whatever a mesh-writing task raises ends neither the task nor the router: counted by task and reason,
+    logged once per episode, and the task started again after a backoff."""
+    a = state("a")
+    write, failures = a.node.write, []
+
+    def refusing_twice(ops):
+        if len(failures) < 2:
+            failures.append(1)
+            raise RuntimeError("document refused the write")
+        return write(ops)
+
+    a.node.write = refusing_twice
+    with caplog.at_level("ERROR", logger="kvmesh.mesh"):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_mesh_tasks, a)
+            for n in range(3):
+                await trio.sleep(1.0)
+                a.publish_placement((f"home-{n}", "e1", 4, 800, "", 0))
+            await trio.sleep(1.0)
+            nursery.cancel_scope.cancel()
+    assert a.task_failures == {("placement sharing", "RuntimeError"): 2}
+    from prometheus_client import CollectorRegistry
+
+    from gateway.mesh_metrics import MeshCollector
+
+    registry = CollectorRegistry()
+    registry.register(MeshCollector(a.node, a))
+    assert registry.get_sample_value("kvmesh_mesh_task_failures_total",
+                                     {"task": "placement sharing", "reason": "RuntimeError"}) == 2
+    assert [r.getMessage() for r in caplog.records] == ["mesh task failed; retrying with backoff"]
+    [(_, text)] = a.content["homes"].items()
+    assert parse_placements(text)[1] == [("home-2", "e1", 4, 800, "", 0)]
 
 
 def test_placements_are_bounded_per_write_and_malformed_ones_refused_whole():
