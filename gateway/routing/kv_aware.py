@@ -80,10 +80,10 @@ def agreed_order(ranked: list[str], scores: Scores, home_key: str, homes: Collec
     homes the prefix would displace (from the placements every replica shares). Alone: its queue, at most
     ``AGREE_LOAD_SLACK`` of the pool's mean depth and two requests over the mean, and the crowding beside its
     homes, at most the pool's mean crowding over the best engine's. A new prefix's first requests reach every
-    replica at once, each having placed its own share of the same burst a moment before (placements are shared a
-    quarter second later): within one request's difference, two replicas agreed only when neither had sent anything
-    to the rendezvous choice yet (seed 2 shape #2, 60 streams on 10 engines: 14 of 27 prompts computed on two or
-    three engines, three replicas 0.76 of the bound against one router's 0.98). An engine whose homes are clearly
+    replica at once, each having placed its own share of the same burst a moment before (placements reach the others
+    tens of milliseconds later): within one request's difference, two replicas agreed only when neither had sent
+    anything to the rendezvous choice yet (seed 2 shape #2, 60 streams on 10 engines: 14 of 27 prompts computed on
+    two or three engines, three replicas 0.76 of the bound against one router's 0.98). An engine whose homes are clearly
     hotter than the others' stays out: the agreement once overrode the crowding term, and new prefixes piled onto
     engines holding hot homes (seed 0 shape #6, one router: 0.58 of the bound)."""
     best = scores[ranked[0]]
