@@ -72,20 +72,20 @@ def agreed_order(ranked: list[str], scores: Scores, home_key: str, homes: Collec
     """``ranked`` with the engines near the best ordered by ``home_key``'s rendezvous weight, which every replica
     computes alike (for a prefix no engine is known to hold: ``KvAwarePolicy.rank``); a prefix with ``homes`` goes
     to the cheapest of them that is near. A home no engine shows a block of is a peer's placement of a moment ago
-    (its dispatched blocks are shared later than its placements): ranked by cost, the prefix's next request went
-    to whichever engine was least loaded and was computed there a second time (seed 2 shape #2).
+    (its dispatched blocks are shared later than its placements): ranked by cost, the prefix's next request went to
+    whichever engine was least loaded and was computed there a second time (seed 2 shape #2).
 
-    Near means near in what replicas see alike and not far off in what each sees alone. Alike: the prefill and
-    penalties there within a tenth of the prefill at stake (``AGREE_SHARE``: a duplicate costs all of it), and the
-    homes the prefix would displace (from the placements every replica shares). Alone: its queue, at most
-    ``AGREE_LOAD_SLACK`` of the pool's mean depth and two requests over the mean, and the crowding beside its
+    Near means near in what replicas see alike and not far off in what each sees alone. Alike: the prefill,
+    penalties and adapter load there within a tenth of the prefill at stake (``AGREE_SHARE``: a duplicate costs all
+    of it), and the homes the prefix would displace (from the placements every replica shares). Alone: its queue, at
+    most ``AGREE_LOAD_SLACK`` of the pool's mean depth and two requests over the mean, and the crowding beside its
     homes, at most the pool's mean crowding over the best engine's. A new prefix's first requests reach every
     replica at once, each having placed its own share of the same burst a moment before (placements reach the others
     tens of milliseconds later): within one request's difference, two replicas agreed only when neither had sent
     anything to the rendezvous choice yet (seed 2 shape #2, 60 streams on 10 engines: 14 of 27 prompts computed on
-    two or three engines, three replicas 0.76 of the bound against one router's 0.98). An engine whose homes are clearly
-    hotter than the others' stays out: the agreement once overrode the crowding term, and new prefixes piled onto
-    engines holding hot homes (seed 0 shape #6, one router: 0.58 of the bound)."""
+    two or three engines, three replicas 0.76 of the bound against one router's 0.98). An engine whose homes are
+    clearly hotter than the others' stays out: the agreement once overrode the crowding term, and new prefixes piled
+    onto engines holding hot homes (seed 0 shape #6, one router: 0.58 of the bound)."""
     best = scores[ranked[0]]
     depths = [s.queue_depth for s in scores.values()]
     mean_depth = sum(depths) / len(depths)
@@ -105,8 +105,10 @@ def agreed_order(ranked: list[str], scores: Scores, home_key: str, homes: Collec
 
 
 def _alike_s(score: CandidateScore) -> float:
-    """The terms of a cost that replicas sharing an index and placements see alike."""
-    return score.prefill_s + score.pressure_penalty_s + score.topology_penalty_s + score.eviction_s
+    """The terms of a cost that replicas sharing an index and placements see alike: an engine's speed shows in its
+    prefill, and loading the request's LoRA adapter there (or waiting for a slot for it) is the engine's state."""
+    return (score.prefill_s + score.pressure_penalty_s + score.topology_penalty_s + score.eviction_s
+            + score.adapter_s)
 
 
 def held_order(ranked: list[str], scores: Scores, deviation: Callable[[str], float],

@@ -56,6 +56,15 @@ def test_replicas_each_placing_its_own_share_of_a_burst_place_a_new_prefix_alike
     assert chosen == {rendezvous_order(home_key, IDS)[0]}
 
 
+def test_an_engine_that_would_load_the_requests_adapter_does_not_take_a_new_prefix_by_rendezvous():
+    """The adapter's load is in the engine's queue term, which the depth limit does not read: counted among the
+    terms every replica sees alike, it keeps the rendezvous choice from costing a load the others avoid."""
+    request = _request("k")  # a LoRA request: the planner fills in each engine's load of its adapter
+    top = rendezvous_order("k", IDS)[0]
+    fleet = [EngineView(i, "u", max_num_seqs=64, adapter_load_s=0.5 if i == top else 0.0) for i in IDS]
+    assert replica().choose(request, fleet).chosen != top
+
+
 def test_a_held_prefix_and_a_clearly_busier_engine_are_not_overruled():
     request = _request("k")
     top = rendezvous_order("k", IDS)[0]
