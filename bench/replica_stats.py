@@ -27,6 +27,7 @@ DROPPED = "kvmesh_events_dropped_total"
 DEFERRED = "kvmesh_event_ingest_deferred_seconds_total"
 BLOCK_OPS = "kvmesh_event_block_ops_total"
 LOOP_LAG = "kvmesh_event_loop_lag_seconds_bucket"
+INGEST_SECONDS = "kvmesh_ingest_seconds_total"
 APPLIED_OPS = ("stored", "removed")
 
 
@@ -140,13 +141,15 @@ class EngineGauges:
     """Blocks stored and removed in its index so far, over all engines."""
     loop_lag: dict[float, float] = field(default_factory=dict)
     """Its event loop's lag histogram: cumulative count per bucket bound (seconds; +Inf included)."""
+    ingest_s: dict[str, float] = field(default_factory=dict)
+    """Seconds its ingest took so far, by step (decode, keys, store, rest)."""
 
     @property
     def unhealthy(self) -> int:
         return sum(1 for v in self.healthy.values() if v < 1)
 
 
-_FOLLOWED = (BATCHES, BLOCKS, HEALTHY, REPLAYS, DROPPED, DEFERRED, BLOCK_OPS, LOOP_LAG)
+_FOLLOWED = (BATCHES, BLOCKS, HEALTHY, REPLAYS, DROPPED, DEFERRED, BLOCK_OPS, LOOP_LAG, INGEST_SECONDS)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
@@ -184,6 +187,8 @@ def engine_gauges(text: str) -> EngineGauges:
             out.block_ops += int(value)
         elif name == LOOP_LAG and "le" in labels:
             out.loop_lag[float(labels["le"])] = value
+        elif name == INGEST_SECONDS and "step" in labels:
+            out.ingest_s[labels["step"]] = value
     return out
 
 

@@ -59,7 +59,17 @@ from bench.scale_probes import (
     wait_converged,
     wait_subscribed,
 )
-from bench.scale_report import Latency, ReplicaResult, Strain, format_ratios, format_tables, moonshot, plot, verdicts
+from bench.scale_report import (
+    Latency,
+    ReplicaResult,
+    Strain,
+    format_ratios,
+    format_tables,
+    kept_rates,
+    moonshot,
+    plot,
+    verdicts,
+)
 from bench.stats import percentile
 
 IDLE_CPU_S = 2.0
@@ -166,6 +176,8 @@ class _Window:
     scrapes: list[Scrapes]
     latency: list[tuple[Latency, Latency]]
     strain: list[Strain]
+    ingest_s: list[dict[str, float]]
+    """Per replica, the growth of its ingest seconds by step over the window."""
 
 
 @dataclass
@@ -179,6 +191,7 @@ class _Reading:
     block_ops: int
     loop_lag: dict[float, float]
     pressure_s: float
+    ingest_s: dict[str, float]
 
 
 async def _readings(client: HttpClient, reps: list[Replica]) -> list[_Reading]:
@@ -186,7 +199,7 @@ async def _readings(client: HttpClient, reps: list[Replica]) -> list[_Reading]:
     for replica in reps:
         gauges = (await scrape(client, replica, timeout=PROBE_TIMEOUT_S))[1]
         out.append(_Reading(time.monotonic(), process_cpu(replica.pid), process_run_wait(replica.pid),
-                            gauges.block_ops, gauges.loop_lag, machine_cpu_pressure()))
+                            gauges.block_ops, gauges.loop_lag, machine_cpu_pressure(), gauges.ingest_s))
     return out
 
 
@@ -238,7 +251,8 @@ async def _publish(client: HttpClient, pub: Publishers, reps: list[Replica], rat
     after = await _readings(client, reps)
     pairs = list(zip(after, before, strict=True))
     return _Window(answer, [a.cpu_s - b.cpu_s for a, b in pairs], [a.block_ops - b.block_ops for a, b in pairs],
-                   scrapes, latency, _strain(before, after))
+                   scrapes, latency, _strain(before, after),
+                   [{step: s - b.ingest_s.get(step, 0.0) for step, s in a.ingest_s.items()} for a, b in pairs])
 
 
 async def _fill(client: HttpClient, pub: Publishers, reps: list[Replica], rate: float,
@@ -256,10 +270,14 @@ async def _fill(client: HttpClient, pub: Publishers, reps: list[Replica], rate: 
             return
 
 
-async def _idle_cpu(reps: list[Replica]) -> list[float]:
-    """Cores each replica uses doing nothing but its background polls and gossip."""
+async def _idle_cpu(client: HttpClient, reps: list[Replica]) -> list[float]:
+    """Cores each replica uses doing nothing but its background polls and gossip, scraped as often as in the
+    windows it is set against: the bench's own scrapes (a few ms of the replica's loop each) are not ingest."""
     cpu = [process_cpu(r.pid) for r in reps]
-    await trio.sleep(IDLE_CPU_S)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(follow_all, client, reps, [[] for _ in reps])
+        await trio.sleep(IDLE_CPU_S)
+        nursery.cancel_scope.cancel()
     return [(process_cpu(r.pid) - c) / IDLE_CPU_S for r, c in zip(reps, cpu, strict=True)]
 
 
@@ -267,7 +285,7 @@ async def _phases(client: HttpClient, opts: ScaleOptions, pub: Publishers, reps:
                   count: int, rate: float) -> list[ReplicaResult]:
     seen: list[Scrapes] = [[] for _ in reps]
     timeline: dict[str, list[float]] = {e: [] for e in ids}
-    idle_cores = await _idle_cpu(reps)
+    idle_cores = await _idle_cpu(client, reps)
     idle, idle_strain = await _probed(client, reps, opts.probe_s)
     rss_idle = [process_rss(r.pid) for r in reps]  # after serving warmed up, so only the index is counted
     await _fill(client, pub, reps, opts.fill_rate, timeline, seen)
@@ -303,6 +321,8 @@ async def _phases(client: HttpClient, opts: ScaleOptions, pub: Publishers, reps:
             max((g.unhealthy for _, g in everything), default=0),
             latest.replays, latest.dropped, latest.deferred_s,
             idle[i][0], burst.latency[i][0], idle[i][1], burst.latency[i][1], idle_strain[i], burst.strain[i],
+            {step: 1e6 * s / ops for step, s in steady.ingest_s[i].items()} if ops else {},
+            burst.applied_ops[i] / burst.answer["seconds"],
         ))  # fmt: skip
     return results
 
@@ -343,6 +363,7 @@ def run(args: argparse.Namespace, log_dir: Path) -> int:
     print()
     print(format_ratios(results))
     print(moonshot(results))
+    print("\n".join(kept_rates(results)))
     png = plot(results, args.plot or log_dir / "scale.png")
     print(f"plot: {png}" if png else "plot: skipped (matplotlib is not installed: pip install -e '.[dev]')")
     print(f"load average {os.getloadavg()[0]:.2f} at the end")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.report import Verdict
@@ -22,6 +22,10 @@ NET_US_PER_OP_MAX = 5.0
 BURST_LAG_P99_MAX_MS = 100.0
 """How far behind the engines a replica may fall while it serves chat at twice the rate."""
 MOONSHOT_OPS_PER_CORE = 1_000_000
+KEPT_SHARE = 0.98
+"""A replica kept pace with a window's rate when it applied at least this share of what was published in it (and
+its lag p99 stayed under ``BURST_LAG_P99_MAX_MS``)."""
+INGEST_STEPS = ("decode", "keys", "store", "rest")
 
 
 @dataclass(frozen=True)
@@ -97,11 +101,26 @@ class ReplicaResult:
     ready_burst: Latency
     strain_idle: Strain = Strain()
     strain_burst: Strain = Strain()
+    ingest_us: dict[str, float] = field(default_factory=dict)
+    """Its own ingest time per block op applied in the steady window, by step (``kvmesh_ingest_seconds_total``;
+    empty when it reported none, as with its ingest in a process of its own)."""
+    burst_applied_ops_per_s: float = math.nan
+    """Block ops it applied in the burst, per second of it."""
 
     @property
     def net_us_per_op(self) -> float:
         """CPU per op without what the replica burns idle (health and /metrics polls, gossip)."""
         return self.cpu_us_per_op - 1e6 * self.idle_cores / self.applied_ops_per_s
+
+    @property
+    def ingest_us_per_op(self) -> float:
+        """Its ingest's time on the loop per block op, all steps."""
+        return sum(self.ingest_us.values()) if self.ingest_us else math.nan
+
+    @property
+    def outside_us_per_op(self) -> float:
+        """CPU per op beyond its ingest's steps: the loop's other work (scrapes, polls, the poller's ticks)."""
+        return self.cpu_us_per_op - self.ingest_us_per_op
 
     @property
     def bytes_per_block(self) -> float:
@@ -139,6 +158,12 @@ CONVERGENCE: list[Column] = [
     ("drops", 5, lambda r: str(r.dropped)),
     ("defer s", 7, lambda r: _num(r.deferred_s, 2)),
 ]
+SPLIT: list[Column] = [
+    *((step, 7, lambda r, step=step: _num(r.ingest_us.get(step, math.nan), 2)) for step in INGEST_STEPS),
+    ("ingest", 7, lambda r: _num(r.ingest_us_per_op, 2)),
+    ("outside", 7, lambda r: _num(r.outside_us_per_op, 2)),
+    ("cpu", 7, lambda r: _num(r.cpu_us_per_op, 2)),
+]
 SERVING: list[Column] = [
     ("chat idle p50/p99", 20, lambda r: r.chat_idle.cell()),
     ("chat burst p50/p99", 20, lambda r: r.chat_burst.cell()),
@@ -159,6 +184,8 @@ def _table(title: str, columns: list[Column], results: list[ReplicaResult]) -> l
 def format_tables(results: list[ReplicaResult]) -> str:
     return "\n".join([
         *_table("ingest (steady window; net us/op: without idle CPU; lag in ms)", CELL + INGEST, results),
+        *_table("where each block op's time goes in place (steady window, us per op applied: the replica's own "
+                "ingest times by step; outside: its CPU per op less them)", CELL + SPLIT, results),
         *_table("after the burst (conv s: until equal to the publisher; counts over the cell)", CELL + CONVERGENCE,
                 results),
         *_table("serving through each replica (ms; burst = 2x the rate; lag: the replica's event-loop lag p99, "
@@ -246,10 +273,7 @@ def _burst_verdicts(results: list[ReplicaResult]) -> list[Verdict]:
                 f"{_num(strain.loop_lag_p99_ms, 0)} ms, it waited for a core {_num(100 * strain.run_wait, 0)}% of "
                 f"the time, machine CPU pressure {_num(100 * strain.pressure, 0)}%)")
 
-    def p99_ratio(r: ReplicaResult) -> float:
-        value = ratio(r.chat_burst.p99_ms, r.chat_idle.p99_ms)
-        return math.inf if math.isnan(value) or r.chat_burst.errors else value
-
+    p99_ratio = _burst_p99_ratio
     chat = max(results, key=p99_ratio)
     behind = max(results, key=lambda r: _num_or_inf(r.burst_lag_p99_ms))
     ready = max(results, key=lambda r: _num_or_inf(r.ready_burst.p99_ms) if not r.ready_burst.errors else math.inf)
@@ -268,6 +292,46 @@ def _burst_verdicts(results: list[ReplicaResult]) -> list[Verdict]:
                 f"<= {CONVERGE_MAX_S:.0f}", slow.converge_s <= CONVERGE_MAX_S and all(r.equal for r in results),
                 where(slow)),
     ]
+
+
+def _kept(published: float, applied: float, lag_p99_ms: float) -> bool:
+    return applied >= KEPT_SHARE * published and lag_p99_ms < BURST_LAG_P99_MAX_MS
+
+
+def _burst_p99_ratio(r: ReplicaResult) -> float:
+    value = ratio(r.chat_burst.p99_ms, r.chat_idle.p99_ms)
+    return math.inf if math.isnan(value) or r.chat_burst.errors else value
+
+
+def kept_rates(results: list[ReplicaResult]) -> list[str]:
+    """Per replica count, the highest rate every replica kept pace with: in the steady windows (scrapes only) and
+    in the bursts, which serve chat and ``/ready`` meanwhile (there its chat p99 must also stay within
+    ``BURST_P99_RATIO_MAX`` of idle). A window is kept when each replica applied ``KEPT_SHARE`` of what was
+    published in it with lag p99 under ``BURST_LAG_P99_MAX_MS``."""
+    lines = []
+    for replicas in sorted({r.replicas for r in results}):
+        steady: list[float] = []
+        serving: list[float] = []
+        missed: list[str] = []
+        for (_, count), rows in by_cell(results).items():
+            if count != replicas:
+                continue
+            published, burst = _mean([r.published_ops_per_s for r in rows]), _mean([r.burst_ops_per_s for r in rows])
+            if all(_kept(r.published_ops_per_s, r.applied_ops_per_s, r.lag_p99_ms) for r in rows):
+                steady.append(published)
+            if all(_kept(r.burst_ops_per_s, r.burst_applied_ops_per_s, r.burst_lag_p99_ms)
+                   and _burst_p99_ratio(r) <= BURST_P99_RATIO_MAX for r in rows):
+                serving.append(burst)
+            else:
+                worst = min(rows, key=lambda r: ratio(r.burst_applied_ops_per_s, r.burst_ops_per_s))
+                missed.append(f"{burst:,.0f} (applied {_num(100 * ratio(worst.burst_applied_ops_per_s, burst), 0)}%, "
+                              f"lag p99 {_num(worst.burst_lag_p99_ms, 0)} ms, chat p99 "
+                              f"{_num(_burst_p99_ratio(worst), 2)}x idle)")
+        best = f"{max(serving):,.0f} block ops/s" if serving else "none of the rates measured"
+        lines.append(f"highest rate kept at R={replicas}: steady (scrapes only) "
+                     f"{f'{max(steady):,.0f}' if steady else 'none'}; while serving chat {best}"
+                     + (f"; not kept while serving: {', '.join(missed)}" if missed else ""))
+    return lines
 
 
 def moonshot(results: list[ReplicaResult]) -> str:

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter
+from collections.abc import Iterator
+
+from prometheus_client import REGISTRY, Counter
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+from index.ingest_times import INGEST_TIMES
 
 EVENTS_DROPPED = Counter(
     "kvmesh_events_dropped_total", "KV-event messages dropped before reaching the index", ["engine", "reason"]
@@ -30,3 +36,18 @@ INGEST_PROCESS_FAILURES = Counter("kvmesh_ingest_process_failures_total",
 INDEX_REGROWN = Counter("kvmesh_index_regrown_total",
                         "Doublings of the index's mask table built ahead of ingest in a worker thread: adopted, "
                         "stale (the index changed meanwhile; a store doubles it in place) or failed", ["outcome"])
+
+
+class _IngestSeconds(Collector):
+    """The process's ingest times (index/ingest_times.py) by step, read when scraped: a Counter's ``inc`` per
+    message and stored event would cost more than the reads it sums."""
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily("kvmesh_ingest_seconds", "Seconds KV-event ingest took on this process, by "
+                                     "step: decode, keys, store, and the rest of its drain slices", labels=["step"])
+        for step, seconds in INGEST_TIMES.steps().items():
+            family.add_metric([step], seconds)
+        yield family
+
+
+REGISTRY.register(_IngestSeconds())

@@ -15,6 +15,7 @@ from events.decode import DecodeError, ReplayEnd, decode_live, decode_replay
 from events.sequence import Decision, SequenceTracker
 from index.events import EventBatch
 from index.ingest import EngineIngest, IngestStats
+from index.ingest_times import step_clock
 from index.tiers import TIER_MEDIA, tier_holder
 from index.view import CacheView
 
@@ -68,11 +69,14 @@ class EngineFeed:
         """One live message; returns the seq to replay from when a gap opened, else None."""
         if self._oversized(frames):
             return None
+        began = step_clock()
         try:
             batch = decode_live(frames)
         except DecodeError as exc:
             self._drop(exc.reason)
             return None
+        finally:
+            self.ingest.times.decode_s += step_clock() - began
         decision = self.tracker.live(batch.seq, batch)
         self._act(decision, now)
         if decision.replay_from is not None:
@@ -97,11 +101,14 @@ class EngineFeed:
             return True
         if self._oversized(frames):
             return False
+        began = step_clock()
         try:
             item = decode_replay(frames)
         except DecodeError as exc:
             self._drop(f"replay_{exc.reason}")
             return False
+        finally:
+            self.ingest.times.decode_s += step_clock() - began
         if isinstance(item, ReplayEnd):
             REPLAYS.labels(engine=self.engine, outcome="completed").inc()
             self._act(self.tracker.replay_done(), now)

@@ -21,6 +21,7 @@ import msgpack
 
 from index.block_hash import chain_from, next_key, root_seed
 from index.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from index.ingest_times import INGEST_TIMES, IngestTimes, step_clock
 from index.store import BlockStore
 from index.tiers import TIER_MEDIA, clear_source, tier_holder
 
@@ -104,12 +105,13 @@ class EngineIngest:
     """Applies one event stream's batches in order; the caller guarantees order (events/sequence.py).
 
     ``holder`` is the store key of the stream's blocks: the engine id, or one data-parallel rank's key
-    (index/holders.py)."""
+    (index/holders.py). Its time goes to ``times`` (the process's sums unless given)."""
 
-    def __init__(self, holder: str, model: str, store: BlockStore) -> None:
+    def __init__(self, holder: str, model: str, store: BlockStore, times: IngestTimes = INGEST_TIMES) -> None:
         self.holder = holder
         self.model = model
         self.store = store
+        self.times = times
         self.last_seq: int | None = None
         self.block_size: int | None = None
         self._roots: dict[tuple[str | None, str | None], int] = {}
@@ -119,6 +121,7 @@ class EngineIngest:
         single blocks each (three in four stored events on the realistic mix), and a store call per event
         cost more than the block. Their order is kept, and a parent stored earlier in the run is found in
         the run itself."""
+        began = step_clock()
         stats = IngestStats()
         run = _Run()
         for event in batch.events:
@@ -137,6 +140,7 @@ class EngineIngest:
                 stats.cleared += self.store.clear(self.holder)
         run.flush(self.store, stats)
         self.last_seq = batch.seq
+        self.times.applied_s += step_clock() - began
         return stats
 
     def _stored(self, event: BlockStored, stats: IngestStats, run: _Run) -> None:
@@ -149,6 +153,7 @@ class EngineIngest:
         if holder != run.holder:
             run.flush(self.store, stats)
             run.holder = holder
+        began = step_clock()
         extras = event.extra_keys
         first = event.parent_block_hash is None
         plain = extras is None or all(extra is None for extra in extras[1 if first else 0 :])
@@ -164,6 +169,7 @@ class EngineIngest:
                 parent = self._tier_parent(event.parent_block_hash)
             if parent is None:
                 stats.orphaned += 1
+                self.times.keys_s += step_clock() - began
                 return
         size = event.block_size
         if plain:
@@ -175,6 +181,7 @@ class EngineIngest:
                 other = split_extra_keys(extra, event.lora_name, first_block=first and i == 0).other
                 parent = next_key(parent, event.token_ids[i * size : (i + 1) * size], other)
                 keys.append(parent)
+        self.times.keys_s += step_clock() - began
         stats.stored_keys.extend(keys)
         self.block_size = size
         run.add(event.block_hashes, keys)

@@ -24,7 +24,16 @@ from bench.replica_stats import (
 )
 from bench.scale import add_arguments, options
 from bench.scale_fleet import EngineEndpoints, merged_answers, replica_config
-from bench.scale_report import Latency, ReplicaResult, Strain, format_ratios, format_tables, moonshot, verdicts
+from bench.scale_report import (
+    Latency,
+    ReplicaResult,
+    Strain,
+    format_ratios,
+    format_tables,
+    kept_rates,
+    moonshot,
+    verdicts,
+)
 from bench.synthetic_engines import CHAIN_BLOCKS, Pacer, SyntheticEngine
 from bench.synthetic_publisher import Fleet, stamped
 from events.decode import BlockRemoved, BlockStored, decode_live
@@ -111,6 +120,10 @@ kvmesh_event_loop_lag_seconds_bucket{le="0.001"} 90.0
 kvmesh_event_loop_lag_seconds_bucket{le="0.01"} 99.0
 kvmesh_event_loop_lag_seconds_bucket{le="+Inf"} 100.0
 kvmesh_event_loop_lag_seconds_count 100.0
+# HELP kvmesh_ingest_seconds_total Seconds KV-event ingest took on this process, by step
+# TYPE kvmesh_ingest_seconds_total counter
+kvmesh_ingest_seconds_total{step="decode"} 0.5
+kvmesh_ingest_seconds_total{step="keys"} 0.25
 # HELP kvmesh_requests_total Requests answered
 # TYPE kvmesh_requests_total counter
 kvmesh_requests_total{endpoint="chat",status="200"} 5.0
@@ -122,6 +135,7 @@ def test_engine_gauges_follow_only_the_per_engine_samples():
     assert gauges.batches == {"e0": 12, "e1": 3} and gauges.blocks == {"e0": 384} and gauges.unhealthy == 1
     assert (gauges.replays, gauges.dropped, gauges.deferred_s, gauges.block_ops) == (3, 4, 0.75, 448)
     assert gauges.loop_lag == {0.001: 90.0, 0.01: 99.0, math.inf: 100.0}
+    assert gauges.ingest_s == {"decode": 0.5, "keys": 0.25}
 
 
 def test_loop_lag_quantile_counts_only_what_was_observed_between_two_scrapes():
@@ -162,13 +176,18 @@ def test_replica_config_is_a_valid_router_config(tmp_path):
 
 
 def _result(replicas, replica, cpu, rss_end=2_000_000, converge=1.0, unhealthy=0, burst_p99=40.0, ready_p99=10.0,
-            burst_lag=20.0):
-    return ReplicaResult(
+            burst_lag=20.0, rate=10_000.0, lag=3.0, burst_applied=19_000.0):
+    result = ReplicaResult(
         replicas, 10_000.0, replica, 9_990.0, 19_000.0, 9_990.0, cpu, 0.02, 1_000_000, rss_end, 10_000, 9_000_000,
         0.5, 3.0, burst_lag, True, converge, unhealthy, 1, 0, 0.5, Latency(10.0, 30.0, 300),
         Latency(12.0, burst_p99, 280), Latency(1.0, 2.0, 200), Latency(1.5, ready_p99, 190), Strain(2.5, 0.05, 0.1),
-        Strain(10.0, 0.25, 0.6),
+        Strain(10.0, 0.25, 0.6), {"decode": 2.0, "keys": 0.5, "store": 3.0, "rest": 0.5}, burst_applied,
     )  # fmt: skip
+    scale = rate / result.rate  # the same shares of what was published at another rate
+    result.rate, result.published_ops_per_s, result.burst_ops_per_s = rate, 9_990.0 * scale, 19_000.0 * scale
+    result.applied_ops_per_s, result.burst_applied_ops_per_s = 9_990.0 * scale, burst_applied * scale
+    result.lag_p99_ms = lag
+    return result
 
 
 def test_verdicts_pass_when_flat_in_replicas_and_serving_holds():
@@ -201,10 +220,37 @@ def test_verdicts_fail_on_cost_growth_memory_slow_serving_and_no_convergence():
 def test_tables_show_every_replica():
     text = format_tables([_result(1, 0, 10.0), _result(2, 1, 11.0, converge=math.inf)])
     rows = [line for line in text.splitlines() if line.strip().startswith(("1 ", "2 "))]
-    assert len(rows) == 6 and "100.0" in rows[0] and " inf " in rows[3] and "12.0/40.0" in rows[4]
-    assert "    9.0   yes " in rows[2]
+    assert len(rows) == 8 and "100.0" in rows[0] and " inf " in rows[5] and "12.0/40.0" in rows[6]
+    assert "    9.0   yes " in rows[4]
     assert " 19000      9990     10.00      8.00 " in rows[0]  # idle 2% of a core at ~10k ops/s is 2 us of each op
-    assert rows[4].split()[-2:] == ["2/5/10", "10/25/60"]
+    # the split: decode, keys, store and rest sum to the ingest's 6 us; the other 4 (of 10) are outside it
+    assert rows[2].split()[3:] == ["2.00", "0.50", "3.00", "0.50", "6.00", "4.00", "10.00"]
+    assert rows[6].split()[-2:] == ["2/5/10", "10/25/60"]
+
+
+def test_a_replica_without_ingest_times_shows_no_split():
+    result = _result(1, 0, 10.0)
+    result.ingest_us = {}
+    assert math.isnan(result.ingest_us_per_op) and math.isnan(result.outside_us_per_op)
+    split = [line for line in format_tables([result]).splitlines() if line.strip().startswith("1 ")][1]
+    assert split.split()[3:] == ["-"] * 6 + ["10.00"]
+
+
+def test_kept_rates_name_the_highest_rate_each_window_kept_pace_with():
+    results = [_result(1, 0, 5.0, rate=10_000.0), _result(1, 0, 5.0, rate=50_000.0, burst_lag=900.0),
+               _result(2, 0, 5.0, rate=10_000.0, burst_p99=90.0), _result(2, 1, 5.0, rate=10_000.0)]
+    lines = kept_rates(results)
+    # R=1: both steady windows kept; of the bursts (2x) only 10k's: 50k's fell 900 ms behind
+    assert lines[0].startswith("highest rate kept at R=1: steady (scrapes only) 49,950; while serving chat 19,000 "
+                               "block ops/s; not kept while serving: 95,000 (applied 100%, lag p99 900 ms"), lines
+    # R=2: one replica's chat p99 went from 30 to 90 ms in the burst, 3x idle: not kept while serving
+    assert lines[1].startswith("highest rate kept at R=2: steady (scrapes only) 9,990; while serving chat none of "
+                               "the rates measured; not kept while serving: 19,000 (applied 100%, lag p99 20 ms, "
+                               "chat p99 3.00x idle)"), lines
+    behind = _result(1, 0, 5.0, lag=250.0, burst_applied=15_000.0)  # fell behind in both windows
+    assert kept_rates([behind]) == ["highest rate kept at R=1: steady (scrapes only) none; while serving chat none "
+                                    "of the rates measured; not kept while serving: 19,000 (applied 79%, lag p99 "
+                                    "20 ms, chat p99 1.33x idle)"]
 
 
 @pytest.mark.integration
@@ -215,8 +261,13 @@ def test_smallest_scale_run_converges_on_the_publishers_live_set(tmp_path, capsy
                  "--log-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert code in (0, 1), out
-    ingest, after_burst, serving = [line for line in out.splitlines() if line.split()[:3] == ["1", "2000", "0"]]
+    ingest, split, after_burst, serving = [line for line in out.splitlines()
+                                           if line.split()[:3] == ["1", "2000", "0"]]
     assert " yes " in after_burst and "/" in serving, out
+    decode, keys, store, rest, total = (float(x) for x in split.split()[3:8])
+    assert decode > 0 and keys > 0 and store > 0 and rest >= 0, out  # the replica reported its ingest's steps
+    assert total == pytest.approx(decode + keys + store + rest, abs=0.02)
+    assert any(line.startswith("highest rate kept at R=1: steady (scrapes only) ") for line in out.splitlines()), out
     assert any(line.startswith("PASS  convergence") for line in out.splitlines()), out
     assert (tmp_path / "scale.png").exists()
 
