@@ -7,6 +7,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from bench.report import Verdict
 from bench.stats import percentile, ratio
@@ -344,7 +345,8 @@ def moonshot(results: list[ReplicaResult]) -> str:
 
 
 def plot(results: list[ReplicaResult], path: Path) -> Path | None:
-    """CPU us per op and RSS B per block against R, one line per rate; None without matplotlib."""
+    """CPU us per op and RSS B per block against R, one line per rate, and where each op's time goes in place
+    per cell (stacked: ingest's steps, then the rest of the replica's CPU); None without matplotlib."""
     try:
         import matplotlib
 
@@ -353,7 +355,7 @@ def plot(results: list[ReplicaResult], path: Path) -> Path | None:
     except ImportError:
         return None
     cells = by_cell(results)
-    fig, (cpu_ax, rss_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (cpu_ax, rss_ax, split_ax) = plt.subplots(1, 3, figsize=(15, 4))
     for rate in sorted({rate for rate, _ in cells}):
         counts = sorted(r for q, r in cells if q == rate)
         cpu_ax.plot(counts, [_mean([x.cpu_us_per_op for x in cells[(rate, r)]]) for r in counts], marker="o",
@@ -366,7 +368,23 @@ def plot(results: list[ReplicaResult], path: Path) -> Path | None:
         ax.set_xticks(sorted({r for _, r in cells}))
         ax.set_ylim(bottom=0)
         ax.legend()
+    _plot_split(split_ax, cells)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def _plot_split(ax: Any, cells: dict[tuple[float, int], list[ReplicaResult]]) -> None:
+    """One stacked bar per (rate, R): the mean replica's ingest steps and its CPU outside them, us per op."""
+    labels = [f"{rate / 1000:.0f}k R={replicas}" for rate, replicas in cells]
+    bottom = [0.0] * len(cells)
+    for part in (*INGEST_STEPS, "outside"):
+        heights = [_mean([r.outside_us_per_op if part == "outside" else r.ingest_us.get(part, math.nan)
+                          for r in rows]) for rows in cells.values()]
+        heights = [0.0 if math.isnan(h) else max(0.0, h) for h in heights]
+        ax.bar(labels, heights, bottom=bottom, label=part)
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    ax.set_title("where each block op's time goes in place (us)")
+    ax.set_xlabel("rate and replicas")
+    ax.legend()
