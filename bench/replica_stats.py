@@ -187,8 +187,8 @@ def engine_gauges(text: str) -> EngineGauges:
             out.block_ops += int(value)
         elif name == LOOP_LAG and "le" in labels:
             out.loop_lag[float(labels["le"])] = value
-        elif name == INGEST_SECONDS and "step" in labels:
-            out.ingest_s[labels["step"]] = value
+        elif name == INGEST_SECONDS and "step" in labels:  # summed over the processes that report (serving, ingest)
+            out.ingest_s[labels["step"]] = out.ingest_s.get(labels["step"], 0.0) + value
     return out
 
 

@@ -321,7 +321,8 @@ async def _phases(client: HttpClient, opts: ScaleOptions, pub: Publishers, reps:
             max((g.unhealthy for _, g in everything), default=0),
             latest.replays, latest.dropped, latest.deferred_s,
             idle[i][0], burst.latency[i][0], idle[i][1], burst.latency[i][1], idle_strain[i], burst.strain[i],
-            {step: 1e6 * s / ops for step, s in steady.ingest_s[i].items()} if ops else {},
+            {step: 1e6 * s / ops for step, s in steady.ingest_s[i].items()} if ops and any(steady.ingest_s[i].values())
+            else {},  # none: its ingest ran in a process of its own, whose times this process does not export
             burst.applied_ops[i] / burst.answer["seconds"],
         ))  # fmt: skip
     return results

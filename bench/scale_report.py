@@ -11,6 +11,7 @@ from typing import Any
 
 from bench.report import Verdict
 from bench.stats import percentile, ratio
+from index.ingest_times import STEPS as INGEST_STEPS
 
 CPU_RATIO_MAX = 1.5
 RSS_PER_BLOCK_MAX = 200.0
@@ -26,7 +27,6 @@ MOONSHOT_OPS_PER_CORE = 1_000_000
 KEPT_SHARE = 0.98
 """A replica kept pace with a window's rate when it applied at least this share of what was published in it (and
 its lag p99 stayed under ``BURST_LAG_P99_MAX_MS``)."""
-INGEST_STEPS = ("decode", "keys", "store", "rest")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from prometheus_client import REGISTRY, Counter
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from index.ingest_times import INGEST_TIMES
+from index.ingest_times import INGEST_PROCESS_TIMES, INGEST_TIMES
 
 EVENTS_DROPPED = Counter(
     "kvmesh_events_dropped_total", "KV-event messages dropped before reaching the index", ["engine", "reason"]
@@ -39,14 +39,16 @@ INDEX_REGROWN = Counter("kvmesh_index_regrown_total",
 
 
 class _IngestSeconds(Collector):
-    """The process's ingest times (index/ingest_times.py) by step, read when scraped: a Counter's ``inc`` per
+    """The ingest times (index/ingest_times.py) by process and step, read when scraped: a Counter's ``inc`` per
     message and stored event would cost more than the reads it sums."""
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        family = CounterMetricFamily("kvmesh_ingest_seconds", "Seconds KV-event ingest took on this process, by "
-                                     "step: decode, keys, store, and the rest of its drain slices", labels=["step"])
-        for step, seconds in INGEST_TIMES.steps().items():
-            family.add_metric([step], seconds)
+        family = CounterMetricFamily("kvmesh_ingest_seconds", "Seconds KV-event ingest took, by process (serving: "
+                                     "this one; ingest: its ingest process) and step: decode, keys, store, and the "
+                                     "rest of its drain slices", labels=["process", "step"])
+        for process, times in (("serving", INGEST_TIMES), ("ingest", INGEST_PROCESS_TIMES)):
+            for step, seconds in times.steps().items():
+                family.add_metric([process, step], seconds)
         yield family
 
 

@@ -18,6 +18,7 @@ it; block hashes and own keys travel as little-endian u64 arrays in the frames a
     ["g", engine] / ["l", engine, batches] / ["x", engine] / ["p", engine]
                                               a gap / lost batches / a stream reset / a failed replay
     ["n", counter, [label values], amount]    an event counter went up
+    ["t", step, seconds]                      the ingest process's time in an ingest step (index/ingest_times.py)
 
 The serving side checks every note (its own child is still outside the process): a message that does not
 decode is refused whole, and notes about engines it does not ingest are skipped.
@@ -38,6 +39,7 @@ from prometheus_client import Counter
 from events.counters import BLOCK_OPS, EVENT_BATCHES, EVENTS_DROPPED, INGEST_DEFERRED, REPLAYS, SUBSCRIBER_RESTARTS
 from index.freshness import EngineFreshness
 from index.ingest import IngestStats
+from index.ingest_times import INGEST_PROCESS_TIMES, INGEST_TIMES, STEPS, IngestTimes
 from index.mask_table import KEY_LIMIT
 from index.tiers import source_of
 from index.view import CacheView
@@ -106,7 +108,7 @@ def _no_keys() -> np.ndarray:
 class Note:
     kind: str
     name: str
-    """The holder (s, r, c), the engine (i, z, e, g, l, x, p) or the counter (n)."""
+    """The holder (s, r, c), the engine (i, z, e, g, l, x, p), the counter (n) or the ingest step (t)."""
     hashes: np.ndarray = field(default_factory=_no_keys)
     """u64, read-only (a view of the message's frame): the index's compiled loops read it as it is."""
     keys: np.ndarray = field(default_factory=_no_keys)
@@ -156,7 +158,7 @@ def _note(item: Any, frames: Sequence[bytes]) -> Note:
     if not isinstance(item, list) or not item or not isinstance(item[0], str):
         raise NotesError("a note is not a list led by its kind")
     kind, args = item[0], item[1:]
-    arity = {"s": 3, "r": 2, "c": 1, "i": 3, "z": 1, "e": 3, "g": 1, "l": 2, "x": 1, "p": 1, "n": 3}.get(kind)
+    arity = {"s": 3, "r": 2, "c": 1, "i": 3, "z": 1, "e": 3, "g": 1, "l": 2, "x": 1, "p": 1, "n": 3, "t": 2}.get(kind)
     if arity is None or len(args) != arity:
         raise NotesError(f"an unknown note or one of the wrong size: {kind!r}")
     name = _text(args[0])
@@ -179,10 +181,18 @@ def _note(item: Any, frames: Sequence[bytes]) -> Note:
         if name not in FORWARDED_COUNTERS or not isinstance(labels, list) or not all(
                 isinstance(label, str) and len(label) <= 1024 for label in labels):
             raise NotesError("a counter note names no forwarded counter or has bad labels")
-        if not isinstance(amount, int | float) or isinstance(amount, bool) or not 0 <= amount < math.inf:
-            raise NotesError("a counter note's amount is not a finite non-negative number")
-        return Note(kind, name, labels=tuple(labels), number=amount)
+        return Note(kind, name, labels=tuple(labels), number=_amount(amount, "a counter note's amount"))
+    if kind == "t":
+        if name not in STEPS:
+            raise NotesError("a time note names no ingest step")
+        return Note(kind, name, number=_amount(args[1], "a time note's seconds"))
     return Note(kind, name)
+
+
+def _amount(value: Any, what: str) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value < math.inf:
+        raise NotesError(f"{what} is not a finite non-negative number")
+    return value
 
 
 class NotedFreshness(EngineFreshness):
@@ -250,6 +260,23 @@ class CounterDeltas:
         return found
 
 
+class TimeDeltas:
+    """The growth of this process's ingest times by step since the last call, as notes: the serving process
+    exports them as its ingest process's (``INGEST_PROCESS_TIMES``)."""
+
+    def __init__(self, times: IngestTimes = INGEST_TIMES) -> None:
+        self._times = times
+        self._seen = dict.fromkeys(STEPS, 0.0)
+
+    def notes(self) -> list[tuple[Any, ...]]:
+        found: list[tuple[Any, ...]] = []
+        for step, seconds in self._times.steps().items():
+            if seconds > self._seen[step]:
+                found.append(("t", step, seconds - self._seen[step]))
+                self._seen[step] = seconds
+        return found
+
+
 def apply_notes(notes: Sequence[Note], view: CacheView, sources: Callable[[str], bool],
                 applied: dict[str, int], now: float) -> set[str]:
     """Apply a worker message's notes to the serving side in order; returns the engines they touched.
@@ -274,6 +301,9 @@ def apply_notes(notes: Sequence[Note], view: CacheView, sources: Callable[[str],
         if kind == "n":
             with contextlib.suppress(ValueError):  # the wrong number of labels for that counter
                 FORWARDED_COUNTERS[note.name].labels(*note.labels).inc(note.number)
+            continue
+        if kind == "t":
+            INGEST_PROCESS_TIMES.add_steps({note.name: note.number})
             continue
         info = view.info(note.name)
         if info is None:

@@ -42,7 +42,7 @@ from events.feed import EngineFeed
 from events.ingest_budget import IngestBudget
 from events.socket_drain import readable
 from events.subscriber import SubscriberConfig
-from events.worker_notes import CounterDeltas, NotedFreshness, NotedView, encode_notes, split_notes
+from events.worker_notes import CounterDeltas, NotedFreshness, NotedView, TimeDeltas, encode_notes, split_notes
 from gateway.event_ingest import supervised
 from gateway.logs import setup_logging
 from gateway.startup_objects import freeze_startup_objects
@@ -110,6 +110,7 @@ class IngestWorker:
                                    full=lambda: self.ledger.noted_ops > MAX_NOTED_OPS)
         self.poller = config.poller(self.budget)
         self.counters = CounterDeltas()
+        self.times = TimeDeltas()
         self._scopes: dict[str, trio.CancelScope] = {}
 
     async def run(self) -> None:
@@ -170,13 +171,14 @@ class IngestWorker:
         self.view.unregister(engine)
 
     async def _flush(self) -> None:
-        """Send the notes once per tick (and the counters' growth once a second)."""
+        """Send the notes once per tick (and the counters' and ingest times' growth once a second)."""
         counted_at = trio.current_time()
         while True:
             await trio.sleep(self.config.tick_s)
             if trio.current_time() - counted_at >= COUNTERS_EVERY_S:
                 counted_at = trio.current_time()
                 self.notes.extend(self.counters.notes())
+                self.notes.extend(self.times.notes())
             if not self.notes:
                 continue
             notes = list(self.notes)

@@ -37,6 +37,7 @@ from events.worker_notes import Note, NotesError, apply_notes, decode_notes
 from gateway.event_ingest import EngineStream, EventIngest
 from gateway.ingest_worker import READY, WorkerSettings, control_endpoint, notes_endpoint, pair_socket, send
 from index.freshness import EngineFreshness
+from index.ingest_times import INGEST_TIMES, step_clock
 from index.tiers import TIER_MEDIA, tier_holder
 from index.view import CacheView
 from mesh.node import MeshNode
@@ -234,13 +235,17 @@ class ProcessIngest(EventIngest):
                     for feed in self._feeds():
                         feed.freshness.on_caught_up()
                     break
+                decoding = step_clock()
                 try:
                     decoded = decode_notes(frames)
                 except NotesError as exc:
                     raise WorkerFailed(f"notes: {exc}") from None
+                finally:
+                    INGEST_TIMES.decode_s += step_clock() - decoding
                 await self._let_first_tokens_pass(decoded)
-                began = trio.current_time()
+                began, applying = trio.current_time(), step_clock()
                 apply_notes(decoded, self.cache, self._sources.__contains__, self.applied, began)
+                INGEST_TIMES.applied_s += step_clock() - applying
                 budget.charge(trio.current_time(), trio.current_time() - began)
                 await trio.lowlevel.checkpoint()
 

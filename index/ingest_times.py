@@ -15,9 +15,12 @@ ingest."""
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 step_clock = time.perf_counter
+STEPS = ("decode", "keys", "store", "rest")
+"""The exported steps, in order."""
 
 
 @dataclass(slots=True)
@@ -35,8 +38,16 @@ class IngestTimes:
 
     def steps(self) -> dict[str, float]:
         """Seconds per exported step; ``store`` is what applying took beyond the keys."""
-        return {"decode": self.decode_s, "keys": self.keys_s, "store": max(0.0, self.applied_s - self.keys_s),
-                "rest": self.rest_s}
+        return dict(zip(STEPS, (self.decode_s, self.keys_s, max(0.0, self.applied_s - self.keys_s), self.rest_s),
+                        strict=True))
+
+    def add_steps(self, steps: Mapping[str, float]) -> None:
+        """Add seconds by exported step (what another process's ``steps`` grew by)."""
+        keys = steps.get("keys", 0.0)
+        self.decode_s += steps.get("decode", 0.0)
+        self.keys_s += keys
+        self.applied_s += keys + steps.get("store", 0.0)
+        self.rest_s += steps.get("rest", 0.0)
 
     def in_steps(self) -> float:
         """Decode and apply so far: a drain slice's rest is its time less what this grew by meanwhile."""
@@ -45,3 +56,6 @@ class IngestTimes:
 
 INGEST_TIMES = IngestTimes()
 """The process's sums: every feed and drain slice of the process adds to them."""
+INGEST_PROCESS_TIMES = IngestTimes()
+"""In a serving process whose ingest runs in a process of its own (``ingest_process = true``), what that process
+reported of its own (it notes the growth of its ``INGEST_TIMES``, events/worker_notes.py)."""

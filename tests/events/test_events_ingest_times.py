@@ -16,7 +16,7 @@ from events import socket_drain
 from events.feed import EngineFeed
 from events.ingest_budget import IngestBudget
 from index import ingest as ingest_module
-from index.ingest_times import INGEST_TIMES, IngestTimes
+from index.ingest_times import INGEST_PROCESS_TIMES, INGEST_TIMES, STEPS, IngestTimes
 from index.prefix_index import PrefixIndex
 from index.view import CacheView
 
@@ -88,14 +88,25 @@ def test_a_drain_slice_counts_each_moment_once(ticking):
     assert sum(times.steps().values()) == 11.0
 
 
+def _exported(process: str) -> dict[str, float | None]:
+    return {step: REGISTRY.get_sample_value("kvmesh_ingest_seconds_total", {"process": process, "step": step})
+            for step in STEPS}
+
+
 def test_the_process_sums_are_exported_by_step():
-    before = {step: REGISTRY.get_sample_value("kvmesh_ingest_seconds_total", {"step": step})
-              for step in ("decode", "keys", "store", "rest")}
-    assert before == INGEST_TIMES.steps()
+    before = _exported("serving")
+    assert before == INGEST_TIMES.steps() and _exported("ingest") == INGEST_PROCESS_TIMES.steps()
     view = CacheView(PrefixIndex())
     view.register(ENGINE, block_size=4, has_events=True)
     EngineFeed(ENGINE, "m", view).on_live(live_frames(0, [stored_map([5], None, [1, 2, 3, 4], 4)]), 0.0)
-    after = {step: REGISTRY.get_sample_value("kvmesh_ingest_seconds_total", {"step": step}) for step in before}
+    after = _exported("serving")
     assert after == INGEST_TIMES.steps()
-    assert after["decode"] > before["decode"] and after["keys"] > before["keys"]
+    assert after["decode"] > before["decode"] and after["keys"] > before["keys"]  # type: ignore[operator]
+
+
+def test_another_processs_steps_add_up_as_its_own_would():
+    times = IngestTimes()
+    times.add_steps({"decode": 1.0, "keys": 2.0, "store": 3.0, "rest": 4.0})
+    times.add_steps({"store": 0.5})
+    assert times.steps() == {"decode": 1.0, "keys": 2.0, "store": 3.5, "rest": 4.0}
 

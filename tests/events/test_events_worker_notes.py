@@ -14,11 +14,13 @@ from events.worker_notes import (
     NotedFreshness,
     NotedView,
     NotesError,
+    TimeDeltas,
     apply_notes,
     decode_notes,
     encode_notes,
     split_notes,
 )
+from index.ingest_times import INGEST_PROCESS_TIMES, IngestTimes
 from index.key_ledger import KeyLedger
 from index.prefix_index import PrefixIndex
 from index.tiers import TIER_MEDIA, tier_holder
@@ -126,6 +128,23 @@ def test_the_serving_index_built_from_notes_equals_ingest_on_its_own_loop(batche
     assert applied.get(ENGINE) == loop_feed.applied_seq()
 
 
+def test_the_ingest_processs_times_reach_the_serving_side_by_step_once():
+    """What the ingest process's steps grew by is noted once a second, and exported as its process's times."""
+    worker = IngestTimes()
+    deltas = TimeDeltas(worker)
+    assert deltas.notes() == []
+    worker.add_steps({"decode": 0.25, "keys": 0.5, "store": 1.0})
+    first = deltas.notes()
+    assert first == [("t", "decode", 0.25), ("t", "keys", 0.5), ("t", "store", 1.0)]
+    worker.add_steps({"rest": 0.125})
+    assert deltas.notes() == [("t", "rest", 0.125)]  # only what grew since
+    before = INGEST_PROCESS_TIMES.steps()
+    apply_notes(decode_notes(encode_notes(first)), _loop_side(), set().__contains__, {}, 1.0)
+    after = INGEST_PROCESS_TIMES.steps()
+    assert {step: after[step] - before[step] for step in after} == {"decode": 0.25, "keys": 0.5, "store": 1.0,
+                                                                    "rest": 0.0}
+
+
 def test_notes_of_an_engine_no_longer_ingested_change_nothing():
     ledger, feed = _worker_side()
     feed.on_live(live_frames(0, [_stored([1, 2], None, 0)]), 1.0)
@@ -149,6 +168,10 @@ def test_notes_of_an_engine_no_longer_ingested_change_nothing():
     [msgpack.packb([["n", "not_a_counter", [], 1]])],
     [msgpack.packb([["n", "kvmesh_event_replays", ["e0", "x"], float("nan")]])],
     [msgpack.packb([["c", ""]])],
+    [msgpack.packb([["t", "parse", 0.5]])],  # no such ingest step
+    [msgpack.packb([["t", "decode", -0.5]])],
+    [msgpack.packb([["t", "decode", float("inf")]])],
+    [msgpack.packb([["t", "decode"]])],
 ])
 def test_a_malformed_message_is_refused_whole(frames):
     with pytest.raises(NotesError):
