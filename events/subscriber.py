@@ -47,7 +47,8 @@ class SubscriberConfig:
     """The router's CURVE key pair, for sources that name a server key (events/curve.py)."""
     tick_s: float = 0.005
     """How often the process's LivePoller drains the sockets of engines that publish: the index is up to
-    this much later, and ingest wakes the loop at most this often while engines publish."""
+    this much later, and ingest wakes the loop at most this often while engines publish (while draining takes a
+    large share of each tick, ticks stretch up to four times this: ``events.live_poller.next_tick_s``)."""
     quiet_ticks: int = 20
     """Ticks in a row without a message after which a socket goes back to waiting on its FD."""
 

@@ -12,7 +12,7 @@ import zmq
 
 from events.feed import EngineFeed
 from events.ingest_budget import IngestBudget
-from events.live_poller import LivePoller, go_ahead
+from events.live_poller import LivePoller, go_ahead, next_tick_s
 from index.prefix_index import PrefixIndex
 from index.view import CacheView
 
@@ -285,4 +285,44 @@ async def test_a_batch_now_and_then_costs_one_check_not_a_tick_after_it_too(pair
             await until(lambda n=n: len(pairs[0].received) == n + 1)
             await trio.sleep(0.03)  # six ticks
         assert checks <= 14  # a check at the signal and an empty one at the next tick: 20
+        nursery.cancel_scope.cancel()
+
+
+def test_the_tick_stretches_while_draining_takes_a_large_share_of_it_and_shrinks_back():
+    base, most = 0.005, 0.02
+    tick = base
+    for expected in (0.01, 0.02, 0.02):  # drains of 40% of the tick: it doubles, up to the longest
+        tick = next_tick_s(tick, 0.4 * tick, base, most)
+        assert tick == pytest.approx(expected)
+    assert next_tick_s(tick, 0.15 * tick, base, most) == tick  # between the shares: it stays
+    for expected in (0.01, 0.005, 0.005):  # drains of 5% of the tick: it halves, down to the base
+        tick = next_tick_s(tick, 0.05 * tick, base, most)
+        assert tick == pytest.approx(expected)
+    with pytest.raises(ValueError):
+        LivePoller(IngestBudget(), tick_s=0.01, max_tick_s=0.005)
+
+
+async def test_a_heavy_stream_stretches_the_poller_tick_and_a_quiet_tick_resets_it(pairs):
+    """Each message costs its handler 3 ms, more than a quarter of a 5-ms tick, however fast the machine is; no
+    idle wake-up comes between messages (``idle_ticks``), so only handing over a silent socket makes a tick that
+    finds nothing."""
+    poller = LivePoller(IngestBudget(idle_share=1.0, share=1.0, burst_s=10.0), tick_s=0.005, quiet_ticks=100_000,
+                        idle_ticks=100_000)
+    pair, silent = pairs[0], pairs[1]
+
+    def heavy(frames: list[bytes]) -> None:
+        until_s = time.perf_counter() + 0.003
+        while time.perf_counter() < until_s:
+            pass
+        pair.handle(frames)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(poller.run)
+        nursery.start_soon(poller.hand_over, pair.sub, heavy, feed(), trio.current_time, go_ahead)
+        await until(lambda: poller.handed() == 1)
+        for n, tick in enumerate((0.01, 0.02, 0.02, 0.02)):  # doubled to the longest, and held there
+            pair.pub.send(b"m%d" % n)
+            await until(lambda n=n, tick=tick: len(pair.received) == n + 1 and poller.tick_now == pytest.approx(tick))
+        nursery.start_soon(poller.hand_over, silent.sub, silent.handle, feed(), trio.current_time, go_ahead)
+        await until(lambda: poller.tick_now == pytest.approx(0.005))  # a tick that found nothing: the base
         nursery.cancel_scope.cancel()
