@@ -55,6 +55,7 @@ from bench.scale_probes import (
     follow_all,
     probe_all,
     scrape,
+    scraped,
     wait_caught_up,
     wait_converged,
     wait_subscribed,
@@ -215,15 +216,11 @@ def _strain(before: list[_Reading], after: list[_Reading]) -> list[Strain]:
 
 async def _probed(client: HttpClient, reps: list[Replica], seconds: float) -> tuple[list[tuple[Latency, Latency]],
                                                                                        list[Strain]]:
-    """Idle chat and /ready latency through every replica, with what strained each meanwhile.
-
-    ``/metrics`` is scraped as often as while publishing: a scrape holds the replica's loop for a few ms,
-    and a burst measured with scrapes against an idle spell without them charged the scrapes to ingest."""
+    """Idle chat and /ready latency through every replica, with what strained each meanwhile, scraped as while
+    publishing (``scraped``)."""
     before = await _readings(client, reps)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(follow_all, client, reps, [[] for _ in reps])
+    async with scraped(client, reps):
         latency = await probe_all(client, reps, seconds)
-        nursery.cancel_scope.cancel()
     return latency, _strain(before, await _readings(client, reps))
 
 
@@ -271,13 +268,11 @@ async def _fill(client: HttpClient, pub: Publishers, reps: list[Replica], rate: 
 
 
 async def _idle_cpu(client: HttpClient, reps: list[Replica]) -> list[float]:
-    """Cores each replica uses doing nothing but its background polls and gossip, scraped as often as in the
-    windows it is set against: the bench's own scrapes (a few ms of the replica's loop each) are not ingest."""
+    """Cores each replica uses doing nothing but its background polls and gossip, scraped as in the windows it is
+    set against (``scraped``)."""
     cpu = [process_cpu(r.pid) for r in reps]
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(follow_all, client, reps, [[] for _ in reps])
+    async with scraped(client, reps):
         await trio.sleep(IDLE_CPU_S)
-        nursery.cancel_scope.cancel()
     return [(process_cpu(r.pid) - c) / IDLE_CPU_S for r, c in zip(reps, cpu, strict=True)]
 
 

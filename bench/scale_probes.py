@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import trio
 
@@ -47,6 +49,16 @@ async def follow_all(client: HttpClient, reps: list[Replica], scrapes: list[Scra
     async with trio.open_nursery() as nursery:
         for replica, into in zip(reps, scrapes, strict=True):
             nursery.start_soon(_follow, client, replica, into)
+
+
+@asynccontextmanager
+async def scraped(client: HttpClient, reps: list[Replica]) -> AsyncIterator[None]:
+    """Every replica's ``/metrics`` scraped as often as while publishing, for as long as the block runs (what the
+    scrapes read is dropped): an idle spell measured without them would charge them to ingest."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(follow_all, client, reps, [[] for _ in reps])
+        yield
+        nursery.cancel_scope.cancel()
 
 
 async def _probe(client: HttpClient, url: str, seconds: float) -> tuple[Latency, Latency]:

@@ -51,9 +51,9 @@ SHRINK_SHARE = 0.1
 
 def next_tick_s(tick_s: float, drained_s: float, base_s: float, most_s: float) -> float:
     """The tick after a drain of ``drained_s`` on a tick of ``tick_s``. A wake-up costs the loop the same however
-    few messages it finds (a bare trio sleep's wake-up cost 250-360 us of CPU on the machine the README measures
+    few messages it finds (a bare trio sleep's wake-up cost 250-380 us of CPU on the machine the README measures
     on), so while ingest takes a large share of the loop its ticks stretch: at 150k block ops/s, 20-ms ticks cost
-    5.55 us of CPU per op against 5.76-5.94 with 5-ms ones, the index 17 against 12-13 ms later at the median. A
+    5.55 us of CPU per op against 5.76-5.94 with 5-ms ones, the index 17 against 11.7-13.3 ms later at the median. A
     light stream's drains are short, so its ticks stay at the base and the index as fresh as before."""
     if drained_s >= STRETCH_SHARE * tick_s:
         return min(most_s, 2 * tick_s)
@@ -183,7 +183,7 @@ class LivePoller:
             ready = self._ready_at_tick()
             if not ready:
                 self.tick_now = self.tick_s  # after a quiet tick, the next message is drained a base tick later
-            if ready:
+            else:
                 with trio.move_on_after(self.tick_s):  # first tokens may go first, for one tick at most
                     for handed in ready:
                         try:
