@@ -83,7 +83,8 @@ def parser() -> argparse.ArgumentParser:
     routing.add_argument("--concurrency", type=_int_list, default=[1, 32], help="comma-separated")
     routing.add_argument("--policies", help="comma-separated (default kv_aware,round_robin,approximate; with --suite "
                          "also smg:cache_aware when smg is found); smg:POLICY runs that peer router (bench/peers.py), "
-                         "POLICY@REV kvmesh's router at git revision REV")
+                         "POLICY@REV kvmesh's router at git revision REV; with --suite a policy listed twice "
+                         "runs twice ('kv_aware #2'), and its second run is set against its first (noise floor)")
     routing.add_argument("--target", help="drive this OpenAI URL instead of starting routers")
     routing.add_argument("--label", default="target", help="row name for --target")
     routing.add_argument("--engine-metrics", nargs="*", default=[], help="engine URLs whose /metrics to diff")
@@ -201,6 +202,9 @@ def _suite(args: argparse.Namespace, log_dir: Path) -> int:
     print()
     print(f"suite seed {args.seed}, {len(runs)} shapes, policies {', '.join(e.label for e in todo)}")
     print(suite_report.format_overall(runs))
+    if reruns := suite_report.format_reruns(runs):
+        print()
+        print(reruns)
     plot = args.plot or log_dir / f"suite-{args.seed}.png"
     suite_report.plot(runs, plot)
     print(f"plot: {plot}")

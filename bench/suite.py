@@ -45,11 +45,15 @@ class Entry:
     replicas: int
     kill: bool = False
     """One replica is killed (SIGKILL) halfway through the run; the balancer moves on to the survivors."""
+    run: int = 1
+    """The policy's n-th entry: a policy listed again in ``--policies`` runs again on a fresh fleet of its own, so
+    the report can show how far one policy's rows move between two runs of the same shape (bench/suite_report.py
+    ``format_reruns``)."""
 
     @property
     def label(self) -> str:
         if self.replicas == 1:
-            return self.policy
+            return self.policy if self.run == 1 else f"{self.policy} #{self.run}"
         return f"{self.policy} x{self.replicas}>{self.replicas - 1}" if self.kill else f"{self.policy} x{self.replicas}"
 
 
@@ -64,8 +68,9 @@ def default_policies() -> list[str]:
 
 def entries(policies: list[str], mesh_policies: list[str], mesh_replicas: int, mesh_kill: bool = False) -> list[Entry]:
     """One router per policy; ``mesh_replicas`` meshed replicas of each mesh policy; with ``mesh_kill``, as many
-    again of which one is killed halfway (``kv_aware x3>2``)."""
-    out = [Entry(p, 1) for p in policies]
+    again of which one is killed halfway (``kv_aware x3>2``). A policy listed twice gets a second entry
+    (``round_robin #2``)."""
+    out = [Entry(p, 1, run=policies[:i].count(p) + 1) for i, p in enumerate(policies)]
     if mesh_replicas > 1:
         out += [Entry(p, mesh_replicas) for p in mesh_policies]
         if mesh_kill:

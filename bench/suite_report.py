@@ -122,8 +122,9 @@ class Overall:
     """Mean over shapes of its routers' CPU per request."""
 
 
-def overall(runs: list[ShapeRun], label: str) -> Overall:
-    mine = [(run.row(label), run.row(BASELINE)) for run in runs]
+def overall(runs: list[ShapeRun], label: str, base: str = BASELINE) -> Overall:
+    """``label``'s means over the shapes it ran on, its TTFTs against ``base``'s on each shape."""
+    mine = [(run.row(label), run.row(base)) for run in runs]
     pairs = [(r, b) for r, b in mine if r is not None]
     fractions = [fraction(r) for r, _ in pairs]
     xs = [ttft_ratios(r, b) for r, b in pairs]
@@ -146,6 +147,38 @@ def format_overall(runs: list[ShapeRun]) -> str:
             f"{o.label:<18} {o.shapes:>6} {_num(o.mean_fraction, 3):>9} {_num(o.min_fraction, 3):>8} "
             f"{_num(o.mean_hit, 3):>8} {_num(o.ttft_x[0]):>6} {_num(o.ttft_x[1]):>6} {_num(o.ttft_x[2]):>6} "
             f"{o.p90_worse:>6} {o.p99_worse:>9} {_ms(o.out_s, 1):>6} {_ms(o.router_cpu_s, 1):>6}"
+        )
+    return "\n".join(lines)
+
+
+def first_runs(runs: list[ShapeRun]) -> dict[str, str]:
+    """Each rerun entry's label (``round_robin #2``) and the label of its policy's first entry, when both ran."""
+    names = labels(runs)
+    out = {}
+    for label in names:
+        first, mark, number = label.rpartition(" #")
+        if mark and number.isdigit() and first in names:
+            out[label] = first
+    return out
+
+
+def format_reruns(runs: list[ShapeRun]) -> str:
+    """A policy run twice on each shape, its second run judged against its first as the targets judge kv_aware
+    against round robin and against one router: how far a row moves between two runs of the same code is the
+    floor under which no difference between policies means anything (empty without reruns)."""
+    pairs = first_runs(runs)
+    if not pairs:
+        return ""
+    head = (f"{'rerun':<18} {'of':<14} {'frac diff':>9} {'hit diff':>8} {'p50 x':>6} {'p90 x':>6} {'p99 x':>6} "
+            f"{'p90>1st':>7} {'p99>1.1x':>8}")
+    lines = ["each rerun against its policy's first run on the same shapes (diffs: rerun minus first)", head,
+             "-" * len(head)]
+    for label, first in pairs.items():
+        again, once = overall(runs, label, base=first), overall(runs, first)
+        lines.append(
+            f"{label:<18} {first:<14} {_num(again.mean_fraction - once.mean_fraction, 3):>9} "
+            f"{_num(again.mean_hit - once.mean_hit, 3):>8} {_num(again.ttft_x[0]):>6} {_num(again.ttft_x[1]):>6} "
+            f"{_num(again.ttft_x[2]):>6} {again.p90_worse:>7} {again.p99_worse:>8}"
         )
     return "\n".join(lines)
 

@@ -14,7 +14,17 @@ from bench import suite_shapes as shapes
 from bench.report import Row
 from bench.stats import RequestResult, summarize
 from bench.suite import Entry, chosen_shapes, entries, rotated
-from bench.suite_report import ShapeRun, format_overall, format_shapes, fraction, overall, plot, ttft_ratios, verdicts
+from bench.suite_report import (
+    ShapeRun,
+    format_overall,
+    format_reruns,
+    format_shapes,
+    fraction,
+    overall,
+    plot,
+    ttft_ratios,
+    verdicts,
+)
 from sim.profiles import get_profile
 
 A40 = get_profile("a40-qwen1.5b")
@@ -232,3 +242,25 @@ def test_a_shape_line_shows_the_routers_cpu_per_request_and_how_busy_the_machine
     runs = [_run(1, [kv, smg]), _run(2, [_row("kv_aware", 0.8, 0.8, rr)])]
     assert overall(runs, "kv_aware").router_cpu_s == pytest.approx(0.0046)  # a shape without it is left out
     assert format_overall(runs).splitlines()[-1].split()[-1] == "2.1"
+
+
+def test_a_policy_listed_twice_runs_again_and_its_rerun_is_set_against_its_first_run():
+    todo = entries(["kv_aware", "round_robin", "kv_aware", "round_robin"], ["kv_aware"], 3)
+    assert [e.label for e in todo] == ["kv_aware", "round_robin", "kv_aware #2", "round_robin #2", "kv_aware x3"]
+    assert format_reruns([_run(1, [_row("round_robin", 0.3, 0.8, [0.1, 0.2])])]) == ""
+    runs = [
+        _run(1, [_row("round_robin", 0.3, 0.8, [0.1, 0.2, 0.3, 0.4]), _row("kv_aware", 0.8, 0.8, [0.1, 0.1, 0.2, 0.3]),
+                 _row("round_robin #2", 0.3, 0.8, [0.1, 0.2, 0.35, 0.5]),
+                 _row("kv_aware #2", 0.72, 0.8, [0.1, 0.1, 0.2, 0.3])]),
+        _run(2, [_row("round_robin", 0.3, 0.6, [0.1, 0.2, 0.3, 0.4]), _row("kv_aware", 0.6, 0.6, [0.1, 0.1, 0.2, 0.3]),
+                 _row("round_robin #2", 0.3, 0.6, [0.1, 0.2, 0.3, 0.4]),
+                 _row("kv_aware #2", 0.6, 0.6, [0.1, 0.1, 0.25, 0.3])]),
+    ]
+    rerun = overall(runs, "round_robin #2", base="round_robin")
+    assert rerun.p90_worse == 1 and rerun.p99_worse == 1  # 0.35 > 0.3, and 0.5 > 1.1 x 0.4, on shape 1 only
+    lines = {line.split()[0] + " " + line.split()[1]: line.split() for line in format_reruns(runs).splitlines()[3:]}
+    assert lines["kv_aware #2"][2:5] == ["kv_aware", "-0.050", "-0.040"]  # fractions 0.9 and 1.0 against 1.0
+    assert lines["kv_aware #2"][-2:] == ["1", "0"]  # p90 0.25 over 0.2 on shape 2, p99 equal
+    assert lines["round_robin #2"][-2:] == ["1", "1"]
+    judged = [v.target for v in verdicts(runs)]
+    assert not any("#2" in target for target in judged)  # a rerun is the noise floor, not a judged entry
