@@ -80,6 +80,31 @@ def process_rss(pid: int) -> int:
     return int(_summed(pid, lambda p: rss_bytes(Path(f"/proc/{p}/statm").read_text())))
 
 
+THREAD_KINDS = ("zmq", "loop", "others")
+"""How ``thread_kind`` sorts a replica's threads: ZeroMQ's I/O threads, each process's main thread (its trio loop),
+and the rest (trio's worker threads: tokenizing, file and DNS work)."""
+
+
+def thread_kind(pid: int, tid: int, comm: str) -> str:
+    """A thread's kind (``THREAD_KINDS``) from its process, its id and its name (``/proc/PID/task/TID/comm``)."""
+    if comm.startswith("ZMQbg"):
+        return "zmq"
+    return "loop" if tid == pid else "others"
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds of the replica's process tree by kind of thread (``thread_kind``): where the CPU per op that
+    its ingest steps do not account for goes. Threads that ended took their seconds with them."""
+    out = dict.fromkeys(THREAD_KINDS, 0.0)
+    for member in process_tree(pid):
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{member}/task").iterdir():
+                with contextlib.suppress(OSError, ValueError):
+                    kind = thread_kind(member, int(task.name), (task / "comm").read_text().strip())
+                    out[kind] += cpu_seconds((task / "stat").read_text())
+    return out
+
+
 def run_wait_seconds(schedstats: Sequence[str]) -> float:
     """Seconds the threads waited in the kernel's run queue: a runnable process that got no core.
 

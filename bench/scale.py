@@ -38,6 +38,7 @@ from bench.replica_stats import (
     process_rss,
     process_run_wait,
     staleness,
+    thread_cpu,
 )
 from bench.scale_fleet import (
     MODEL,
@@ -179,6 +180,8 @@ class _Window:
     strain: list[Strain]
     ingest_s: list[dict[str, float]]
     """Per replica, the growth of its ingest seconds by step over the window."""
+    threads_s: list[dict[str, float]]
+    """Per replica, the CPU seconds its threads used over the window, by kind (``thread_cpu``)."""
 
 
 @dataclass
@@ -193,6 +196,7 @@ class _Reading:
     loop_lag: dict[float, float]
     pressure_s: float
     ingest_s: dict[str, float]
+    threads_s: dict[str, float]
 
 
 async def _readings(client: HttpClient, reps: list[Replica]) -> list[_Reading]:
@@ -200,7 +204,8 @@ async def _readings(client: HttpClient, reps: list[Replica]) -> list[_Reading]:
     for replica in reps:
         gauges = (await scrape(client, replica, timeout=PROBE_TIMEOUT_S))[1]
         out.append(_Reading(time.monotonic(), process_cpu(replica.pid), process_run_wait(replica.pid),
-                            gauges.block_ops, gauges.loop_lag, machine_cpu_pressure(), gauges.ingest_s))
+                            gauges.block_ops, gauges.loop_lag, machine_cpu_pressure(), gauges.ingest_s,
+                            thread_cpu(replica.pid)))
     return out
 
 
@@ -249,7 +254,8 @@ async def _publish(client: HttpClient, pub: Publishers, reps: list[Replica], rat
     pairs = list(zip(after, before, strict=True))
     return _Window(answer, [a.cpu_s - b.cpu_s for a, b in pairs], [a.block_ops - b.block_ops for a, b in pairs],
                    scrapes, latency, _strain(before, after),
-                   [{step: s - b.ingest_s.get(step, 0.0) for step, s in a.ingest_s.items()} for a, b in pairs])
+                   [{step: s - b.ingest_s.get(step, 0.0) for step, s in a.ingest_s.items()} for a, b in pairs],
+                   [{kind: s - b.threads_s.get(kind, 0.0) for kind, s in a.threads_s.items()} for a, b in pairs])
 
 
 async def _fill(client: HttpClient, pub: Publishers, reps: list[Replica], rate: float,
@@ -319,6 +325,7 @@ async def _phases(client: HttpClient, opts: ScaleOptions, pub: Publishers, reps:
             {step: 1e6 * s / ops for step, s in steady.ingest_s[i].items()} if ops and any(steady.ingest_s[i].values())
             else {},  # none: its ingest ran in a process of its own, whose times this process does not export
             burst.applied_ops[i] / burst.answer["seconds"],
+            {kind: 1e6 * s / ops for kind, s in steady.threads_s[i].items()} if ops else {},
         ))  # fmt: skip
     return results
 

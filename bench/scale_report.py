@@ -107,6 +107,8 @@ class ReplicaResult:
     empty when it reported none, as with its ingest in a process of its own)."""
     burst_applied_ops_per_s: float = math.nan
     """Block ops it applied in the burst, per second of it."""
+    thread_us: dict[str, float] = field(default_factory=dict)
+    """Its threads' CPU per block op applied in the steady window, by kind (``bench.replica_stats.THREAD_KINDS``)."""
 
     @property
     def net_us_per_op(self) -> float:
@@ -163,6 +165,8 @@ SPLIT: list[Column] = [
     *((step, 7, lambda r, step=step: _num(r.ingest_us.get(step, math.nan), 2)) for step in INGEST_STEPS),
     ("ingest", 7, lambda r: _num(r.ingest_us_per_op, 2)),
     ("outside", 7, lambda r: _num(r.outside_us_per_op, 2)),
+    ("zmq", 7, lambda r: _num(r.thread_us.get("zmq", math.nan), 2)),
+    ("others", 7, lambda r: _num(r.thread_us.get("others", math.nan), 2)),
     ("cpu", 7, lambda r: _num(r.cpu_us_per_op, 2)),
 ]
 SERVING: list[Column] = [
@@ -186,7 +190,8 @@ def format_tables(results: list[ReplicaResult]) -> str:
     return "\n".join([
         *_table("ingest (steady window; net us/op: without idle CPU; lag in ms)", CELL + INGEST, results),
         *_table("where each block op's time goes in place (steady window, us per op applied: the replica's own "
-                "ingest times by step; outside: its CPU per op less them)", CELL + SPLIT, results),
+                "ingest times by step; outside: its CPU per op less them, of which zmq: ZeroMQ's I/O threads, others: "
+                "threads besides those and the loop's)", CELL + SPLIT, results),
         *_table("after the burst (conv s: until equal to the publisher; counts over the cell)", CELL + CONVERGENCE,
                 results),
         *_table("serving through each replica (ms; burst = 2x the rate; lag: the replica's event-loop lag p99, "

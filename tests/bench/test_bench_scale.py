@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 
 import pytest
 import trio
+import zmq
 
 from bench.cli import main
 from bench.event_mix import MixEngine
@@ -21,6 +23,8 @@ from bench.replica_stats import (
     rss_bytes,
     run_wait_seconds,
     staleness,
+    thread_cpu,
+    thread_kind,
 )
 from bench.scale import add_arguments, options
 from bench.scale_fleet import EngineEndpoints, merged_answers, replica_config
@@ -84,6 +88,30 @@ def test_cpu_and_rss_from_proc_text():
     stat = "42 (python (x) y) S 1 2 3 4 5 6 7 8 9 10 250 50 0 0 20 0 1 0 100 1000 77"
     assert cpu_seconds(stat) == pytest.approx(300 / CLOCK_TICKS)
     assert rss_bytes("1000 77 5 0 0 0 0") == 77 * PAGE_SIZE
+
+
+def test_threads_are_told_apart_by_name_and_id():
+    assert thread_kind(40, 41, "ZMQbg/IO/0") == thread_kind(40, 42, "ZMQbg/Reaper") == "zmq"
+    assert thread_kind(40, 40, "python3") == "loop"
+    assert thread_kind(40, 43, "Trio thread 2") == "others"
+
+
+def test_a_process_cpu_is_split_by_its_threads():
+    """This process's main thread burns CPU beside a ZeroMQ context's I/O thread: the split charges it to the
+    loop, and no kind's seconds go backwards."""
+    context = zmq.Context()
+    try:
+        context.socket(zmq.PUB).close()  # a socket starts the context's I/O thread
+        before = thread_cpu(os.getpid())
+        started = time.thread_time()
+        while time.thread_time() - started < 0.05:
+            pass
+        after = thread_cpu(os.getpid())
+    finally:
+        context.term()
+    assert set(after) == {"zmq", "loop", "others"}
+    assert after["loop"] - before["loop"] >= 0.05 - 2 / CLOCK_TICKS
+    assert all(after[kind] >= before[kind] for kind in after)
 
 
 METRICS = """# HELP kvmesh_event_batches_total KV-event batches applied to the index
@@ -182,6 +210,7 @@ def _result(replicas, replica, cpu, rss_end=2_000_000, converge=1.0, unhealthy=0
         0.5, 3.0, burst_lag, True, converge, unhealthy, 1, 0, 0.5, Latency(10.0, 30.0, 300),
         Latency(12.0, burst_p99, 280), Latency(1.0, 2.0, 200), Latency(1.5, ready_p99, 190), Strain(2.5, 0.05, 0.1),
         Strain(10.0, 0.25, 0.6), {"decode": 2.0, "keys": 0.5, "store": 3.0, "rest": 0.5}, burst_applied,
+        {"zmq": 0.3, "loop": 9.5, "others": 0.2},
     )  # fmt: skip
     scale = rate / result.rate  # the same shares of what was published at another rate
     result.rate, result.published_ops_per_s, result.burst_ops_per_s = rate, 9_990.0 * scale, 19_000.0 * scale
@@ -224,7 +253,7 @@ def test_tables_show_every_replica():
     assert "    9.0   yes " in rows[4]
     assert " 19000      9990     10.00      8.00 " in rows[0]  # idle 2% of a core at ~10k ops/s is 2 us of each op
     # the split: decode, keys, store and rest sum to the ingest's 6 us; the other 4 (of 10) are outside it
-    assert rows[2].split()[3:] == ["2.00", "0.50", "3.00", "0.50", "6.00", "4.00", "10.00"]
+    assert rows[2].split()[3:] == ["2.00", "0.50", "3.00", "0.50", "6.00", "4.00", "0.30", "0.20", "10.00"]
     assert rows[6].split()[-2:] == ["2/5/10", "10/25/60"]
 
 
@@ -233,7 +262,7 @@ def test_a_replica_without_ingest_times_shows_no_split():
     result.ingest_us = {}
     assert math.isnan(result.ingest_us_per_op) and math.isnan(result.outside_us_per_op)
     split = [line for line in format_tables([result]).splitlines() if line.strip().startswith("1 ")][1]
-    assert split.split()[3:] == ["-"] * 6 + ["10.00"]
+    assert split.split()[3:] == ["-"] * 6 + ["0.30", "0.20", "10.00"]
 
 
 def test_kept_rates_name_the_highest_rate_each_window_kept_pace_with():
