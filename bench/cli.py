@@ -249,7 +249,7 @@ def _overhead(args: argparse.Namespace, log_dir: Path) -> int:
     for line in overhead_sweep.verdicts(blocks, args.sweep):
         print(line)
     plot = args.plot or log_dir / "overhead-sweep.png"
-    overhead_sweep.plot(blocks, args.sweep, plot)
+    overhead_sweep.plot(blocks, args.sweep, args.answer_tokens, plot)
     print(f"plot: {plot}")
     return 0
 

@@ -131,11 +131,14 @@ def system_prompt_requests(seed: int, count: int, user_words: int,
 def with_answer_lengths(cases: list[Case], lengths: list[int]) -> list[Case]:
     """Each case once per answer length, the default length under the case's own name and any other as
     ``NAME aN`` (N tokens): the same streams with longer answers show what a router pays per relayed token."""
-    return [case if n == ANSWER_TOKENS else replace(case, name=case.name + _answer_suffix(n), answer_tokens=n)
+    return [case if n == ANSWER_TOKENS else replace(case, name=case.name + answer_suffix(n), answer_tokens=n)
             for case in cases for n in dict.fromkeys(lengths)]
 
 
-def _answer_suffix(tokens: int) -> str:
+def answer_suffix(tokens: int) -> str:
+    """What a case's name gains for answers of ``tokens`` (none for the default length)."""
+    if tokens == ANSWER_TOKENS:
+        return ""
     return f" a{tokens}"
 
 
@@ -364,7 +367,7 @@ def format_answer_cost(blocks: list[Block], cases: list[Case]) -> str:
     for case in cases:
         if case.answer_tokens == ANSWER_TOKENS:
             continue
-        base = case.name.removesuffix(_answer_suffix(case.answer_tokens))
+        base = case.name.removesuffix(answer_suffix(case.answer_tokens))
         per_token: dict[str, float] = {}
         for path in dict.fromkeys(b.path for b in blocks if b.path != "engine"):
             long, short = path_blocks(blocks, case.name, path), path_blocks(blocks, base, path)

@@ -14,7 +14,7 @@ import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from bench.overhead import USER_WORDS, Block, Case, added_ms, path_blocks
+from bench.overhead import ANSWER_TOKENS, USER_WORDS, Block, Case, added_ms, answer_suffix, path_blocks
 from bench.runner import FleetSpec
 
 SWEEP = (16, 64, 128, 256)
@@ -81,6 +81,8 @@ def verdicts(blocks: list[Block], concurrencies: list[int]) -> list[str]:
     paths = {b.path for b in blocks}
     if PEER not in paths:
         return [f"no {PEER} in this run: targets not judged (install it and set SMG_BINARY)"]
+    if not any(b.case == f"c={c}" for b in blocks for c in concurrencies):
+        return [f"no {ANSWER_TOKENS}-token answers in this run: targets not judged (they are set at that length)"]
     lines = []
     for c in (c for c in concurrencies if c >= JUDGED_FROM):
         case = f"c={c}"
@@ -94,8 +96,9 @@ def verdicts(blocks: list[Block], concurrencies: list[int]) -> list[str]:
     return lines
 
 
-def plot(blocks: list[Block], concurrencies: list[int], path: Path) -> None:
-    """Added TTFT p50 (solid) and p90 (dashed) against concurrency, one colour per router."""
+def plot(blocks: list[Block], concurrencies: list[int], lengths: list[int], path: Path) -> None:
+    """Added TTFT p50 (solid) and p90 (dashed) against concurrency, one colour per router and one marker per answer
+    length."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -104,10 +107,11 @@ def plot(blocks: list[Block], concurrencies: list[int], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     routers = [p for p in dict.fromkeys(b.path for b in blocks) if p != "engine"]
     for i, router in enumerate(routers):
-        colour = f"C{i}"
-        for q, style in ((50, "-"), (90, "--")):
-            ys = [statistics.median(added_ms(blocks, f"c={c}", router, q)) for c in concurrencies]
-            ax.plot(concurrencies, ys, style, marker="o", color=colour, label=f"{router} p{q}")
+        for length, marker in zip(dict.fromkeys(lengths), "osD^v<>", strict=False):
+            suffix = answer_suffix(length)
+            for q, style in ((50, "-"), (90, "--")):
+                ys = [statistics.median(added_ms(blocks, f"c={c}{suffix}", router, q)) for c in concurrencies]
+                ax.plot(concurrencies, ys, style, marker=marker, color=f"C{i}", label=f"{router} p{q}{suffix}")
     ax.axhline(0, color="grey", linewidth=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xticks(concurrencies, [str(c) for c in concurrencies])

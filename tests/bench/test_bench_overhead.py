@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import subprocess
+from dataclasses import replace
 
 import pytest
 
@@ -15,6 +16,7 @@ from bench.overhead import (
     SYSTEM_WORDS,
     Block,
     Case,
+    answer_suffix,
     format_answer_cost,
     format_engine_view,
     format_revision_comparison,
@@ -135,8 +137,19 @@ def test_kvmesh_is_judged_against_smg_from_64_streams_up():
 
 
 def test_the_sweep_plot_is_written(tmp_path):
-    plot(_sweep(110), [16, 64], tmp_path / "sweep.png")
+    plot(_sweep(110), [16, 64], [16], tmp_path / "sweep.png")
     assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_sweep_of_long_answers_alone_is_plotted_and_not_judged(tmp_path):
+    """``--answer-tokens 256`` names every case ``c=N a256``: the plot draws those, and the targets, which are set
+    at the default answer length, are not judged (this crashed on an empty median)."""
+    long_answers = [replace(block, case=block.case + answer_suffix(256)) for block in _sweep(110)]
+    plot(long_answers, [16, 64], [256], tmp_path / "sweep.png")
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert verdicts(long_answers, [16, 64]) == [
+        "no 16-token answers in this run: targets not judged (they are set at that length)"]
+    assert answer_suffix(16) == "" and long_answers[0].case == "c=64 a256"
 
 
 @pytest.mark.integration
