@@ -73,8 +73,11 @@ from bench.scale_report import (
     verdicts,
 )
 from bench.stats import percentile
+from events.subscriber import SubscriberConfig
 
 IDLE_CPU_S = 2.0
+QUEUES_PER_ENGINE = 2
+"""A replica's sockets per engine that queue event messages: the live SUB and the replay DEALER."""
 FILL_STEP_S = 0.5
 DEFAULTS = {"replicas": "1,2,3", "rates": "10000,50000", "engines": 16, "cap": 65536, "steady_s": 20.0,
             "burst_s": 10.0, "probe_s": 10.0, "converge_timeout_s": 30.0}
@@ -182,6 +185,8 @@ class _Window:
     """Per replica, the growth of its ingest seconds by step over the window."""
     threads_s: list[dict[str, float]]
     """Per replica, the CPU seconds its threads used over the window, by kind (``thread_cpu``)."""
+    rss_at_end: list[int]
+    """Per replica, RSS as the window ended: with its queues as full as the window left them."""
 
 
 @dataclass
@@ -197,6 +202,7 @@ class _Reading:
     pressure_s: float
     ingest_s: dict[str, float]
     threads_s: dict[str, float]
+    rss: int
 
 
 async def _readings(client: HttpClient, reps: list[Replica]) -> list[_Reading]:
@@ -205,7 +211,7 @@ async def _readings(client: HttpClient, reps: list[Replica]) -> list[_Reading]:
         gauges = (await scrape(client, replica, timeout=PROBE_TIMEOUT_S))[1]
         out.append(_Reading(time.monotonic(), process_cpu(replica.pid), process_run_wait(replica.pid),
                             gauges.block_ops, gauges.loop_lag, machine_cpu_pressure(), gauges.ingest_s,
-                            thread_cpu(replica.pid)))
+                            thread_cpu(replica.pid), process_rss(replica.pid)))
     return out
 
 
@@ -255,7 +261,8 @@ async def _publish(client: HttpClient, pub: Publishers, reps: list[Replica], rat
     return _Window(answer, [a.cpu_s - b.cpu_s for a, b in pairs], [a.block_ops - b.block_ops for a, b in pairs],
                    scrapes, latency, _strain(before, after),
                    [{step: s - b.ingest_s.get(step, 0.0) for step, s in a.ingest_s.items()} for a, b in pairs],
-                   [{kind: s - b.threads_s.get(kind, 0.0) for kind, s in a.threads_s.items()} for a, b in pairs])
+                   [{kind: s - b.threads_s.get(kind, 0.0) for kind, s in a.threads_s.items()} for a, b in pairs],
+                   [a.rss for a in after])
 
 
 async def _fill(client: HttpClient, pub: Publishers, reps: list[Replica], rate: float,
@@ -271,6 +278,14 @@ async def _fill(client: HttpClient, pub: Publishers, reps: list[Replica], rate: 
         await wait_caught_up(client, reps, timeline, seen)
         if answer["full"]:
             return
+
+
+def queued_bytes_bound(engines: int, answer: dict) -> float:
+    """What a replica's event queues may hold at most, at the mean message size a publishing window sent: each
+    engine's live and replay sockets keep ``SubscriberConfig.rcvhwm`` messages each (``events/subscriber.py``)."""
+    messages = sum(len(times) for times in answer["times"])
+    mean_bytes = answer["bytes"] / messages if messages else 0.0
+    return engines * QUEUES_PER_ENGINE * SubscriberConfig().rcvhwm * mean_bytes
 
 
 async def _idle_cpu(client: HttpClient, reps: list[Replica]) -> list[float]:
@@ -308,6 +323,7 @@ async def _phases(client: HttpClient, opts: ScaleOptions, pub: Publishers, reps:
         for i in range(len(reps)):
             nursery.start_soon(converge, i)
     rss_after_burst = [process_rss(r.pid) for r in reps]
+    queue_bound = queued_bytes_bound(len(ids), burst.answer)
     results = []
     for i in range(len(reps)):
         ops = steady.applied_ops[i]
@@ -326,6 +342,7 @@ async def _phases(client: HttpClient, opts: ScaleOptions, pub: Publishers, reps:
             else {},  # none: its ingest ran in a process of its own, whose times this process does not export
             burst.applied_ops[i] / burst.answer["seconds"],
             {kind: 1e6 * s / ops for kind, s in steady.threads_s[i].items()} if ops else {},
+            burst.rss_at_end[i] - rss_end[i], queue_bound,
         ))  # fmt: skip
     return results
 

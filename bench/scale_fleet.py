@@ -199,7 +199,7 @@ def merged_answers(answers: list[dict[str, Any]]) -> dict[str, Any]:
             "full": all(a["full"] for a in answers), "seconds": seconds,
             "ops_per_s": ops / seconds if seconds > 0 else 0.0, "behind_s": max(a["behind_s"] for a in answers),
             "first_seq": [seq for a in answers for seq in a["first_seq"]],
-            "times": [times for a in answers for times in a["times"]]}
+            "times": [times for a in answers for times in a["times"]], "bytes": sum(a["bytes"] for a in answers)}
 
 
 @asynccontextmanager

@@ -77,7 +77,7 @@ class Fleet:
         pacer = Pacer(rate, start)
         times: list[list[float]] = [[] for _ in self.engines]
         first_seq = [p.seq for p in self.publishers]
-        ops = stored = removed = 0
+        ops = stored = removed = sent_bytes = 0
         behind = 0.0
         while True:
             now = time.monotonic()
@@ -94,6 +94,7 @@ class Fleet:
             else:
                 i, batch = self._generate()
                 self.publishers[i].publish(batch.payload)
+            sent_bytes += len(batch.payload)
             times[i].append(round(time.monotonic(), 5))
             ops, stored, removed = ops + batch.ops, stored + batch.stored, removed + batch.removed
             if sum(map(len, times)) % CHECKPOINT_BATCHES == 0:
@@ -101,7 +102,7 @@ class Fleet:
         elapsed = time.monotonic() - start
         return {"ops": ops, "stored": stored, "removed": removed, "full": self.full, "seconds": elapsed,
                 "ops_per_s": ops / elapsed if elapsed > 0 else 0.0, "behind_s": behind,
-                "first_seq": first_seq, "times": times}
+                "first_seq": first_seq, "times": times, "bytes": sent_bytes}
 
     @property
     def full(self) -> bool:

@@ -26,7 +26,7 @@ from bench.replica_stats import (
     thread_cpu,
     thread_kind,
 )
-from bench.scale import add_arguments, options
+from bench.scale import add_arguments, options, queued_bytes_bound
 from bench.scale_fleet import EngineEndpoints, merged_answers, replica_config
 from bench.scale_report import (
     Latency,
@@ -246,6 +246,27 @@ def test_verdicts_fail_on_cost_growth_memory_slow_serving_and_no_convergence():
                       "replication lag p99 during the 2x burst"}
 
 
+def test_an_overload_burst_is_judged_on_its_memory_bound_and_a_longer_convergence():
+    """At 150k the burst is 300k, over what a replica must keep while serving: its lag is not judged, its RSS
+    growth is held to its event queues' bound and its convergence to 10 s instead of 5."""
+    def overloaded(converge, growth):
+        result = _result(1, 0, 5.0, rate=150_000.0, burst_lag=4_000.0, converge=converge)
+        result.burst_rss_growth, result.queue_bound_bytes = growth, 300e6
+        return result
+
+    judged = {v.target: v for v in verdicts([overloaded(7.0, 100e6)])}
+    assert not any(target.startswith("replication lag") for target in judged)
+    assert judged["RSS growth in an overload burst (over 150,000 ops/s) / its event queues' bound (x)"].passed
+    assert judged["convergence on the publisher's live set after an overload burst (s)"].passed
+    judged = {v.target: v for v in verdicts([overloaded(11.0, 400e6)])}
+    assert not judged["RSS growth in an overload burst (over 150,000 ops/s) / its event queues' bound (x)"].passed
+    assert "400 MB against 300 MB" in judged[
+        "RSS growth in an overload burst (over 150,000 ops/s) / its event queues' bound (x)"].line()
+    assert not judged["convergence on the publisher's live set after an overload burst (s)"].passed
+    sustained = {v.target for v in verdicts([_result(1, 0, 5.0, rate=75_000.0, converge=7.0)]) if not v.passed}
+    assert "convergence on the publisher's live set after the burst, up to 150,000 ops/s (s)" in sustained
+
+
 def test_tables_show_every_replica():
     text = format_tables([_result(1, 0, 10.0), _result(2, 1, 11.0, converge=math.inf)])
     rows = [line for line in text.splitlines() if line.strip().startswith(("1 ", "2 "))]
@@ -312,13 +333,15 @@ def test_quick_sets_defaults_that_explicit_flags_override():
 
 def test_publishers_answers_merge_in_engine_order():
     first = {"ops": 10, "stored": 6, "removed": 4, "full": True, "seconds": 2.0, "ops_per_s": 5.0, "behind_s": 0.1,
-             "first_seq": [0, 3], "times": [[1.0], [1.5]]}
+             "first_seq": [0, 3], "times": [[1.0], [1.5]], "bytes": 900}
     second = {"ops": 30, "stored": 20, "removed": 10, "full": False, "seconds": 2.5, "ops_per_s": 12.0,
-              "behind_s": 0.4, "first_seq": [7], "times": [[2.0, 2.1]]}
+              "behind_s": 0.4, "first_seq": [7], "times": [[2.0, 2.1]], "bytes": 2100}
     merged = merged_answers([first, second])
     assert merged["ops"] == 40 and merged["stored"] == 26 and merged["removed"] == 14 and not merged["full"]
     assert merged["seconds"] == 2.5 and merged["ops_per_s"] == 16.0 and merged["behind_s"] == 0.4
     assert merged["first_seq"] == [0, 3, 7] and merged["times"] == [[1.0], [1.5], [2.0, 2.1]]
+    # 3,000 bytes in 4 messages: 750 B each, in two queues of 1,000 messages per engine, three engines
+    assert queued_bytes_bound(3, merged) == 3 * 2 * 1_000 * 750
     state = merged_answers([{"engines": [{"blocks": 1}]}, {"engines": [{"blocks": 2}, {"blocks": 3}]}])
     assert [e["blocks"] for e in state["engines"]] == [1, 2, 3]
 
@@ -345,6 +368,7 @@ def test_a_prepared_run_sends_every_prepared_batch_restamped_and_leaves_the_live
     before = time.time()
     sent = trio.run(prepared.publish, 1e9, 0.0)  # no time at all: it still sends everything prepared
     assert sent["ops"] == answer["prepared_ops"] and sum(map(len, sent["times"])) == answer["batches"]
+    assert sent["bytes"] == sum(len(payload) for recorder in prepared.publishers for payload in recorder.payloads)
     expected: list[list[bytes]] = [[], []]
     for _ in range(answer["batches"]):
         i, batch = twin._generate()
