@@ -42,32 +42,62 @@ def test_work_admitted_never_exceeds_share_of_elapsed_time_plus_one_burst_and_sl
 
 
 def test_settings_are_checked():
-    for bad in ({"share": 0}, {"share": 1.5}, {"idle_share": 0}, {"burst_s": 0}, {"slice_s": -1}):
+    for bad in ({"share": 0}, {"share": 1.5}, {"idle_share": 0}, {"burst_s": 0}, {"slice_s": -1},
+                {"share": 0.9, "idle_share": 0.5}, {"raise_step": 0}):
         with pytest.raises(ValueError):
             IngestBudget(**bad)
 
 
-def test_ingest_takes_more_of_the_loop_only_while_the_loop_runs_on_time():
-    budget = IngestBudget(share=0.5, idle_share=0.9, burst_s=0.005, lag_target_s=0.005, hold_s=1.0)
+def test_while_serving_the_share_climbs_on_time_and_halves_when_late():
+    budget = IngestBudget(share=0.3, idle_share=0.9, burst_s=0.005, lag_target_s=0.005, raise_step=0.1)
+    assert budget.share_now(0.0) == 0.3  # nobody watches the loop yet: the low share
     budget.charge(0.0, 0.014)  # 0.009 s of debt
-    assert budget.wait_s(0.0) == pytest.approx(0.018, abs=1e-3)  # nobody watches the loop: the low share
-    budget.observe_lag(0.0, 0.001)
-    assert budget.wait_s(0.0) == pytest.approx(0.010, abs=1e-3)  # on time: the loop's idle time
-    budget.observe_lag(0.01, 0.02)
-    assert budget.wait_s(0.01) == pytest.approx(0.008, abs=1e-3)  # late: the low share (idle: no wait)...
-    budget.observe_lag(0.9, 0.001)
-    assert not budget.headroom(0.9)  # ...held for a second after the last late wake-up
-    budget.observe_lag(1.02, 0.001)
-    assert budget.headroom(1.02) and not budget.headroom(1.5)  # and only while readings are fresh
+    assert budget.wait_s(0.0) == pytest.approx(0.030, abs=1e-3)
+    for i in range(10):
+        budget.observe_lag(i * 0.05, 0.001)
+    assert budget.share_now(0.45) == pytest.approx(0.9)  # on time: up to the idle share, a step a reading
+    assert budget.wait_s(0.45) == 0.0
+    budget.charge(0.45, 0.014)  # the same debt again...
+    assert budget.wait_s(0.45) == pytest.approx(0.010, abs=1e-3)  # ...repaid at 0.9 of the loop
+    budget.observe_lag(0.5, 0.02)
+    assert budget.share_now(0.5) == pytest.approx(0.45)  # one late wake-up halves it...
+    budget.observe_lag(0.55, 0.001)
+    assert budget.share_now(0.55) == pytest.approx(0.55)  # ...and the next on-time one climbs again
+    for i in range(5):
+        budget.observe_lag(0.6 + i * 0.05, 0.03)
+    assert budget.share_now(0.8) == 0.3  # late again and again: the low share, never less
+    assert budget.share_now(0.8 + 0.3) == 0.3  # readings gone stale vouch for nothing
+
+
+@given(st.lists(st.floats(0, 0.05), min_size=1, max_size=100))
+def test_the_serving_share_stays_between_its_bounds_and_falls_with_every_late_reading(lags):
+    budget = IngestBudget(share=0.3, idle_share=0.9)
+    for i, lag in enumerate(lags):
+        before = budget.share_now(i * 0.05) if i else budget.share
+        budget.observe_lag(i * 0.05, lag)
+        after = budget.share_now(i * 0.05)
+        assert 0.3 <= after <= 0.9
+        assert after < before or after == 0.3 if lag > budget.lag_target_s else after >= before
+
+
+def test_one_late_reading_in_twenty_leaves_most_of_the_idle_share():
+    """Continuous chat makes the odd reading late on its own: ingest keeps most of the loop's idle time, where a
+    second at the low share after each late reading kept it at 0.3 throughout."""
+    budget = IngestBudget(share=0.3, idle_share=0.9)
+    shares = []
+    for i in range(200):
+        budget.observe_lag(i * 0.05, 0.012 if i % 20 == 19 else 0.001)
+        shares.append(budget.share_now(i * 0.05))
+    assert sum(shares[40:]) / len(shares[40:]) > 0.75
 
 
 def test_ingest_takes_the_idle_share_whenever_no_request_is_in_flight():
     serving = [True]
     budget = IngestBudget(share=0.5, idle_share=0.9, burst_s=0.005, serving=lambda: serving[0])
     budget.observe_lag(0.0, 0.2)  # a machine with no core free: the loop is late whatever it does
-    assert not budget.headroom(0.0)
+    assert budget.share_now(0.0) == 0.5
     serving[0] = False
-    assert budget.headroom(0.0)
+    assert budget.share_now(0.0) == 0.9
 
 
 async def test_the_time_ingest_waits_for_the_budget_is_counted_as_waited(autojump_clock):
