@@ -94,7 +94,8 @@ def thread_kind(pid: int, tid: int, comm: str) -> str:
 
 def thread_cpu(pid: int) -> dict[str, float]:
     """CPU seconds of the replica's process tree by kind of thread (``thread_kind``): where the CPU per op that
-    its ingest steps do not account for goes. Threads that ended took their seconds with them."""
+    its ingest steps do not account for goes. Threads that ended took their seconds with them (a window's growth
+    of a kind is then shown as no less than zero)."""
     out = dict.fromkeys(THREAD_KINDS, 0.0)
     for member in process_tree(pid):
         with contextlib.suppress(OSError):
