@@ -261,7 +261,8 @@ async def _publish(client: HttpClient, pub: Publishers, reps: list[Replica], rat
     return _Window(answer, [a.cpu_s - b.cpu_s for a, b in pairs], [a.block_ops - b.block_ops for a, b in pairs],
                    scrapes, latency, _strain(before, after),
                    [{step: s - b.ingest_s.get(step, 0.0) for step, s in a.ingest_s.items()} for a, b in pairs],
-                   [{kind: max(0.0, s - b.threads_s.get(kind, 0.0)) for kind, s in a.threads_s.items()} for a, b in pairs],
+                   [{kind: max(0.0, s - b.threads_s.get(kind, 0.0)) for kind, s in a.threads_s.items()}
+                    for a, b in pairs],
                    [a.rss for a in after])
 
 
