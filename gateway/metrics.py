@@ -70,6 +70,9 @@ class RouterMetrics:
         self.loop_lag = Histogram("kvmesh_event_loop_lag_seconds", "How late the router's event loop woke a "
                                   "task that asked to run (what every request and health poll waited then)",
                                   buckets=LOOP_LAG_BUCKETS, registry=r)
+        self.ingest_share = Gauge("kvmesh_ingest_share", "Share of the event loop KV-event ingest may take now "
+                                  "(the idle share while no request is in flight; while serving, moved by the "
+                                  "loop's lag)", registry=r)
         self.gc_pause = Histogram("kvmesh_gc_pause_seconds", "How long each cyclic garbage collection held the "
                                   "router process, by generation (2: a full walk of what it made since start-up)",
                                   ["generation"], buckets=LOOP_LAG_BUCKETS, registry=r)

@@ -81,7 +81,9 @@ class Replica:
     def observe_loop_lag(self, lag_s: float) -> None:
         """The loop's lag is both a metric and ingest's headroom signal (events/ingest_budget.py)."""
         self.metrics.loop_lag.observe(lag_s)
-        self.ingest.budget.observe_lag(trio.current_time(), lag_s)
+        now = trio.current_time()
+        self.ingest.budget.observe_lag(now, lag_s)
+        self.metrics.ingest_share.set(self.ingest.budget.share_now(now))
 
     async def leave(self) -> None:
         await leave_mesh(self.mesh)
