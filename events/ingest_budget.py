@@ -11,9 +11,9 @@ down to ``share``. Keying on "a request is in flight" alone capped ingest at 0.3
 continuous traffic, however idle the loop was (70k block ops/s on a replica that had most of a core free);
 keying on the lag alone starved ingest on a machine with no core free, where the lag is the machine's (6.5k of
 10k block ops/s applied in a window without chat). Dropping to ``share`` for a second after any late reading
-(the rule before this one) kept ingest at 0.3 under continuous chat, whose own requests make one reading in
-twenty late: a replica applied 44% of 150k block ops/s in a minute of chat while it waited for a core 12% of
-the time and its chat p99 was 1.24x idle's.
+(the rule before this one) kept ingest at 0.3 under continuous chat, whose own requests make readings late (its
+loop-lag p99 was 10-25 ms with no events published): a replica applied 44% of 150k block ops/s in a minute of
+chat while it waited for a core 12% of the time and its chat p99 was 1.24x idle's.
 When the bucket is empty, subscribers wait: messages queue in ZMQ (and past its high-water mark are
 dropped there, which the seq tracker sees as a gap to replay or count lost) and the engine's confidence
 falls, so routing leans on load until ingest catches up. ``burst_s`` bounds how long a request can wait
@@ -50,7 +50,7 @@ class IngestBudget:
     ``idle_share`` in about 0.6 s)."""
     fresh_s: float = 0.25
     """Lag readings older than this do not vouch for headroom (nobody watching: the lower share)."""
-    serving_share: float = 0.3
+    serving_share: float = field(init=False)
     """The share while requests are served, moved by the lag readings between ``share`` and ``idle_share``."""
     observed_at: float = -math.inf
     tokens: float = 0.003

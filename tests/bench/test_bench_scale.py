@@ -109,7 +109,6 @@ def test_a_process_cpu_is_split_by_its_threads():
         after = thread_cpu(os.getpid())
     finally:
         context.term()
-    assert set(after) == {"zmq", "loop", "others"}
     assert after["loop"] - before["loop"] >= 0.05 - 2 / CLOCK_TICKS
     assert all(after[kind] >= before[kind] for kind in after)
 

@@ -73,7 +73,7 @@ def test_while_serving_the_share_climbs_on_time_and_halves_when_late():
 def test_the_serving_share_stays_between_its_bounds_and_falls_with_every_late_reading(lags):
     budget = IngestBudget(share=0.3, idle_share=0.9)
     for i, lag in enumerate(lags):
-        before = budget.share_now(i * 0.05) if i else budget.share
+        before = budget.share_now(i * 0.05)  # the first reading's before: no reading yet, the low share
         budget.observe_lag(i * 0.05, lag)
         after = budget.share_now(i * 0.05)
         assert 0.3 <= after <= 0.9
