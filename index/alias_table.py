@@ -4,7 +4,8 @@ The alias map holds one entry per block an engine caches: with dicts the index t
 held, with these tables 113 (``kvmesh bench index``, 1M blocks). Two u64 words at a load factor of
 0.45-0.65 cost 25-36 bytes per entry. The map is only
 touched when events arrive, never on the routing lookup, so single operations probe in Python; growing
-re-inserts every entry at once with numpy so a million-block engine does not pause the event loop.
+re-inserts every entry in one compiled loop (index/alias_words.py) so a million-block engine does not pause the
+event loop.
 
 Slots come from multiplying the key by a secret odd number chosen per table, so an engine that sends
 crafted hashes cannot pile them onto one probe chain.
@@ -19,6 +20,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from index.alias_words import reinsert_live
 
 _U64 = (1 << 64) - 1
 _EMPTY = 0
@@ -193,16 +196,7 @@ class AliasTable:
 
     def _rebuild(self, incoming: int = 0) -> None:
         """Re-insert the live entries into a table they (and ``incoming`` more) fill to ``_REBUILT_LOAD``,
-        dropping tombstones.
-
-        Which slots linear probing fills does not depend on the order of insertion, so the entries are
-        placed all at once: sorted by home, entry i goes to ``max(home_i, place_{i-1} + 1)``, a running
-        maximum. The table is circular, so the run starts just after a slot that stays empty: past the
-        table's end the m overflowing entries wrap into the first m free slots, so the (m+1)-th free slot
-        of the unwrapped placement is free in the real one. Every entry then finds all slots between its
-        home and its place occupied, as lookups expect. Placing rounds of pending entries (the previous
-        way) cost ~0.4 us of CPU per block op on the realistic mix, where rebuilds sweep tombstones.
-        """
+        dropping tombstones."""
         self.adopt(self.rebuilt(incoming))
 
     def rebuilds_soon(self, min_slots: int) -> bool:
@@ -212,41 +206,15 @@ class AliasTable:
 
     def rebuilt(self, incoming: int = 0) -> RebuiltAliases:
         """The words of ``_rebuild(incoming)``, built without changing this table: it only reads it, so it may
-        run in a worker thread while the event loop reads the table too (never while it writes it)."""
-        live = self._pairs()
-        size = max(_MIN_SIZE, math.ceil((len(live) + incoming) / _REBUILT_LOAD))
+        run in a worker thread while the event loop reads the table too (never while it writes it). The
+        compiled loop (index/alias_words.py) releases the GIL, so that thread does not hold the loop."""
+        size = max(_MIN_SIZE, math.ceil((self._live + incoming) / _REBUILT_LOAD))
         words = array("Q", (0,)) * (2 * size)
-        if len(live):
-            with np.errstate(over="ignore"):
-                homes = (((live[:, 0] * np.uint64(self._multiplier)) >> np.uint64(32)) * np.uint64(size)
-                         >> np.uint64(32))
-            order, places = placements(homes.astype(np.int64), size)
-            np.frombuffer(words, dtype=np.uint64).reshape(-1, 2)[places] = live[order]
-        return RebuiltAliases(size, words, len(live))
+        live = reinsert_live(self.word_view(), np.uint64(self._multiplier), np.frombuffer(words, dtype=np.uint64),
+                             size)
+        return RebuiltAliases(size, words, live)
 
     def adopt(self, rebuilt: RebuiltAliases) -> None:
         """Take the words ``rebuilt`` from this table's current entries."""
         self._words, self._size = rebuilt.words, rebuilt.size
         self._live = self._used = rebuilt.live
-
-
-def placements(homes: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(entry order, slot of each entry in that order) where inserting entries one by one with circular
-    linear probing from ``homes`` in a table of ``size`` empty slots would put them (see
-    ``AliasTable._rebuild``)."""
-    order, places = _placed(homes)
-    overflow = int((places >= size).sum())
-    if overflow:
-        free = np.ones(size, dtype=bool)
-        free[places[places < size]] = False
-        start = int(np.flatnonzero(free)[overflow]) + 1
-        order, places = _placed((homes - start) % size)
-        places = (places + start) % size
-    return order, places
-
-
-def _placed(homes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Linear probing without wrap-around, at once: (entry order, slot of each entry in that order)."""
-    order = np.argsort(homes, kind="stable")
-    rank = np.arange(len(homes))
-    return order, rank + np.maximum.accumulate(homes[order] - rank)

@@ -14,9 +14,14 @@ from typing import Any
 import numba
 
 
-def compiled(function: Callable[..., Any]) -> Callable[..., Any]:
+def compiled(function: Callable[..., Any], nogil: bool = False) -> Callable[..., Any]:
     """``numba.njit`` with its disk cache where one can be written."""
     try:
-        return numba.njit(cache=True)(function)
+        return numba.njit(cache=True, nogil=nogil)(function)
     except RuntimeError:  # "cannot cache function ...: no locator available"
-        return numba.njit(function)
+        return numba.njit(nogil=nogil)(function)
+
+
+def compiled_without_gil(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled``, releasing the GIL while it runs: for a loop a worker thread runs beside the event loop."""
+    return compiled(function, nogil=True)

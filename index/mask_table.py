@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from index.alias_table import placements
 from index.compiled import compiled
 
 KEY_LIMIT = 1 << 63
@@ -357,7 +356,7 @@ class MaskTable:
 
     def regrown(self, entries: int) -> Regrown:
         """The live entries re-placed in the smallest power-of-two table that ``entries`` fill to at most
-        ``_MAX_LOAD``, all at once with numpy (see ``alias_table.placements``). It only reads this table, so it
+        ``_MAX_LOAD``, all at once with numpy (``placements``). It only reads this table, so it
         may run in a worker thread while the event loop reads the table too (never while it writes it)."""
         codes = np.frombuffer(self._codes, dtype=np.uint64)
         live = np.flatnonzero(codes)
@@ -382,3 +381,30 @@ class MaskTable:
 
     def _rebuild(self, entries: int) -> None:
         self.adopt(self.regrown(entries))
+
+
+def placements(homes: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(entry order, slot of each entry in that order) where inserting entries one by one with circular
+    linear probing from ``homes`` in a table of ``size`` empty slots would put them.
+
+    Which slots linear probing fills does not depend on the order of insertion, so the entries are placed all at
+    once: sorted by home, entry i goes to ``max(home_i, place_{i-1} + 1)``, a running maximum. The table is
+    circular, so the run starts just after a slot that stays empty: past the table's end the m overflowing
+    entries wrap into the first m free slots, so the (m+1)-th free slot of the unwrapped placement is free in the
+    real one. Every entry then finds all slots between its home and its place occupied, as lookups expect."""
+    order, places = _placed(homes)
+    overflow = int((places >= size).sum())
+    if overflow:
+        free = np.ones(size, dtype=bool)
+        free[places[places < size]] = False
+        start = int(np.flatnonzero(free)[overflow]) + 1
+        order, places = _placed((homes - start) % size)
+        places = (places + start) % size
+    return order, places
+
+
+def _placed(homes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Linear probing without wrap-around, at once: (entry order, slot of each entry in that order)."""
+    order = np.argsort(homes, kind="stable")
+    rank = np.arange(len(homes))
+    return order, rank + np.maximum.accumulate(homes[order] - rank)

@@ -21,17 +21,12 @@ from collections.abc import Container, Iterable, Sequence
 import numpy as np
 
 from index.alias_table import AliasTable
+from index.alias_words import alias_home
 from index.compiled import compiled
 from index.mask_table import WIDE, MaskTable, mask_slot
 
 _KEY_LIMIT = 1 << 63
 _NO_SKIP = np.zeros(0, dtype=np.uint8)
-
-
-@compiled
-def alias_home(stored: np.uint64, multiplier: np.uint64, size: np.uint64) -> int:
-    """The word of the home slot: the top 32 bits of the scrambled key scaled to the table's size."""
-    return 2 * np.int64((((stored * multiplier) >> np.uint64(32)) * size) >> np.uint64(32))
 
 
 @compiled

@@ -43,7 +43,7 @@ def test_work_admitted_never_exceeds_share_of_elapsed_time_plus_one_burst_and_sl
 
 def test_settings_are_checked():
     for bad in ({"share": 0}, {"share": 1.5}, {"idle_share": 0}, {"burst_s": 0}, {"slice_s": -1},
-                {"share": 0.9, "idle_share": 0.5}, {"raise_step": 0}):
+                {"share": 0.9, "idle_share": 0.5}, {"raise_step": 0}, {"behind_s": 0}):
         with pytest.raises(ValueError):
             IngestBudget(**bad)
 
@@ -69,7 +69,7 @@ def test_while_serving_the_share_climbs_on_time_and_halves_when_late():
     assert budget.share_now(0.8 + 0.3) == 0.3  # readings gone stale vouch for nothing
 
 
-@given(st.lists(st.floats(0, 0.05), min_size=1, max_size=100))
+@given(st.lists(st.floats(0, 0.2), min_size=1, max_size=100))
 def test_the_serving_share_stays_between_its_bounds_and_falls_with_every_late_reading(lags):
     budget = IngestBudget(share=0.3, idle_share=0.9)
     for i, lag in enumerate(lags):
@@ -86,9 +86,32 @@ def test_one_late_reading_in_twenty_leaves_most_of_the_idle_share():
     budget = IngestBudget(share=0.3, idle_share=0.9)
     shares = []
     for i in range(200):
-        budget.observe_lag(i * 0.05, 0.012 if i % 20 == 19 else 0.001)
+        budget.observe_lag(i * 0.05, 0.06 if i % 20 == 19 else 0.001)
         shares.append(budget.share_now(i * 0.05))
     assert sum(shares[40:]) / len(shares[40:]) > 0.75
+
+
+def test_the_lag_requests_make_on_their_own_leaves_ingest_the_idle_share():
+    """Continuous chat alone kept the loop's lag p99 at 10-25 ms: only a reading a whole watch interval late
+    (50 ms) says the loop is behind, so requests' own lag does not halve ingest's share over and over."""
+    budget = IngestBudget(share=0.3, idle_share=0.9)
+    for i in range(40):
+        budget.observe_lag(i * 0.05, 0.025 if i % 2 else 0.012)
+    assert budget.share_now(40 * 0.05) == pytest.approx(0.9)
+    budget.observe_lag(41 * 0.05, 0.06)
+    assert budget.share_now(41 * 0.05) == pytest.approx(0.45)
+
+
+def test_a_drain_that_runs_long_takes_longer_slices_up_to_the_burst():
+    """A drain that keeps up yields every slice; one still going past ``behind_s`` is a backlog, and its slices
+    grow in proportion to how long it has run, never past the burst (a request's longest wait behind ingest)."""
+    budget = IngestBudget(burst_s=0.003, slice_s=0.001, behind_s=0.02)
+    assert budget.slice_for(0.0) == budget.slice_for(0.02) == 0.001
+    assert budget.slice_for(0.04) == pytest.approx(0.002)
+    assert budget.slice_for(0.06) == budget.slice_for(10.0) == pytest.approx(0.003)
+    lengths = [budget.slice_for(t / 100) for t in range(200)]
+    assert lengths == sorted(lengths)
+    assert IngestBudget(burst_s=0.0005, slice_s=0.001).slice_for(1.0) == 0.001  # never under the slice itself
 
 
 def test_ingest_takes_the_idle_share_whenever_no_request_is_in_flight():
