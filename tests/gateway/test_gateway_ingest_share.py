@@ -17,10 +17,10 @@ async def test_lag_readings_set_the_exported_ingest_share() -> None:
     for _ in range(20):
         replica.observe_loop_lag(0.001)
     assert _share(replica) == replica.ingest.budget.idle_share
-    replica.observe_loop_lag(0.02)
+    replica.observe_loop_lag(0.06)
     assert _share(replica) == replica.ingest.budget.idle_share / 2
     for _ in range(5):
-        replica.observe_loop_lag(0.05)
+        replica.observe_loop_lag(0.08)
     assert _share(replica) == replica.ingest.budget.share
     replica.router.active_requests = 0
     replica.observe_loop_lag(0.05)
