@@ -13,8 +13,7 @@ core free); keying on the lag alone starved ingest on a machine with no core fre
 (6.5k of 10k block ops/s applied in a window without chat). Dropping to ``share`` for a second after any late
 reading (the rule before this one) kept ingest at 0.3 under continuous chat, whose own requests make readings
 late (its loop-lag p99 was 10-25 ms with no events published): a replica applied 44% of 150k block ops/s in a
-minute of chat while it waited for a core 12% of the time and its chat p99 was 1.24x idle's. A drain that runs
-long has a backlog, and its slices lengthen until it clears (``slice_for``).
+minute of chat while it waited for a core 12% of the time and its chat p99 was 1.24x idle's.
 When the bucket is empty, subscribers wait: messages queue in ZMQ (and past its high-water mark are
 dropped there, which the seq tracker sees as a gap to replay or count lost) and the engine's confidence
 falls, so routing leans on load until ingest catches up. ``burst_s`` bounds how long a request can wait
@@ -41,17 +40,15 @@ class IngestBudget:
     burst_s: float = 0.003
     """Work allowed at once after an idle spell; also the longest a request waits behind ingest per tick."""
     slice_s: float = 0.001
-    """Work done between two yields to the scheduler while ingest keeps up."""
-    behind_s: float = 0.02
-    """A drain still going after this long is behind: its slices lengthen in proportion, up to ``burst_s``
-    (``slice_for``)."""
+    """Work done between two yields to the scheduler."""
     serving: Callable[[], bool] = field(default=_always_serving, repr=False)
     """Whether requests are in flight now (the router's count; always, when nobody says)."""
     lag_target_s: float = 0.05
     """Loop lag above this means the loop is behind (a reading a whole watch interval late): the serving share is
     halved. Requests make lag on their own: continuous chat with no events published read 10-25 ms at p99. At
     5 ms those readings halved the share again and again, and at 150k block ops/s with chat a replica deferred
-    ingest for 43 s of a 60-s burst, its index 2.5 s behind at p99."""
+    ingest for 43 s of a 60-s burst, its index 2.5 s behind at p99; at 50 ms it deferred 2.3-3.9 s, its index
+    0.12-0.63 s behind at p99 (six runs) with chat p99 1.29-1.73x idle's."""
     raise_step: float = 0.05
     """What each on-time lag reading adds to the serving share (readings come 20 a second: from ``share`` to
     ``idle_share`` in about 0.6 s)."""
@@ -65,9 +62,8 @@ class IngestBudget:
 
     def __post_init__(self) -> None:
         if (not (0 < self.share <= self.idle_share <= 1) or self.burst_s <= 0 or self.slice_s <= 0
-                or self.raise_step <= 0 or self.behind_s <= 0):
-            raise ValueError("ingest budget: shares in (0, 1] (share <= idle_share), positive burst, slice, step "
-                             "and behind")
+                or self.raise_step <= 0):
+            raise ValueError("ingest budget: shares in (0, 1] (share <= idle_share), positive burst, slice and step")
         self.tokens = self.burst_s
         self.serving_share = self.share
 
@@ -86,17 +82,6 @@ class IngestBudget:
         if not self.serving():
             return self.idle_share
         return self.serving_share if now - self.observed_at <= self.fresh_s else self.share
-
-    def slice_for(self, draining_s: float) -> float:
-        """The slice of a drain that has run ``draining_s`` so far: ``slice_s``, and once it has run past
-        ``behind_s``, ``slice_s`` times ``draining_s / behind_s``, at most ``burst_s``.
-
-        Between two slices every ready request task runs a step. With 1-ms slices beside continuous chat, at
-        150k block ops/s a replica applied every op but was deferred by its budget for only 2-4 s of a minute,
-        and its index was still 0.11-0.63 s behind at p99: a backlog left when it lost its core cleared a
-        millisecond at a time between the requests' steps. A drain that has run long is that backlog; longer
-        slices clear it, while a drain that keeps up still yields every millisecond."""
-        return min(max(self.slice_s, self.burst_s), max(self.slice_s, self.slice_s * draining_s / self.behind_s))
 
     def _rate(self, now: float) -> float:
         return self.share_now(now)

@@ -204,8 +204,8 @@ class LivePoller:
     async def _drain(self, ready: list[_Handed]) -> None:
         """Drain the ready sockets a slice each in turn, so one engine's backlog cannot starve the others
         (past their high-water marks that would be gaps), until every one was read empty (what arrives after,
-        :meth:`_run` checks for). Slices lengthen while the drain runs long (``IngestBudget.slice_for``)."""
-        began = yielded = trio.current_time()
+        :meth:`_run` checks for)."""
+        yielded = trio.current_time()
         while ready:
             more = []
             for handed in ready:
@@ -214,13 +214,12 @@ class LivePoller:
                     await self.room(handed.feed)
                 if handed not in self._handed:  # its subscriber took it back meanwhile
                     continue
-                slice_s = self.budget.slice_for(trio.current_time() - began)
                 try:
-                    if drain_slice(handed.sock, self.budget, handed.handle, handed.feed, slice_s) is not Drained.EMPTY:
+                    if drain_slice(handed.sock, self.budget, handed.handle, handed.feed) is not Drained.EMPTY:
                         more.append(handed)
                 except Exception as exc:  # the subscriber owns this socket's failures: it reconnects or restarts
                     self._fail(handed, exc)
-                if trio.current_time() - yielded >= slice_s:
+                if trio.current_time() - yielded >= self.budget.slice_s:
                     await trio.lowlevel.checkpoint()
                     yielded = trio.current_time()
             ready = [h for h in more if h in self._handed]

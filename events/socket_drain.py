@@ -49,15 +49,14 @@ async def wait_for_budget(budget: IngestBudget, waiting: Iterable[tuple[EngineFe
 
 
 def drain_slice(sock: zmq.Socket, budget: IngestBudget, handle: Callable[[list[bytes]], object],
-                feed: EngineFeed, slice_s: float | None = None) -> Drained:
-    """Handle queued messages for at most one slice (``slice_s``, the budget's own by default), charging the time
-    spent (and what decoding and applying did not take of it to the feed's ingest times, as the rest)."""
+                feed: EngineFeed) -> Drained:
+    """Handle queued messages for at most one budget slice, charging the time spent (and what decoding and
+    applying did not take of it to the feed's ingest times, as the rest)."""
     began = trio.current_time()
-    length = budget.slice_s if slice_s is None else slice_s
     times = feed.ingest.times
     started, in_steps = step_clock(), times.in_steps()
     try:
-        while trio.current_time() - began < length:
+        while trio.current_time() - began < budget.slice_s:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:

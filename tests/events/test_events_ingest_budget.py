@@ -43,7 +43,7 @@ def test_work_admitted_never_exceeds_share_of_elapsed_time_plus_one_burst_and_sl
 
 def test_settings_are_checked():
     for bad in ({"share": 0}, {"share": 1.5}, {"idle_share": 0}, {"burst_s": 0}, {"slice_s": -1},
-                {"share": 0.9, "idle_share": 0.5}, {"raise_step": 0}, {"behind_s": 0}):
+                {"share": 0.9, "idle_share": 0.5}, {"raise_step": 0}):
         with pytest.raises(ValueError):
             IngestBudget(**bad)
 
@@ -100,18 +100,6 @@ def test_the_lag_requests_make_on_their_own_leaves_ingest_the_idle_share():
     assert budget.share_now(40 * 0.05) == pytest.approx(0.9)
     budget.observe_lag(41 * 0.05, 0.06)
     assert budget.share_now(41 * 0.05) == pytest.approx(0.45)
-
-
-def test_a_drain_that_runs_long_takes_longer_slices_up_to_the_burst():
-    """A drain that keeps up yields every slice; one still going past ``behind_s`` is a backlog, and its slices
-    grow in proportion to how long it has run, never past the burst (a request's longest wait behind ingest)."""
-    budget = IngestBudget(burst_s=0.003, slice_s=0.001, behind_s=0.02)
-    assert budget.slice_for(0.0) == budget.slice_for(0.02) == 0.001
-    assert budget.slice_for(0.04) == pytest.approx(0.002)
-    assert budget.slice_for(0.06) == budget.slice_for(10.0) == pytest.approx(0.003)
-    lengths = [budget.slice_for(t / 100) for t in range(200)]
-    assert lengths == sorted(lengths)
-    assert IngestBudget(burst_s=0.0005, slice_s=0.001).slice_for(1.0) == 0.001  # never under the slice itself
 
 
 def test_ingest_takes_the_idle_share_whenever_no_request_is_in_flight():

@@ -10,11 +10,9 @@ import pytest
 import trio
 import zmq
 
-from events import live_poller
 from events.feed import EngineFeed
 from events.ingest_budget import IngestBudget
 from events.live_poller import LivePoller, go_ahead, next_tick_s
-from events.socket_drain import drain_slice
 from index.prefix_index import PrefixIndex
 from index.view import CacheView
 
@@ -328,38 +326,3 @@ async def test_a_heavy_stream_stretches_the_poller_tick_and_a_quiet_tick_resets_
         nursery.start_soon(poller.hand_over, silent.sub, silent.handle, feed(), trio.current_time, go_ahead)
         await until(lambda: poller.tick_now == pytest.approx(0.005))  # a tick that found nothing: the base
         nursery.cancel_scope.cancel()
-
-
-async def test_a_drain_that_falls_behind_takes_longer_slices_until_its_backlog_is_cleared(pairs, autojump_clock,
-                                                                                        monkeypatch):
-    """A backlog of 400 messages that each cost their handler 0.4 ms of the clock: while the drain is young each
-    slice is a millisecond (three messages before the poller yields), and once it has run past ``behind_s`` its
-    slices lengthen up to the burst (eight messages)."""
-    budget = IngestBudget(share=1.0, idle_share=1.0, burst_s=0.003, slice_s=0.001, behind_s=0.02)
-    poller = LivePoller(budget, tick_s=0.005, quiet_ticks=100_000, idle_ticks=100_000)
-    pair = pairs[0]
-    handled = 0
-    per_slice: list[int] = []
-
-    def costly(frames: list[bytes]) -> None:
-        nonlocal handled
-        autojump_clock.jump(0.0004)
-        handled += 1
-
-    def counted(*args, **kwargs):
-        before = handled
-        drained = drain_slice(*args, **kwargs)
-        per_slice.append(handled - before)
-        return drained
-
-    monkeypatch.setattr(live_poller, "drain_slice", counted)
-    for n in range(400):
-        pair.pub.send(b"%d" % n)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(poller.run)
-        nursery.start_soon(poller.hand_over, pair.sub, costly, feed(), trio.current_time, go_ahead)
-        await until(lambda: handled == 400)
-        nursery.cancel_scope.cancel()
-    assert per_slice[:5] == [3] * 5
-    whole = per_slice[:-1]  # the last slice ran out of messages
-    assert whole == sorted(whole) and max(whole) == 8 and whole[-20:] == [8] * 20
