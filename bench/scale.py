@@ -23,7 +23,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import trio
@@ -74,6 +74,7 @@ from bench.scale_report import (
 )
 from bench.stats import percentile
 from events.subscriber import SubscriberConfig
+from gateway.ingest_worker import COUNTERS_EVERY_S
 
 IDLE_CPU_S = 2.0
 QUEUES_PER_ENGINE = 2
@@ -236,11 +237,12 @@ async def _probed(client: HttpClient, reps: list[Replica], seconds: float) -> tu
 
 
 async def _publish(client: HttpClient, pub: Publishers, reps: list[Replica], rate: float, seconds: float,
-                   probe: bool) -> _Window:
+                   probe: bool, counted_after_s: float = 0.0) -> _Window:
     """Publish at ``rate`` for ``seconds`` while scraping every replica (and probing it, if asked).
 
     CPU per op is charged to the ops the replica applied in the window, not to those published: a
-    replica that falls behind would otherwise look cheaper."""
+    replica that falls behind would otherwise look cheaper. ``counted_after_s``: read the ops applied and the
+    ingest times that long after the window ends (the rest at its end), for replicas that export them late."""
     scrapes: list[Scrapes] = [[] for _ in reps]
     latency: list[tuple[Latency, Latency]] = []
 
@@ -257,6 +259,10 @@ async def _publish(client: HttpClient, pub: Publishers, reps: list[Replica], rat
             answer = await pub.command(f"run {rate} {seconds}")
         nursery.cancel_scope.cancel()
     after = await _readings(client, reps)
+    if counted_after_s:
+        await trio.sleep(counted_after_s)
+        counted = await _readings(client, reps)
+        after = [replace(a, block_ops=c.block_ops, ingest_s=c.ingest_s) for a, c in zip(after, counted, strict=True)]
     pairs = list(zip(after, before, strict=True))
     return _Window(answer, [a.cpu_s - b.cpu_s for a, b in pairs], [a.block_ops - b.block_ops for a, b in pairs],
                    scrapes, latency, _strain(before, after),
@@ -279,6 +285,13 @@ async def _fill(client: HttpClient, pub: Publishers, reps: list[Replica], rate: 
         await wait_caught_up(client, reps, timeline, seen)
         if answer["full"]:
             return
+
+
+FORWARDED_COUNTS_S = COUNTERS_EVERY_S + 0.25
+"""With ``ingest_process`` the serving side exports the ingest process's block ops and ingest times as their growth
+is noted, once every ``COUNTERS_EVERY_S``: read at the steady window's end they missed up to that much of it (95.5% of
+a 75k ops/s window read as applied by a replica that kept up). Read this long after, when the publisher is quiet,
+they count what was applied by the window's end, and only a backlog left behind besides."""
 
 
 def queued_bytes_bound(engines: int, answer: dict) -> float:
@@ -307,7 +320,8 @@ async def _phases(client: HttpClient, opts: ScaleOptions, pub: Publishers, reps:
     rss_idle = [process_rss(r.pid) for r in reps]  # after serving warmed up, so only the index is counted
     await _fill(client, pub, reps, opts.fill_rate, timeline, seen)
 
-    steady = await _publish(client, pub, reps, rate, opts.steady_s, probe=False)
+    steady = await _publish(client, pub, reps, rate, opts.steady_s, probe=False,
+                            counted_after_s=FORWARDED_COUNTS_S if opts.ingest_process else 0.0)
     _extend(timeline, steady.answer)
     rss_end = [process_rss(r.pid) for r in reps]
     live = [sum((await scrape(client, r))[1].blocks.values()) for r in reps]
