@@ -15,6 +15,7 @@ from test_events_zmq import BLOCK, MODEL, FakeEngine
 
 from events.ingest_budget import IngestBudget
 from events.worker_notes import encode_notes
+from gateway.ingest_worker import NICENESS
 from gateway.process_ingest import ProcessIngest, WorkerFailed
 from index.prefix_index import PrefixIndex
 from index.view import CacheView
@@ -56,6 +57,8 @@ async def test_the_serving_index_follows_every_engine_through_the_worker_and_its
             # the worker's subscriptions join late (slow joiner): keep publishing until both chains are whole
             await _until(lambda: whole(0) and whole(1), publish=lambda: [e.next_block() for e in engines])
             assert view.info(names[0]).freshness.last_seq == engines[0].seq - 1
+            # requests come first: the kernel ranks the worker below this process when both want a core
+            assert os.getpriority(os.PRIO_PROCESS, ingest.worker_pid) == os.getpriority(os.PRIO_PROCESS, 0) + NICENESS
             # the worker's counters reach this process's registry: one stored block per batch, none counted twice
             await _until(lambda: REGISTRY.get_sample_value(
                 "kvmesh_event_block_ops_total", {"engine": names[0], "op": "stored"}) == engines[0].seq)
