@@ -47,8 +47,8 @@ class IngestBudget:
     """Loop lag above this means the loop is behind (a reading a whole watch interval late): the serving share is
     halved. Requests make lag on their own: continuous chat with no events published read 10-25 ms at p99. At
     5 ms those readings halved the share again and again, and at 150k block ops/s with chat a replica deferred
-    ingest for 43 s of a 60-s burst, its index 2.5 s behind at p99; at 50 ms it deferred 2.3-3.9 s, its index
-    0.12-0.63 s behind at p99 (six runs) with chat p99 1.29-1.73x idle's."""
+    ingest for 43 s of a 60-s burst, its index 2.5 s behind at p99; at 50 ms it deferred 2.4-3.2 s, its index
+    under 0.1 s behind at p99 in one of six runs and 0.14-0.63 s in the others, with chat p99 1.29-1.73x idle's."""
     raise_step: float = 0.05
     """What each on-time lag reading adds to the serving share (readings come 20 a second: from ``share`` to
     ``idle_share`` in about 0.6 s)."""
