@@ -212,6 +212,8 @@ class AliasTable:
         words = array("Q", (0,)) * (2 * size)
         live = reinsert_live(self.word_view(), np.uint64(self._multiplier), np.frombuffer(words, dtype=np.uint64),
                              size)
+        if live < 0:
+            raise RuntimeError("alias table written while it was rebuilt")
         return RebuiltAliases(size, words, live)
 
     def adopt(self, rebuilt: RebuiltAliases) -> None:

@@ -27,8 +27,9 @@ def alias_home(stored: np.uint64, multiplier: np.uint64, size: np.uint64) -> int
 @compiled_without_gil
 def reinsert_live(words, multiplier, into, into_size):
     """Insert every live entry of ``words`` (neither empty nor a tombstone) into the empty words ``into`` of
-    ``into_size`` slots by linear probing from its home; returns how many were inserted. Any order of insertion
-    leaves each entry with only occupied slots between its home and its place, which is all a lookup needs."""
+    ``into_size`` slots by linear probing from its home; returns how many were inserted, or -1 when they do not fit
+    (``words`` written meanwhile by another thread: the caller drops the result). Any order of insertion leaves each
+    entry with only occupied slots between its home and its place, which is all a lookup needs."""
     end = 2 * into_size
     usize = np.uint64(into_size)
     placed = 0
@@ -36,6 +37,8 @@ def reinsert_live(words, multiplier, into, into_size):
         stored = words[i]
         if stored == 0 or stored == TOMBSTONE:
             continue
+        if placed == into_size:
+            return -1
         at = alias_home(stored, multiplier, usize)
         while into[at] != 0:
             at = at + 2 if at + 2 < end else 0

@@ -110,3 +110,14 @@ def test_a_rebuild_places_crowded_entries_that_wrap_past_the_end(rng: random.Ran
     table._rebuild(incoming)
     assert _probe_paths_unbroken(table)
     assert dict(table.items()) == reference and all(table.get(k) == v for k, v in reference.items())
+
+
+def test_a_rebuild_that_finds_more_live_entries_than_it_counted_fails_instead_of_probing_forever() -> None:
+    """A rebuild in a worker thread sizes the new table by the live count it read first; entries written under it
+    meanwhile could outnumber the slots, and a probe for a free slot in a full table would never end."""
+    table = AliasTable()
+    for key in range(20):
+        table[key] = key
+    table._live = 2  # as if 18 entries arrived after the rebuild read the count (the new table has 8 slots)
+    with pytest.raises(RuntimeError, match="written while it was rebuilt"):
+        table.rebuilt()
