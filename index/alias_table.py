@@ -21,12 +21,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from index.alias_words import reinsert_live
+from index.alias_words import TOMBSTONE, reinsert_live
 
 _U64 = (1 << 64) - 1
 _EMPTY = 0
-_TOMBSTONE = _U64
-"""No stored key reaches it: keys are below 2**63 and stored shifted by one."""
+_TOMBSTONE = int(TOMBSTONE)
+"""A removed entry's key word as a Python int, which the probes in Python compare."""
 _MIN_SIZE = 8
 _MAX_LOAD = 0.65
 """Grow (or sweep tombstones) above this share of used slots: linear probes stay short."""

@@ -14,7 +14,7 @@ from typing import Any
 import numba
 
 
-def compiled(function: Callable[..., Any], nogil: bool = False) -> Callable[..., Any]:
+def compiled(function: Callable[..., Any], *, nogil: bool = False) -> Callable[..., Any]:
     """``numba.njit`` with its disk cache where one can be written."""
     try:
         return numba.njit(cache=True, nogil=nogil)(function)

@@ -21,7 +21,7 @@ from collections.abc import Container, Iterable, Sequence
 import numpy as np
 
 from index.alias_table import AliasTable
-from index.alias_words import alias_home
+from index.alias_words import TOMBSTONE, alias_home
 from index.compiled import compiled
 from index.mask_table import WIDE, MaskTable, mask_slot
 
@@ -35,12 +35,11 @@ def alias_put(words, size, multiplier, engine_hash, value):
     returns (whether the hash had an alias, its previous value, 1 if a never-used slot was taken)."""
     end = 2 * size
     stored = engine_hash + np.uint64(1)
-    tombstone = np.uint64(0xFFFFFFFFFFFFFFFF)
     at = alias_home(stored, multiplier, np.uint64(size))
     reusable = -1
     current = words[at]
     while current != stored and current != 0:
-        if current == tombstone and reusable < 0:
+        if current == TOMBSTONE and reusable < 0:
             reusable = at
         at = at + 2 if at + 2 < end else 0
         current = words[at]
@@ -88,7 +87,6 @@ def pop_loop(words, size, multiplier, engine_hashes, codes):
     ``codes`` in order and returns how many."""
     end = 2 * size
     one = np.uint64(1)
-    tombstone = np.uint64(0xFFFFFFFFFFFFFFFF)
     usize = np.uint64(size)
     popped = 0
     for i in range(engine_hashes.shape[0]):
@@ -101,7 +99,7 @@ def pop_loop(words, size, multiplier, engine_hashes, codes):
         if current != 0:
             codes[popped] = words[at + 1]
             popped += 1
-            words[at] = tombstone
+            words[at] = TOMBSTONE
             words[at + 1] = 0
     return popped
 
