@@ -7,18 +7,24 @@ note, kept in the order it happened, so the serving index, each engine's freshne
 as they would have with ingest on the serving loop.
 
 Wire form (one message per worker tick): frame 0 is a msgpack list of notes, each a list whose first item names
-it; block hashes and own keys travel as little-endian u64 arrays in the frames after it, named by index:
+it; the block hashes and own keys the notes carry follow in frame 1, one little-endian u64 array holding every
+note's words in note order (a message of no such note has no frame 1):
 
-    ["s", holder, hashes_frame, keys_frame]   store_many
-    ["r", holder, hashes_frame]               remove
+    ["s", holder, n]                          store_many: the next n words are the hashes, then n own keys
+    ["r", holder, n]                          remove: the next n words are the hashes
     ["c", holder]                             clear
-    ["i", engine, keys_frame or -1, cleared]  CacheView.on_ingest (stored own keys, AllBlocksCleared count)
+    ["i", engine, n, cleared]                 CacheView.on_ingest (the next n words are the stored own keys,
+                                              n may be 0; AllBlocksCleared count)
     ["z", engine]                             CacheView.on_reset
     ["e", engine, holder, seq]                the holder's batch ``seq`` is applied (freshness.on_events)
     ["g", engine] / ["l", engine, batches] / ["x", engine] / ["p", engine]
                                               a gap / lost batches / a stream reset / a failed replay
     ["n", counter, [label values], amount]    an event counter went up
     ["t", step, seconds]                      the ingest process's time in an ingest step (index/ingest_times.py)
+
+One array for the whole message, not one frame per note: a tick of 16-64 engines carries a few notes per engine
+batch, and the serving side paid a frame, a range check and an array per note (a third of what applying the
+notes cost it, by a py-spy profile of a replica at 150k block ops/s).
 
 The serving side checks every note (its own child is still outside the process): a message that does not
 decode is refused whole, and notes about engines it does not ingest are skipped.
@@ -29,8 +35,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import numpy as np
@@ -51,38 +56,34 @@ FORWARDED_COUNTERS: dict[str, Counter] = {
 """The event path's counters an ingest process counts and the serving process exports, their growth sent once a
 second. Applied batches (``kvmesh_event_batches_total``) are counted here as their notes are applied instead: they
 say how far this side's index has got."""
-MAX_NOTE_ARRAY = 1 << 22
-"""Entries in one note's array: more than any engine step (a full prompt re-announced is ~8k blocks)."""
+MAX_MESSAGE_WORDS = 1 << 23
+"""Words one message may carry: more than any split message (``split_notes``) holds, whose one note past the line
+is at most an engine step (a full prompt re-announced is ~8k blocks)."""
 
 
 class NotesError(ValueError):
     """A worker message that is not a well-formed list of notes."""
 
 
-def _array(values: Sequence[int]) -> bytes:
-    return np.asarray(values, dtype="<u8").tobytes()
-
-
 def encode_notes(notes: Iterable[tuple[Any, ...]]) -> list[bytes]:
-    """Frames of one message: the notes' list, then the arrays they name."""
-    arrays: list[bytes] = []
-
-    def frame(values: Sequence[int]) -> int:
-        arrays.append(_array(values))
-        return len(arrays)
-
+    """Frames of one message: the notes' list, then (if any note carries blocks) every word they carry."""
+    words: list[int] = []
     header: list[list[Any]] = []
     for note in notes:
         kind = note[0]
         if kind == "s":
-            header.append(["s", note[1], frame(note[2]), frame(note[3])])
-        elif kind == "r":
-            header.append(["r", note[1], frame(note[2])])
-        elif kind == "i":
-            header.append(["i", note[1], frame(note[2]) if note[2] else -1, note[3]])
+            words += note[2]
+            words += note[3]
+            header.append(["s", note[1], len(note[2])])
+        elif kind in ("r", "i"):
+            words += note[2]
+            header.append([kind, note[1], len(note[2]), *note[3:]])
         else:
             header.append(list(note))
-    return [msgpack.packb(header, use_bin_type=True), *arrays]
+    frames = [msgpack.packb(header, use_bin_type=True)]
+    if words:
+        frames.append(np.array(words, dtype="<u8").tobytes())
+    return frames
 
 
 def split_notes(notes: Sequence[tuple[Any, ...]], ops: int) -> Iterable[list[tuple[Any, ...]]]:
@@ -100,33 +101,52 @@ def split_notes(notes: Sequence[tuple[Any, ...]], ops: int) -> Iterable[list[tup
         yield part
 
 
-def _no_keys() -> np.ndarray:
-    return np.zeros(0, dtype=np.uint64)
+_NO_WORDS = np.zeros(0, dtype=np.uint64)
+_NO_WORDS.flags.writeable = False
 
 
-@dataclass(frozen=True, slots=True)
-class Note:
+class Note(NamedTuple):
+    """One decoded note (a tuple: a message's notes are built by the thousand a second on the serving loop)."""
+
     kind: str
     name: str
     """The holder (s, r, c), the engine (i, z, e, g, l, x, p), the counter (n) or the ingest step (t)."""
-    hashes: np.ndarray = field(default_factory=_no_keys)
-    """u64, read-only (a view of the message's frame): the index's compiled loops read it as it is."""
-    keys: np.ndarray = field(default_factory=_no_keys)
+    hashes: np.ndarray = _NO_WORDS
+    """u64, read-only (a view of the message's array frame): the index's compiled loops read it as it is."""
+    keys: np.ndarray = _NO_WORDS
     holder: str = ""
     number: float = 0
     labels: tuple[str, ...] = ()
 
 
-def _keys(frames: Sequence[bytes], at: Any) -> np.ndarray:
-    if type(at) is not int or not 1 <= at < len(frames):
-        raise NotesError("a note names a frame the message does not have")
-    raw = frames[at]
-    if len(raw) % 8 or len(raw) // 8 > MAX_NOTE_ARRAY:
-        raise NotesError("an array frame is not a bounded run of u64 words")
+def _words(frames: Sequence[bytes]) -> np.ndarray:
+    """The message's carried words, range-checked once (a view of the frame: the index's loops read it as it is)."""
+    if len(frames) == 1:
+        return _NO_WORDS
+    if len(frames) != 2:
+        raise NotesError("a message is a list of notes and at most one array frame")
+    raw = frames[1]
+    if not raw or len(raw) % 8 or len(raw) // 8 > MAX_MESSAGE_WORDS:
+        raise NotesError("the array frame is not a bounded run of u64 words")
     values = np.frombuffer(raw, dtype="<u8")
-    if len(values) and int(values.max()) >= KEY_LIMIT:
+    if int(values.max()) >= KEY_LIMIT:
         raise NotesError("a hash or own key out of the index's range")
     return values
+
+
+class _Reader:
+    """The carried words, handed out to the notes in order."""
+
+    __slots__ = ("words", "at")
+
+    def __init__(self, words: np.ndarray) -> None:
+        self.words, self.at = words, 0
+
+    def take(self, count: Any) -> np.ndarray:
+        if type(count) is not int or not 0 <= count <= len(self.words) - self.at:
+            raise NotesError("a note carries more words than the message has")
+        self.at += count
+        return self.words[self.at - count : self.at]
 
 
 def _text(value: Any) -> str:
@@ -151,27 +171,31 @@ def decode_notes(frames: Sequence[bytes]) -> list[Note]:
         raise NotesError(f"notes do not decode: {type(exc).__name__}") from None
     if not isinstance(header, list):
         raise NotesError("notes are not a list")
-    return [_note(item, frames) for item in header]
+    words = _Reader(_words(frames))
+    notes = [_note(item, words) for item in header]
+    if words.at != len(words.words):
+        raise NotesError("the array frame carries words no note names")
+    return notes
 
 
-def _note(item: Any, frames: Sequence[bytes]) -> Note:
+_ARITY = {"s": 2, "r": 2, "c": 1, "i": 3, "z": 1, "e": 3, "g": 1, "l": 2, "x": 1, "p": 1, "n": 3, "t": 2}
+
+
+def _note(item: Any, words: _Reader) -> Note:
     if not isinstance(item, list) or not item or not isinstance(item[0], str):
         raise NotesError("a note is not a list led by its kind")
     kind, args = item[0], item[1:]
-    arity = {"s": 3, "r": 2, "c": 1, "i": 3, "z": 1, "e": 3, "g": 1, "l": 2, "x": 1, "p": 1, "n": 3, "t": 2}.get(kind)
+    arity = _ARITY.get(kind)
     if arity is None or len(args) != arity:
         raise NotesError(f"an unknown note or one of the wrong size: {kind!r}")
     name = _text(args[0])
     if kind == "s":
-        hashes, keys = _keys(frames, args[1]), _keys(frames, args[2])
-        if len(hashes) != len(keys):
-            raise NotesError("a store note's hashes and own keys differ in length")
-        return Note(kind, name, hashes, keys)
+        hashes = words.take(args[1])
+        return Note(kind, name, hashes, words.take(args[1]))
     if kind == "r":
-        return Note(kind, name, _keys(frames, args[1]))
+        return Note(kind, name, words.take(args[1]))
     if kind == "i":
-        keys = _no_keys() if args[1] == -1 else _keys(frames, args[1])
-        return Note(kind, name, keys=keys, number=_count(args[2]))
+        return Note(kind, name, keys=words.take(args[1]), number=_count(args[2]))
     if kind == "e":
         return Note(kind, name, holder=_text(args[1]), number=_count(args[2]))
     if kind == "l":

@@ -159,8 +159,12 @@ def test_notes_of_an_engine_no_longer_ingested_change_nothing():
     [],
     [b"\xc1"],
     [msgpack.packb({"s": 1})],
-    [msgpack.packb([["s", "e0", 1, 2]])],  # names frames the message does not have
-    [msgpack.packb([["s", "e0", 1, 2]]), b"\x01" * 8, b"\x01" * 16],  # unequal hashes and keys
+    [msgpack.packb([["s", "e0", 1]])],  # carries words the message does not have
+    [msgpack.packb([["s", "e0", 1]]), b"\x01" * 8],  # hashes without their own keys
+    [msgpack.packb([["r", "e0", 1]]), b"\x01" * 16],  # words no note names
+    [msgpack.packb([["r", "e0", -1]]), b"\x01" * 8],
+    [msgpack.packb([["r", "e0", 1]]), b"\x01" * 8, b"\x01" * 8],  # an array frame per note
+    [msgpack.packb([]), b""],
     [msgpack.packb([["r", "e0", 1]]), b"\x01" * 7],
     [msgpack.packb([["r", "e0", 1]]), b"\xff" * 8],  # past the index's key range
     [msgpack.packb([["e", "e0", "e0", -1]])],
@@ -189,3 +193,16 @@ def test_notes_cut_into_parts_keep_their_order_and_a_bounded_size(shapes, ops):
     for part in parts:
         carried = [len(note[2]) for note in part if note[0] in ("s", "r", "i")]
         assert sum(carried[:-1]) < ops  # only the note that crossed the line may carry past it
+
+
+def test_a_message_carries_every_notes_words_in_one_array_frame():
+    notes = [("s", "e0", [1, 2], [10, 20]), ("e", "e0", "e0", 4), ("r", "e0", [2]), ("i", "e0", [], 1),
+             ("i", "e0", [10], 0), ("c", "e1"), ("s", "e1", [3], [30])]
+    frames = encode_notes(notes)
+    assert len(frames) == 2
+    decoded = decode_notes(frames)
+    assert [(n.kind, n.name, n.hashes.tolist(), n.keys.tolist()) for n in decoded] == [
+        ("s", "e0", [1, 2], [10, 20]), ("e", "e0", [], []), ("r", "e0", [2], []), ("i", "e0", [], []),
+        ("i", "e0", [], [10]), ("c", "e1", [], []), ("s", "e1", [3], [30])]
+    assert (decoded[1].holder, decoded[1].number, decoded[3].number) == ("e0", 4, 1)
+    assert len(encode_notes([("e", "e0", "e0", 4)])) == 1
