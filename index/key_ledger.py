@@ -86,15 +86,22 @@ class KeyLedger:
         self.noted_ops = 0
         """Block operations in ``notes``: the worker flushes before they grow past a bound."""
 
+    def _table(self, holder: str) -> AliasTable:
+        """The holder's table, made on its first block (not per call: a new table draws a secret multiplier)."""
+        aliases = self._aliases.get(holder)
+        if aliases is None:
+            aliases = self._aliases[holder] = AliasTable()
+        return aliases
+
     def load(self, holder: str, engine_hashes: Sequence[int], own_keys: Sequence[int]) -> None:
         """Pairs the serving index already holds (a warm start, a restarted worker): not noted."""
         if len(engine_hashes):
-            _put(self._aliases.setdefault(holder, AliasTable()), engine_hashes, own_keys)
+            _put(self._table(holder), engine_hashes, own_keys)
 
     def store_many(self, holder: str, engine_hashes: Sequence[int], own_keys: Sequence[int]) -> int:
         if not engine_hashes:
             return 0
-        changed = _put(self._aliases.setdefault(holder, AliasTable()), engine_hashes, own_keys)
+        changed = _put(self._table(holder), engine_hashes, own_keys)
         self.notes.append(("s", holder, engine_hashes, own_keys))
         self.noted_ops += len(engine_hashes)
         return changed
