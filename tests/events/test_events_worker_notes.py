@@ -206,3 +206,21 @@ def test_a_message_carries_every_notes_words_in_one_array_frame():
         ("i", "e0", [], [10]), ("c", "e1", [], []), ("s", "e1", [3], [30])]
     assert (decoded[1].holder, decoded[1].number, decoded[3].number) == ("e0", 4, 1)
     assert len(encode_notes([("e", "e0", "e0", 4)])) == 1
+
+
+_NOTE_ITEMS = st.lists(st.one_of(
+    st.integers(-2, 3), st.text(max_size=3), st.none(), st.booleans(), st.floats(allow_nan=True),
+    st.sampled_from(["s", "r", "i", "c", "e", "n", "t", "decode", "e0"])), max_size=5)
+
+
+@given(st.lists(_NOTE_ITEMS, max_size=6), st.lists(st.binary(max_size=40), max_size=3))
+def test_any_message_decodes_to_notes_or_is_refused_with_a_notes_error(items, arrays):
+    """The serving side reads what its child sends as untrusted: whatever the list and frames, a message either
+    decodes whole, every note's words a view of the array frame, or raises NotesError."""
+    frames = [msgpack.packb(items), *arrays]
+    try:
+        notes = decode_notes(frames)
+    except NotesError:
+        return
+    carried = sum(len(note.hashes) + len(note.keys) for note in notes)
+    assert carried == (len(arrays[0]) // 8 if arrays else 0)
