@@ -10,6 +10,7 @@ the same calls with the same arguments, so both indexes end the same.
 from __future__ import annotations
 
 import functools
+from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -81,27 +82,22 @@ class KeyLedger:
 
     def __init__(self) -> None:
         load_ledger_loops()
-        self._aliases: dict[str, AliasTable] = {}
+        self._aliases: defaultdict[str, AliasTable] = defaultdict(AliasTable)
+        """A holder's table is made on its first block, once (a new table draws a secret multiplier); lookups use
+        ``get``, which makes none."""
         self.notes: list[tuple[Any, ...]] = []
         self.noted_ops = 0
         """Block operations in ``notes``: the worker flushes before they grow past a bound."""
 
-    def _table(self, holder: str) -> AliasTable:
-        """The holder's table, made on its first block (not per call: a new table draws a secret multiplier)."""
-        aliases = self._aliases.get(holder)
-        if aliases is None:
-            aliases = self._aliases[holder] = AliasTable()
-        return aliases
-
     def load(self, holder: str, engine_hashes: Sequence[int], own_keys: Sequence[int]) -> None:
         """Pairs the serving index already holds (a warm start, a restarted worker): not noted."""
         if len(engine_hashes):
-            _put(self._table(holder), engine_hashes, own_keys)
+            _put(self._aliases[holder], engine_hashes, own_keys)
 
     def store_many(self, holder: str, engine_hashes: Sequence[int], own_keys: Sequence[int]) -> int:
         if not engine_hashes:
             return 0
-        changed = _put(self._table(holder), engine_hashes, own_keys)
+        changed = _put(self._aliases[holder], engine_hashes, own_keys)
         self.notes.append(("s", holder, engine_hashes, own_keys))
         self.noted_ops += len(engine_hashes)
         return changed
