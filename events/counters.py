@@ -19,6 +19,10 @@ REPLAYS = Counter("kvmesh_event_replays_total", "Replay requests by outcome", ["
 METRICS_POLLS = Counter("kvmesh_metrics_polls_total",
                         "Engine /metrics poll ticks by outcome (quiet: not polled, the engine idle)",
                         ["engine", "outcome"])
+HEALTH_POLLS = Counter("kvmesh_health_polls_total",
+                       "Engine /health poll ticks by outcome (ok, failed; answered: not polled, its KV events and a "
+                       "/metrics answer since the last tick said as much; quiet: not polled, nobody uses the engine)",
+                       ["engine", "outcome"])
 SUBSCRIBER_RESTARTS = Counter("kvmesh_event_subscriber_restarts_total",
                               "Event subscriber sessions rebuilt after a disconnect or socket error",
                               ["engine", "reason"])

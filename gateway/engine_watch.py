@@ -1,7 +1,8 @@
 """Per-engine background tasks: discover models and event endpoints, poll health and /metrics, subscribe.
 
 watch_engine(engine)              supervised: a bug anywhere below is logged, counted and restarted
- +- health loop      (GET /health; fast while the engine is down, so it rejoins within a second)
+ +- health loop      (GET /health; fast while the engine is down, so it rejoins within a second; a tick its
+ |                    events and /metrics already answered, or a quiet one, may skip it: gateway/health_ticks.py)
  +- discovery        (GET /v1/models and /kv_event_sources, until the engine answers)
  +- models refresh   (GET /v1/models every MODELS_REFRESH_S)
  +- metrics poller   (GET /metrics -> load, KV usage, block geometry; quiet engines every few ticks)
@@ -18,9 +19,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
+from collections.abc import Callable, Hashable
 
 import trio
 
+from events.counters import HEALTH_POLLS
 from events.discovery import EventSource, parse_kv_event_sources, parse_models
 from events.metrics_poller import EngineLoad as PolledLoad
 from events.metrics_poller import poll_metrics
@@ -31,6 +35,7 @@ from gateway.disaggregation.roles import SERVER_INFO_PATH, parse_server_info
 from gateway.engine_faults import EngineFaults, supervise
 from gateway.engines import EngineState
 from gateway.event_ingest import EventIngest
+from gateway.health_ticks import HealthTicks
 from gateway.upstream import UpstreamError
 
 log = logging.getLogger("kvmesh.engines")
@@ -89,14 +94,23 @@ class Discovery:
         return [dataclasses.replace(source, curve_server_key=config.curve_server_key) for source in sources]
 
 
-async def _health_loop(engine: EngineState, planner, faults: EngineFaults, interval_s: float) -> None:
+async def _health_loop(engine: EngineState, planner, faults: EngineFaults, interval_s: float,
+                       skip: Callable[[], str | None]) -> None:
+    """Poll /health at the engine's phase of each interval unless ``skip`` names why this tick need not
+    (``gateway.health_ticks``); every 0.25 s while the engine is down."""
     phase = phase_s(engine.id, interval_s, 0.5)  # half an interval from the engine's metrics polls
     while True:
+        reason = skip()
+        if reason is not None:
+            HEALTH_POLLS.labels(engine=engine.id, outcome=reason).inc()
+            await sleep_until_phase(interval_s, phase)
+            continue
         try:
             status, _ = await engine.pool.get("/health", timeout=min(2.0, interval_s * 2))
             detail = f"/health answered {status}"
         except UpstreamError as exc:
             status, detail = 0, str(exc)
+        HEALTH_POLLS.labels(engine=engine.id, outcome="ok" if status == 200 else "failed").inc()
         was_healthy = engine.healthy
         engine.health.record_health(status == 200, detail, trio.current_time())
         faults.succeeded("health")
@@ -155,8 +169,32 @@ async def watch_engine(engine: EngineState, planner, ingest: EventIngest, interv
 
 async def _watch(engine: EngineState, planner, ingest: EventIngest, interval_s: float, faults: EngineFaults) -> None:
     discovery = Discovery(engine)
+    sources: list[EventSource] | None = None  # the engine's event sources once discovered; until then health polls
+
+    def event_mark() -> Hashable:
+        info = planner.cache.info(engine.id)
+        return (info.freshness.last_event_at, info.freshness.last_seq) if info is not None else None
+
+    def active() -> bool:
+        """Someone has requests on the engine, or the router cannot see whether anyone has."""
+        return (not sources or engine.in_flight > 0 or not engine.healthy or engine.draining
+                or engine.rejoining or planner.peer_in_flight().get(engine.id, 0) > 0)
+
+    ticks = HealthTicks(quiet_ticks(interval_s))
+    last_tick = -math.inf
+
+    def health_skip() -> str | None:
+        nonlocal last_tick
+        polled_at = engine.load.polled_at
+        answered, last_tick = polled_at is not None and polled_at > last_tick, trio.current_time()
+        if sources is None:
+            return None
+        routable = engine.healthy and engine.health.health_failures == 0
+        return ticks.skip(routable=routable, active=active(), mark=event_mark(), answered=answered)
+
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(supervise, faults, "health", lambda: _health_loop(engine, planner, faults, interval_s))
+        nursery.start_soon(supervise, faults, "health",
+                           lambda: _health_loop(engine, planner, faults, interval_s, health_skip))
         found: dict[str, tuple[set[str], list[EventSource]]] = {}
 
         async def discover() -> None:
@@ -164,9 +202,9 @@ async def _watch(engine: EngineState, planner, ingest: EventIngest, interval_s: 
 
         await supervise(faults, "discovery", discover)
         faults.succeeded("discovery")
-        models, sources = found["result"]
-        if not planner.reads_events:
-            sources = []  # `approximate` stands for routers that never see events: it knows what it sent
+        models, discovered = found["result"]
+        # `approximate` stands for routers that never see events: it knows what it sent
+        sources = discovered if planner.reads_events else []
         engine.models = models or engine.models
         model = engine.config.model or base_model(engine)
         engine.event_sources = [s.endpoint for s in sources]
@@ -176,11 +214,7 @@ async def _watch(engine: EngineState, planner, ingest: EventIngest, interval_s: 
         cadence = QuietPolls(quiet_ticks(interval_s))
 
         def poll_due() -> bool:
-            info = planner.cache.info(engine.id)
-            mark = (info.freshness.last_event_at, info.freshness.last_seq) if info is not None else None
-            active = (not sources or engine.in_flight > 0 or not engine.healthy or engine.draining
-                      or engine.rejoining or planner.peer_in_flight().get(engine.id, 0) > 0)
-            return cadence.due(active, mark)
+            return cadence.due(active(), event_mark())
 
         def on_load(load: PolledLoad, now: float) -> None:
             cadence.polled(load.running + load.waiting > 0)

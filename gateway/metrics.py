@@ -14,9 +14,9 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 
 ENGINE_COUNTERS = (event_counters.EVENTS_DROPPED, event_counters.EVENT_BATCHES, event_counters.BLOCK_OPS,
-                   event_counters.REPLAYS, event_counters.METRICS_POLLS, event_counters.SUBSCRIBER_RESTARTS,
-                   event_counters.INGEST_DEFERRED, event_counters.ENGINE_TASK_FAILURES,
-                   event_counters.ENGINE_VALUES_REJECTED)
+                   event_counters.REPLAYS, event_counters.METRICS_POLLS, event_counters.HEALTH_POLLS,
+                   event_counters.SUBSCRIBER_RESTARTS, event_counters.INGEST_DEFERRED,
+                   event_counters.ENGINE_TASK_FAILURES, event_counters.ENGINE_VALUES_REJECTED)
 """The process-wide counters with an ``engine`` label."""
 
 

@@ -1,0 +1,49 @@
+"""Which ticks of an engine's health loop ask its ``/health``, and which the router can answer from what it saw.
+
+A ``/health`` poll costs the router 0.24-0.29 ms of CPU (h11 and trio around one small exchange) and the engine one
+request, once per engine per interval, whether the engine is busy or idle: in front of 64 idle simulated engines
+the polls were 45% of the router's CPU. vLLM's ``/health`` says one thing: its engine core is not dead (it answers
+503 once the core died). Two things the router sees anyway say as much in one interval:
+
+- **answered**: the engine's KV events moved since the last tick (its core is scheduling) and its HTTP server
+  answered a ``/metrics`` poll since then (the server is up). A core that dies stops its events, so the next tick
+  polls: a dead core is found as soon as today.
+- **quiet**: nothing of the engine moved since the last tick and nobody has requests on it (this router or its
+  peers): a dead quiet engine costs nothing until a request goes there, and a request that cannot reach an engine
+  is sent to the next one (``gateway/proxy.py``).
+
+Either way at most ``every - 1`` ticks in a row skip the poll (``events.quiet_polls.quiet_ticks`` sizes it: 4 s at
+most between two polls), and a tick always polls while the engine is out of rotation or its last poll failed, so an
+engine that stops answering is out of rotation two polls after the first failure, as before. Engines without KV
+events (or a router that does not read them) never move: their ``active`` is true and every tick polls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+ANSWERED = "answered"
+QUIET = "quiet"
+
+
+class HealthTicks:
+    """Sans-IO: ``skip`` at each tick of the health loop says whether this one leaves ``/health`` alone, and why."""
+
+    def __init__(self, every: int) -> None:
+        self.every = max(1, every)
+        self._skipped = 0
+        self._mark: Hashable = None
+
+    def skip(self, *, routable: bool, active: bool, mark: Hashable, answered: bool) -> str | None:
+        """The reason this tick does not poll (``ANSWERED`` or ``QUIET``), or None: poll.
+
+        ``routable``: the engine is in rotation and its last poll succeeded. ``active``: someone has requests on it,
+        or the router cannot see its activity (no events, draining, rejoining). ``mark`` changes whenever its events
+        do. ``answered``: its server answered a ``/metrics`` poll since the last tick."""
+        moved, self._mark = mark != self._mark, mark
+        reason = ANSWERED if moved and answered else QUIET if not (active or moved) else None
+        if routable and reason is not None and self._skipped + 1 < self.every:
+            self._skipped += 1
+            return reason
+        self._skipped = 0
+        return None
