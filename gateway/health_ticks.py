@@ -2,8 +2,8 @@
 
 A ``/health`` poll costs the router 0.24-0.29 ms of CPU (h11 and trio around one small exchange) and the engine one
 request, once per engine per interval, whether the engine is busy or idle: in front of 64 idle simulated engines
-the polls were 45% of the router's CPU. vLLM's ``/health`` says one thing: its engine core is not dead (it answers
-503 once the core died). Two things the router sees anyway say as much in one interval:
+they were 45% of the router's busy samples (py-spy). vLLM's ``/health`` says one thing: its engine core is not dead
+(it answers 503 once the core died). Two things the router sees anyway say as much in one interval:
 
 - **answered**: the engine's KV events moved since the last tick (its core is scheduling) and its HTTP server
   answered a ``/metrics`` poll since then (the server is up). A core that dies stops its events, so the next tick
