@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from events import counters as event_counters
+from gateway.metrics_page import page_parts, write_page
 
 LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -118,4 +119,10 @@ class RouterMetrics:
     def render(self) -> bytes:
         """This router's metrics, then the process-wide ones (event ingestion, mesh, process)."""
         self._refresh(self)
-        return generate_latest(self.registry) + generate_latest(REGISTRY)
+        return b"".join(page_parts((self.registry, REGISTRY)))
+
+    async def render_yielding(self) -> bytes:
+        """``render``, letting requests run while the page is written (``gateway.metrics_page``): a scrape in front
+        of a large fleet no longer holds the loop for the whole page."""
+        self._refresh(self)
+        return await write_page(page_parts((self.registry, REGISTRY)))

@@ -186,7 +186,7 @@ class Router:
             return 200 if ready else 503
         if path == "/metrics":
             content_type = [(b"content-type", b"text/plain; version=0.0.4")]
-            await http_app.send_bytes(send, 200, self.metrics.render(), content_type)
+            await http_app.send_bytes(send, 200, await self.metrics.render_yielding(), content_type)
             return 200
         raise ApiError(404, f"no route for {method} {path[:200]}", code="not_found")
 
