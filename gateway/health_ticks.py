@@ -7,10 +7,11 @@ they were 45% of the router's busy samples (py-spy). vLLM's ``/health`` says one
 
 - **answered**: the engine's KV events moved since the last tick (its core is scheduling) and its HTTP server
   answered a ``/metrics`` poll since then (the server is up). A core that dies stops its events, so the next tick
-  polls: a dead core is found as soon as today.
-- **quiet**: nothing of the engine moved since the last tick and nobody has requests on it (this router or its
-  peers): a dead quiet engine costs nothing until a request goes there, and a request that cannot reach an engine
-  is sent to the next one (``gateway/proxy.py``).
+  of an engine this router or its peers have requests on polls: there a dead core is found as soon as before.
+- **quiet**: nothing of the engine moved since the last tick and neither this router nor its peers have requests on
+  it (another client's, which stopped with a dead core, included): a dead quiet engine costs nothing until a
+  request goes there, and a request that cannot reach an engine, or gets a server error, is sent to the next one
+  before its first byte (``gateway/proxy.py``).
 
 Either way at most ``every - 1`` ticks in a row skip the poll (``events.quiet_polls.quiet_ticks`` sizes it: 4 s at
 most between two polls), and a tick always polls while the engine is out of rotation or its last poll failed, so an

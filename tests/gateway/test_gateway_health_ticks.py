@@ -32,7 +32,8 @@ def test_a_skipped_tick_had_its_reason_and_no_run_of_skips_reaches_every(every, 
 
 
 def test_an_active_engine_whose_events_stop_is_polled_at_the_next_tick():
-    """A busy engine's core that dies stops its events: the tick after is polled, as without skipping."""
+    """The core of an engine with requests on it that dies stops its events: the tick after is polled, as without
+    skipping."""
     ticks = HealthTicks(4)
     assert ticks.skip(routable=True, active=True, mark=1, answered=True) == ANSWERED
     assert ticks.skip(routable=True, active=True, mark=2, answered=True) == ANSWERED
