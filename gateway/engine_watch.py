@@ -175,6 +175,10 @@ async def _watch(engine: EngineState, planner, ingest: EventIngest, interval_s: 
         info = planner.cache.info(engine.id)
         return (info.freshness.last_event_at, info.freshness.last_seq) if info is not None else None
 
+    def ingest_behind() -> bool:
+        info = planner.cache.info(engine.id)
+        return info is None or info.freshness.behind_since is not None
+
     def active() -> bool:
         """Someone has requests on the engine, or the router cannot see whether anyone has."""
         return (not sources or engine.in_flight > 0 or not engine.healthy or engine.draining
@@ -187,10 +191,11 @@ async def _watch(engine: EngineState, planner, ingest: EventIngest, interval_s: 
         nonlocal last_tick
         polled_at = engine.load.polled_at
         answered, last_tick = polled_at is not None and polled_at > last_tick, trio.current_time()
-        if sources is None:
+        if not sources:  # not discovered yet, or no events to vouch for it: every tick polls
             return None
-        routable = engine.healthy and engine.health.health_failures == 0
-        return ticks.skip(routable=routable, active=active(), mark=event_mark(), answered=answered)
+        routable = engine.routable and engine.health.health_failures == 0
+        return ticks.skip(routable=routable, active=active(), mark=event_mark(),
+                          answered=answered and not ingest_behind())
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(supervise, faults, "health",

@@ -5,7 +5,8 @@ engines (2,800 lines) took 19 ms and in front of 256 engines (10,700 lines) 76 m
 long each time Prometheus scraped. Here each metric family is written on its own, a big family (a per-engine
 histogram) in parts of ``PART_SAMPLES`` samples, by the library's own writer; ``write_page`` yields to the loop
 whenever ``yield_every_s`` of writing has passed. What is left in one piece is the collection of one family (the
-library builds all its samples at once): about half of that family's time.
+library builds all its samples at once): about half of that family's time. Families are read one after another, so
+those of one page may come from moments a few milliseconds apart (each family is read whole, under its own lock).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ def test_a_skipped_tick_had_its_reason_and_no_run_of_skips_reaches_every(every, 
     mark, previous, skipped = 0, None, 0
     for routable, active, step, answered in ticks:
         mark += step
-        moved, previous = mark != previous, mark
+        moved, previous = previous is not None and mark != previous, mark
         reason = ticks_.skip(routable=routable, active=active, mark=mark, answered=answered)
         if reason is None:
             skipped = 0
@@ -35,6 +35,7 @@ def test_an_active_engine_whose_events_stop_is_polled_at_the_next_tick():
     """The core of an engine with requests on it that dies stops its events: the tick after is polled, as without
     skipping."""
     ticks = HealthTicks(4)
+    assert ticks.skip(routable=True, active=True, mark=0, answered=True) is None  # the first mark is not a move
     assert ticks.skip(routable=True, active=True, mark=1, answered=True) == ANSWERED
     assert ticks.skip(routable=True, active=True, mark=2, answered=True) == ANSWERED
     assert ticks.skip(routable=True, active=True, mark=2, answered=True) is None

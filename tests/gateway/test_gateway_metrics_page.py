@@ -5,7 +5,15 @@ from __future__ import annotations
 import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    enable_created_metrics,
+    generate_latest,
+)
 
 from gateway.metrics_page import PART_SAMPLES, family_parts, page_parts, write_page
 
@@ -32,6 +40,19 @@ def test_the_parts_join_into_the_librarys_page(gauges, histograms, counters):
     parts = list(page_parts([registry]))
     assert b"".join(parts) == generate_latest(registry)
     assert all(part.count(b"\n# HELP ") == 0 for part in parts if not part.startswith(b"# HELP "))
+
+
+def test_with_created_series_off_as_in_the_router_counters_and_histograms_are_written_in_parts_too():
+    """With created series on (the library's default) a counter or histogram family is written whole; the router turns
+    them off, so its per-engine histograms and counters take the parts."""
+    disable_created_metrics()
+    try:
+        registry = _registry(0, 40, 2 * PART_SAMPLES + 3)
+        families = {family.name: list(family_parts(family)) for family in registry.collect()}
+        assert len(families["demo_ttft_seconds"]) > 1 and len(families["demo_polls"]) == 3
+        assert b"".join(page_parts([registry])) == generate_latest(registry)
+    finally:
+        enable_created_metrics()
 
 
 def test_a_big_family_is_written_in_parts_with_its_headers_once():
