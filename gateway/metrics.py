@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
@@ -116,13 +116,15 @@ class RouterMetrics:
         """Gauges of live state are set at scrape time rather than on every request."""
         self._refresh = refresh
 
-    def render(self) -> bytes:
-        """This router's metrics, then the process-wide ones (event ingestion, mesh, process)."""
+    def _page(self) -> Iterator[bytes]:
+        """This router's metrics, then the process-wide ones (event ingestion, mesh, process), in parts."""
         self._refresh(self)
-        return b"".join(page_parts((self.registry, REGISTRY)))
+        return page_parts((self.registry, REGISTRY))
+
+    def render(self) -> bytes:
+        return b"".join(self._page())
 
     async def render_yielding(self) -> bytes:
         """``render``, letting requests run while the page is written (``gateway.metrics_page``): a scrape in front
         of a large fleet no longer holds the loop for the whole page."""
-        self._refresh(self)
-        return await write_page(page_parts((self.registry, REGISTRY)))
+        return await write_page(self._page())
